@@ -1,0 +1,75 @@
+import express, { type Express } from 'express';
+import type { Redis } from 'ioredis';
+import type { ApiConfig } from '../queues/config.js';
+import { OrderingGate } from '../queues/gate.js';
+import { logger } from '../queues/logger.js';
+import { Names } from '../queues/names.js';
+import { QueueSet } from '../queues/queues.js';
+import { connect } from '../queues/redis.js';
+import { Registry } from '../queues/registry.js';
+import { apiKeyAuth } from './auth.js';
+import type { ApiContext } from './context.js';
+import { errorHandler, notFoundHandler } from './errors.js';
+import { FutureResolver } from './futures.js';
+import { futureRoutes } from './routes/futures.js';
+import { modelRoutes } from './routes/models.js';
+import { samplingRoutes } from './routes/sampling.js';
+import { healthHandler, serviceRoutes } from './routes/service.js';
+import { trainingRoutes } from './routes/training.js';
+
+/**
+ * Builds the Express app of the Tinker HTTP API. Every route lives under `/api/v1` and is
+ * found in `routes/<resource>.ts`; `close()` releases the Redis connections.
+ */
+export type BuiltApp = { app: Express; ctx: ApiContext; close: () => Promise<void> };
+
+export function buildApp(config: ApiConfig): BuiltApp {
+  const redis: Redis = connect(config.redisUrl, 'blocking');
+  const blocking: Redis[] = [];
+  const names = new Names(config.prefix);
+  const registry = new Registry(redis, names);
+  const queues = new QueueSet(redis, names, config.retentionS);
+  const gate = new OrderingGate(redis, names, queues);
+  const futures = new FutureResolver(
+    () => {
+      const c = connect(config.redisUrl, 'blocking');
+      blocking.push(c);
+      return c;
+    },
+    names,
+    queues,
+    gate,
+  );
+  const ctx: ApiContext = { config, redis, names, registry, queues, gate, futures };
+
+  const app = express();
+  app.disable('x-powered-by');
+  app.use((req, res, next) => {
+    const start = Date.now();
+    res.on('finish', () => {
+      if (req.path !== '/api/v1/retrieve_future' || res.statusCode >= 400)
+        logger.debug('http', { method: req.method, path: req.path, status: res.statusCode, ms: Date.now() - start });
+    });
+    next();
+  });
+  const v1 = express.Router();
+  v1.use(apiKeyAuth(config.apiKeys));
+  v1.use(express.json({ limit: '64mb', type: ['application/json', 'text/json'] }));
+  v1.use(serviceRoutes(ctx));
+  v1.use(modelRoutes(ctx));
+  v1.use(trainingRoutes(ctx));
+  v1.use(samplingRoutes(ctx));
+  v1.use(futureRoutes(ctx));
+  app.use('/api/v1', v1);
+  app.get('/healthz', healthHandler(ctx));
+  app.use(notFoundHandler);
+  app.use(errorHandler);
+
+  const close = async () => {
+    await futures.close();
+    await queues.close();
+    await Promise.all(blocking.map((c) => c.quit().catch(() => undefined)));
+    await redis.quit().catch(() => undefined);
+  };
+  return { app, ctx, close };
+}

@@ -1,0 +1,27 @@
+import type { ErrorRequestHandler, RequestHandler } from 'express';
+import { BrokerError, isBrokerError } from '../queues/errors.js';
+import { logger } from '../queues/logger.js';
+
+/**
+ * The one place errors become HTTP. Every error reply has a JSON body in the Tinker error
+ * shape `{error, category}` (plus `code`): the SDK retries a 400 with an empty body as a
+ * proxy glitch, so a body is never empty.
+ */
+export const errorHandler: ErrorRequestHandler = (err, req, res, _next) => {
+  let be: BrokerError;
+  if (isBrokerError(err)) be = err;
+  else if (err?.type === 'entity.parse.failed') be = new BrokerError('INVALID_REQUEST', `malformed JSON body: ${err.message}`);
+  else if (err?.type === 'entity.too.large') be = new BrokerError('INVALID_REQUEST', `request body too large (limit ${err.limit} bytes)`);
+  else if (typeof err?.status === 'number' && err.status >= 400 && err.status < 500)
+    be = new BrokerError('INVALID_REQUEST', String(err.message ?? 'bad request'));
+  else {
+    logger.error('unhandled error', { path: req.path, error: String(err?.stack ?? err) });
+    be = new BrokerError('INTERNAL', `internal error: ${String(err?.message ?? err)}`);
+  }
+  if (be.code === 'OVERLOADED') res.setHeader('Retry-After', '1');
+  res.status(be.status).json({ error: be.message, category: be.category, code: be.code });
+};
+
+export const notFoundHandler: RequestHandler = (req, _res, next) => {
+  next(new BrokerError('NOT_FOUND', `no such endpoint: ${req.method} ${req.path}`));
+};

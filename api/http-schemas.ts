@@ -1,0 +1,135 @@
+import { z } from 'zod';
+import { BrokerError } from '../queues/errors.js';
+
+/**
+ * Request bodies of the Tinker HTTP API (SDK 0.38), as the SDK sends them. Unknown fields
+ * are ignored (newer SDKs add fields); missing or mistyped required fields are a 400.
+ */
+export function parseBody<S extends z.ZodType>(schema: S, body: unknown, what: string): z.output<S> {
+  const res = schema.safeParse(body ?? {});
+  if (!res.success) {
+    const issues = res.error.issues.map((i) => `${i.path.length ? i.path.join('.') : '(body)'}: ${i.message}`);
+    throw new BrokerError('INVALID_REQUEST', `invalid ${what} request: ${issues.join('; ')}`);
+  }
+  return res.data;
+}
+
+const id = z.string().min(1);
+const nonNegInt = z.number().int().nonnegative();
+
+export const CreateSessionBody = z.object({
+  tags: z.array(z.string()).default([]),
+  user_metadata: z.record(z.string(), z.unknown()).nullable().optional(),
+  sdk_version: z.string().optional(),
+  project_id: z.string().nullable().optional(),
+});
+
+export const SessionHeartbeatBody = z.object({ session_id: id });
+
+export const CreateModelBody = z.object({
+  session_id: id,
+  model_seq_id: nonNegInt,
+  base_model: id,
+  user_metadata: z.record(z.string(), z.unknown()).nullable().optional(),
+  lora_config: z
+    .object({
+      rank: z.number().int().positive().max(1024),
+      seed: z.number().int().nullable().optional(),
+      train_unembed: z.boolean().default(true),
+      train_mlp: z.boolean().default(true),
+      train_attn: z.boolean().default(true),
+    })
+    .refine((l) => l.train_unembed || l.train_mlp || l.train_attn, 'at least one of train_unembed, train_mlp, train_attn must be true')
+    .nullable()
+    .optional(),
+  optimizer_config: z.object({ type: z.string() }).passthrough().optional(),
+});
+
+export const ModelIdBody = z.object({ model_id: id });
+
+const AdamParamsBody = z.object({
+  learning_rate: z.number().finite().nonnegative().default(1e-4),
+  beta1: z.number().min(0).lt(1).default(0.9),
+  beta2: z.number().min(0).lt(1).default(0.95),
+  eps: z.number().finite().nonnegative().default(1e-12),
+  weight_decay: z.number().finite().nonnegative().default(0),
+  grad_clip_norm: z.number().finite().nonnegative().default(0),
+});
+
+export const OptimStepBody = z
+  .object({
+    model_id: id,
+    seq_id: z.number().int().positive(),
+    adam_params: AdamParamsBody.optional(),
+    optim_params: AdamParamsBody.optional(),
+    optimizer_params: z.object({ type: z.string() }).passthrough().optional(),
+  })
+  .superRefine((b, ctx) => {
+    if (b.optimizer_params)
+      ctx.addIssue({ code: 'custom', path: ['optimizer_params'], message: `optimizer '${b.optimizer_params.type}' is not supported; only Adam (adam_params)` });
+    else if (!b.adam_params && !b.optim_params) ctx.addIssue({ code: 'custom', path: ['adam_params'], message: 'required' });
+  });
+
+const checkpointName = z
+  .string()
+  .min(1)
+  .max(200)
+  .regex(/^[A-Za-z0-9][A-Za-z0-9_.-]*$/, 'checkpoint names use letters, digits, _ . - and start with a letter or digit');
+
+export const SaveWeightsForSamplerBody = z
+  .object({
+    model_id: id,
+    seq_id: z.number().int().positive(),
+    path: checkpointName.nullable().optional(),
+    sampling_session_seq_id: nonNegInt.nullable().optional(),
+    kind: z.enum(['snapshot', 'inflight']).default('snapshot'),
+    ttl_seconds: z.number().int().positive().nullable().optional(),
+  })
+  .refine((b) => (b.path ?? null) !== null || (b.sampling_session_seq_id ?? null) !== null, {
+    message: 'give either path (a named save) or sampling_session_seq_id',
+  });
+
+export const CreateSamplingSessionBody = z
+  .object({
+    session_id: id,
+    sampling_session_seq_id: nonNegInt,
+    base_model: z.string().min(1).nullable().optional(),
+    model_path: z.string().startsWith('tinker://').nullable().optional(),
+  })
+  .refine((b) => (b.base_model ?? null) !== null || (b.model_path ?? null) !== null, {
+    message: 'give base_model or model_path',
+  });
+
+const EncodedTextChunk = z.object({ type: z.literal('encoded_text').default('encoded_text'), tokens: z.array(z.number().int()) });
+const OtherChunk = z.object({ type: z.enum(['image', 'image_asset_pointer', 'dmel']) }).passthrough();
+export const ModelInputBody = z.object({ chunks: z.array(z.union([EncodedTextChunk, OtherChunk])) });
+
+export const SamplingParamsBody = z.object({
+  max_tokens: z.number().int().positive().nullable().optional(),
+  seed: z.number().int().nullable().optional(),
+  stop: z.union([z.string(), z.array(z.string()), z.array(z.number().int().nonnegative())]).nullable().optional(),
+  temperature: z.number().finite().nonnegative().default(1),
+  top_k: z.number().int().default(-1),
+  top_p: z.number().gt(0).max(1).default(1),
+});
+
+export const SampleBody = z.object({
+  num_samples: z.number().int().positive().max(1024).default(1),
+  prompt: ModelInputBody,
+  sampling_params: SamplingParamsBody,
+  base_model: z.string().nullable().optional(),
+  model_path: z.string().nullable().optional(),
+  sampling_session_id: z.string().nullable().optional(),
+  seq_id: z.number().int().nonnegative().nullable().optional(),
+  prompt_logprobs: z.boolean().nullable().optional(),
+  topk_prompt_logprobs: z.number().int().nonnegative().max(100).default(0),
+  topk_sample_logprobs: z.number().int().nonnegative().default(0),
+  target_prompt_logprobs: z.unknown().optional(),
+  prompt_alt_tokens_k: z.number().int().nonnegative().default(0),
+  prompt_logprobs_last_n: z.number().int().positive().nullable().optional(),
+});
+
+export const RetrieveFutureBody = z.object({
+  request_id: id,
+  allow_metadata_only: z.boolean().optional(),
+});

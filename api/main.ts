@@ -1,0 +1,44 @@
+import type { Server } from 'node:http';
+import { loadApiConfig } from '../queues/config.js';
+import { logger } from '../queues/logger.js';
+import { buildApp } from './app.js';
+
+/** The API process: `tsx api/main.ts`. Configuration from the environment (queues/config.ts). */
+export async function startApi(env: NodeJS.ProcessEnv = process.env): Promise<{ server: Server; port: number; stop: () => Promise<void> }> {
+  const config = loadApiConfig(env);
+  const { app, close } = buildApp(config);
+  const server = await new Promise<Server>((resolve, reject) => {
+    const s = app.listen(config.port, config.host, (err?: Error) => (err ? reject(err) : resolve(s)));
+  });
+  const addr = server.address();
+  const port = typeof addr === 'object' && addr ? addr.port : config.port;
+  logger.info('api listening', { url: `http://${config.host}:${port}/api/v1`, prefix: config.prefix });
+  const stop = async () => {
+    server.closeIdleConnections();
+    const closed = new Promise<void>((resolve) => server.close(() => resolve()));
+    // Long-polls end within the long-poll window; don't wait longer than that.
+    const grace = setTimeout(() => server.closeAllConnections(), Math.min(config.longPollMs, 10_000));
+    await closed;
+    clearTimeout(grace);
+    await close();
+  };
+  return { server, port, stop };
+}
+
+if (import.meta.url === `file://${process.argv[1]}`) {
+  startApi()
+    .then(({ stop }) => {
+      const shutdown = (sig: string) => {
+        logger.info('api stopping', { signal: sig });
+        const force = setTimeout(() => process.exit(1), 15_000);
+        force.unref();
+        stop().then(() => process.exit(0), () => process.exit(1));
+      };
+      process.on('SIGTERM', () => shutdown('SIGTERM'));
+      process.on('SIGINT', () => shutdown('SIGINT'));
+    })
+    .catch((err) => {
+      logger.error('api failed to start', { error: String(err?.stack ?? err) });
+      process.exit(1);
+    });
+}

@@ -1,0 +1,22 @@
+import path from 'node:path';
+import { BrokerError } from '../queues/errors.js';
+
+/**
+ * `tinker://<model_id>/<kind>/<name>` paths (kind `weights` or `sampler_weights`) and where
+ * their files live under the storage directory.
+ */
+export type TinkerPath = { modelId: string; kind: 'weights' | 'sampler_weights'; name: string };
+
+export function formatTinkerPath(p: TinkerPath): string {
+  return `tinker://${p.modelId}/${p.kind}/${p.name}`;
+}
+
+export function parseTinkerPath(s: string): TinkerPath {
+  const m = /^tinker:\/\/([^/]+)\/(weights|sampler_weights)\/([^/]+)$/.exec(s);
+  if (!m) throw new BrokerError('INVALID_REQUEST', `'${s}' is not a tinker path of the form tinker://<model_id>/weights|sampler_weights/<name>`);
+  return { modelId: m[1]!, kind: m[2] as TinkerPath['kind'], name: m[3]! };
+}
+
+export function storageDirFor(storageRoot: string, p: TinkerPath): string {
+  return path.join(storageRoot, p.modelId.replace(/[^A-Za-z0-9._-]/g, '_'), p.kind, p.name);
+}

@@ -1,0 +1,67 @@
+import { Router } from 'express';
+import { BrokerError } from '../../queues/errors.js';
+import { encodeRequestId } from '../../queues/futures.js';
+import { jobIds, shortHash } from '../../queues/names.js';
+import type { ModelRecord } from '../../queues/registry.js';
+import type { CreateModelJob } from '../../queues/schemas.js';
+import type { ApiContext } from '../context.js';
+import { CreateModelBody, ModelIdBody, parseBody } from '../http-schemas.js';
+
+/** create_model (a future; the model's seq 0) and get_info. */
+export function modelRoutes(ctx: ApiContext): Router {
+  const r = Router();
+
+  r.post('/create_model', async (req, res) => {
+    const body = parseBody(CreateModelBody, req.body, 'create_model');
+    if (!body.lora_config)
+      throw new BrokerError('INVALID_REQUEST', 'full-weight training is not supported; pass lora_config (create_lora_training_client)');
+    if (body.optimizer_config && body.optimizer_config.type !== 'adamw')
+      throw new BrokerError('INVALID_REQUEST', `optimizer '${body.optimizer_config.type}' is not supported; only adamw`);
+    if (!(await ctx.registry.sessionExists(body.session_id)))
+      throw new BrokerError('NOT_FOUND', `unknown session '${body.session_id}': call create_session first`);
+    const { model, agents } = await ctx.registry.resolveBaseModel(body.base_model);
+    const modelId = `${body.session_id}:train:${body.model_seq_id}`;
+    // Deterministic placement, so a retried create_model lands on the same agent.
+    const sorted = [...agents].sort((a, b) => a.agent_id.localeCompare(b.agent_id));
+    const agent = sorted[parseInt(shortHash(modelId, 8), 16) % sorted.length]!;
+    const lora = {
+      rank: body.lora_config.rank,
+      seed: body.lora_config.seed ?? null,
+      train_unembed: body.lora_config.train_unembed,
+      train_mlp: body.lora_config.train_mlp,
+      train_attn: body.lora_config.train_attn,
+    };
+    const rec: ModelRecord = await ctx.registry.putModelIfAbsent({
+      model_id: modelId,
+      session_id: body.session_id,
+      base_model: model.name,
+      arch: model.arch,
+      vocab_size: model.vocab_size,
+      lora,
+      agent_id: agent.agent_id,
+      train_queue: agent.train_queue,
+      created_at: new Date().toISOString(),
+      lost_reason: null,
+    });
+    await ctx.gate.open(modelId);
+    const job: CreateModelJob = { op: 'create_model', model_id: modelId, base_model: rec.base_model, lora: rec.lora };
+    const jobId = jobIds.createModel(modelId);
+    await ctx.queues.add(rec.train_queue, jobId, job);
+    res.json({ request_id: encodeRequestId({ queue: rec.train_queue, jobId }), model_id: modelId });
+  });
+
+  r.post('/get_info', async (req, res) => {
+    const body = parseBody(ModelIdBody, req.body, 'get_info');
+    const m = await ctx.registry.requireModel(body.model_id);
+    res.json({
+      type: 'get_info',
+      model_id: m.model_id,
+      model_data: { arch: m.arch, model_name: m.base_model, tokenizer_id: m.base_model },
+      is_lora: true,
+      lora_rank: m.lora.rank,
+      model_name: m.base_model,
+    });
+  });
+
+  return r;
+}

@@ -1,0 +1,132 @@
+import { randomUUID } from 'node:crypto';
+import { Router } from 'express';
+import { z } from 'zod';
+import { BrokerError } from '../../queues/errors.js';
+import { encodeRequestId } from '../../queues/futures.js';
+import { jobIds } from '../../queues/names.js';
+import type { SamplingSessionRecord } from '../../queues/registry.js';
+import type { SampleJob, SamplingParams } from '../../queues/schemas.js';
+import type { ApiContext } from '../context.js';
+import { CreateSamplingSessionBody, parseBody, SampleBody, SamplingParamsBody } from '../http-schemas.js';
+import { parseTinkerPath } from '../paths.js';
+
+/** Sampling sessions (pinned to a base model or one immutable sampler version) and asample. */
+
+/** Tokens generated when the client sets no max_tokens. */
+export const DEFAULT_MAX_TOKENS = 256;
+
+const invalid = (m: string) => new BrokerError('INVALID_REQUEST', m);
+
+/** A session for a base model or a saved sampler version, resolved from the registries. */
+async function resolveTarget(
+  ctx: ApiContext,
+  baseModel: string | null | undefined,
+  modelPath: string | null | undefined,
+): Promise<Pick<SamplingSessionRecord, 'base_model' | 'model_path' | 'adapter_dir'>> {
+  if (modelPath) {
+    const tp = parseTinkerPath(modelPath);
+    if (tp.kind !== 'sampler_weights')
+      throw invalid(`'${modelPath}' holds training state; sample from a sampler_weights path (save_weights_for_sampler)`);
+    const v = await ctx.registry.getSamplerVersion(modelPath);
+    if (!v) throw new BrokerError('NOT_FOUND', `sampler weights '${modelPath}' do not exist`);
+    return { base_model: v.base_model, model_path: modelPath, adapter_dir: v.dir };
+  }
+  const { model } = await ctx.registry.resolveBaseModel(baseModel!);
+  return { base_model: model.name, model_path: null, adapter_dir: null };
+}
+
+function toEngineParams(p: z.output<typeof SamplingParamsBody>): SamplingParams {
+  const stop = p.stop ?? null;
+  const list = stop === null ? [] : typeof stop === 'string' ? [stop] : stop;
+  return {
+    max_tokens: p.max_tokens ?? DEFAULT_MAX_TOKENS,
+    temperature: p.temperature,
+    top_k: p.top_k,
+    top_p: p.top_p,
+    seed: p.seed ?? null,
+    stop_tokens: list.filter((s): s is number => typeof s === 'number'),
+    stop_strings: list.filter((s): s is string => typeof s === 'string' && s.length > 0),
+    // `stop: []` disables every stop, EOS included; `stop: null` keeps EOS.
+    stop_at_eos: !(Array.isArray(stop) && stop.length === 0),
+  };
+}
+
+export function samplingRoutes(ctx: ApiContext): Router {
+  const r = Router();
+
+  r.post('/create_sampling_session', async (req, res) => {
+    const body = parseBody(CreateSamplingSessionBody, req.body, 'create_sampling_session');
+    if (!(await ctx.registry.sessionExists(body.session_id)))
+      throw new BrokerError('NOT_FOUND', `unknown session '${body.session_id}': call create_session first`);
+    const target = await resolveTarget(ctx, body.base_model, body.model_path);
+    const id = `${body.session_id}:sample:${body.sampling_session_seq_id}`;
+    await ctx.registry.putSamplingSession({ sampling_session_id: id, session_id: body.session_id, ...target }, ctx.config.retentionS);
+    res.json({ type: 'create_sampling_session', sampling_session_id: id });
+  });
+
+  r.get('/samplers/:id', async (req, res) => {
+    const s = await ctx.registry.getSamplingSession(req.params.id);
+    if (!s) throw new BrokerError('NOT_FOUND', `unknown sampler '${req.params.id}'`);
+    res.json({ sampler_id: s.sampling_session_id, base_model: s.base_model, model_path: s.model_path });
+  });
+
+  r.post('/asample', async (req, res) => {
+    const body = parseBody(SampleBody, req.body, 'asample');
+    if (body.topk_sample_logprobs > 0) throw invalid('topk_sample_logprobs is not supported by this server');
+    if (body.target_prompt_logprobs !== undefined && body.target_prompt_logprobs !== null)
+      throw invalid('target_prompt_logprobs is not supported by this server');
+    if (body.prompt_alt_tokens_k > 0) throw invalid('prompt_alt_tokens_k is not supported by this server');
+    if (body.prompt_logprobs_last_n != null) throw invalid('prompt_logprobs_last_n is not supported by this server');
+
+    let session: Pick<SamplingSessionRecord, 'base_model' | 'model_path' | 'adapter_dir'>;
+    let sessionId: string;
+    if (body.sampling_session_id) {
+      const s = await ctx.registry.getSamplingSession(body.sampling_session_id);
+      if (!s) throw new BrokerError('NOT_FOUND', `unknown sampling_session_id '${body.sampling_session_id}'`);
+      session = s;
+      sessionId = s.sampling_session_id;
+    } else if (body.base_model || body.model_path) {
+      session = await resolveTarget(ctx, body.base_model, body.model_path);
+      sessionId = `adhoc-${randomUUID()}`;
+    } else throw invalid('asample needs sampling_session_id (or base_model / model_path)');
+
+    const tokens: number[] = [];
+    for (const c of body.prompt.chunks) {
+      if (!('tokens' in c)) throw invalid(`prompt chunks of type '${c.type}' are not supported (text tokens only)`);
+      tokens.push(...(c.tokens as number[]));
+    }
+    if (tokens.length === 0) throw invalid('prompt is empty');
+    const { model, agents } = await ctx.registry.resolveBaseModel(session.base_model);
+    void agents;
+    for (const t of tokens) if (t < 0 || t >= model.vocab_size) throw invalid(`prompt token id ${t} is outside the vocabulary [0, ${model.vocab_size})`);
+    const params = toEngineParams(body.sampling_params);
+    for (const t of params.stop_tokens) if (t >= model.vocab_size) throw invalid(`stop token id ${t} is outside the vocabulary [0, ${model.vocab_size})`);
+    if (tokens.length + params.max_tokens > model.max_context_length)
+      throw invalid(`prompt (${tokens.length} tokens) + max_tokens (${params.max_tokens}) exceeds the model's context of ${model.max_context_length}`);
+
+    const queue = ctx.names.sampleQueue(session.base_model);
+    if ((await ctx.queues.get(queue).getWaitingCount()) >= ctx.config.maxQueuedSamples)
+      throw new BrokerError('OVERLOADED', `sampling queue of ${session.base_model} is full; retry shortly`);
+
+    const seqId = body.seq_id ?? null;
+    const jobId = body.sampling_session_id && seqId !== null ? jobIds.sample(sessionId, seqId) : `s-${randomUUID()}`;
+    const job: SampleJob = {
+      op: 'sample',
+      sampling_session_id: sessionId,
+      seq_id: seqId ?? -1,
+      base_model: session.base_model,
+      adapter_dir: session.adapter_dir,
+      model_path: session.model_path,
+      prompt: tokens,
+      num_samples: body.num_samples,
+      sampling_params: params,
+      prompt_logprobs: body.prompt_logprobs ?? false,
+      topk_prompt_logprobs: body.topk_prompt_logprobs,
+    };
+    await ctx.queues.add(queue, jobId, job);
+    const requestId = encodeRequestId({ queue, jobId });
+    res.json({ request_id: requestId, sample_sequence_ids: Array.from({ length: body.num_samples }, (_, i) => `${requestId}#${i}`) });
+  });
+
+  return r;
+}

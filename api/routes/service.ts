@@ -1,0 +1,86 @@
+import { randomUUID } from 'node:crypto';
+import { Router, type RequestHandler } from 'express';
+import { BrokerError } from '../../queues/errors.js';
+import type { ApiContext } from '../context.js';
+import { CreateSessionBody, parseBody, SessionHeartbeatBody } from '../http-schemas.js';
+
+/** Client bootstrap, sessions, telemetry, health and capabilities. */
+export function serviceRoutes(ctx: ApiContext): Router {
+  const r = Router();
+
+  // Feature flags for the SDK: plain httpx transport, uncompressed protobuf forward_backward,
+  // and none of the optional server-side features.
+  r.post('/client/config', (_req, res) => {
+    res.json({
+      pjwt_auth_enabled: false,
+      credential_default_source: 'api_key',
+      use_pyqwest_transport: false,
+      proto_compress_fwdbwd: false,
+      parallel_fwdbwd_chunks: true,
+      create_model_via_load_weights: false,
+      sample_use_retrieve_futures: false,
+      sample_join_sampling_session: false,
+      custom_loss_server_side: false,
+    });
+  });
+
+  r.post('/client/dynamic_config', (_req, res) => {
+    res.json({ refresh_interval_sec: 300, sample_cancel_enabled: false });
+  });
+
+  r.post('/create_session', async (req, res) => {
+    const body = parseBody(CreateSessionBody, req.body, 'create_session');
+    const sessionId = randomUUID();
+    await ctx.registry.createSession(
+      sessionId,
+      { tags: body.tags, user_metadata: body.user_metadata ?? {}, sdk_version: body.sdk_version ?? null, project_id: body.project_id ?? null },
+      ctx.config.retentionS,
+    );
+    res.json({ type: 'create_session', session_id: sessionId });
+  });
+
+  r.post('/session_heartbeat', async (req, res) => {
+    const body = parseBody(SessionHeartbeatBody, req.body, 'session_heartbeat');
+    if (!(await ctx.registry.touchSession(body.session_id, ctx.config.retentionS)))
+      throw new BrokerError('NOT_FOUND', `unknown session '${body.session_id}'`);
+    res.json({ type: 'session_heartbeat' });
+  });
+
+  r.post('/telemetry', (_req, res) => {
+    res.json({ status: 'accepted' });
+  });
+
+  r.get('/get_server_capabilities', async (_req, res) => {
+    const served = await ctx.registry.servedModels();
+    res.json({
+      supported_models: [...served.values()].map(({ model }) => ({
+        model_name: model.name,
+        max_context_length: model.max_context_length,
+        trainable: true,
+        sampleable: true,
+      })),
+    });
+  });
+
+  r.get('/healthz', healthHandler(ctx));
+
+  return r;
+}
+
+/** Ready once live agents serve every required model (any agent when none is configured). */
+export function healthHandler(ctx: ApiContext): RequestHandler {
+  return async (_req, res) => {
+    const served = await ctx.registry.servedModels();
+    const names = new Set<string>();
+    for (const { model } of served.values()) [model.name, ...model.aliases].forEach((n) => names.add(n));
+    const missing = ctx.config.requiredModels.filter((m) => !names.has(m));
+    if (served.size > 0 && missing.length === 0) {
+      res.json({ status: 'ready', models: [...served.keys()] });
+    } else {
+      res.status(503).json({
+        status: 'starting',
+        detail: served.size === 0 ? 'no worker agent is serving a model yet' : `waiting for an agent serving ${missing.join(', ')}`,
+      });
+    }
+  };
+}

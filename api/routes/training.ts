@@ -1,0 +1,103 @@
+import express, { Router } from 'express';
+import { BrokerError } from '../../queues/errors.js';
+import { encodeRequestId } from '../../queues/futures.js';
+import { jobIds } from '../../queues/names.js';
+import type { ModelRecord } from '../../queues/registry.js';
+import type { Datum, TrainJob } from '../../queues/schemas.js';
+import type { ApiContext } from '../context.js';
+import { OptimStepBody, parseBody, SaveWeightsForSamplerBody } from '../http-schemas.js';
+import { formatTinkerPath, storageDirFor } from '../paths.js';
+import { decodeForwardBackwardRequest } from '../wire/proto.js';
+
+/** forward_backward (also forward), optim_step, save_weights_for_sampler: ordered per model. */
+
+/** Loss functions and the `loss_fn_inputs` each needs. */
+export const LOSS_INPUTS: Record<string, { required: string[]; optional: string[] }> = {
+  cross_entropy: { required: ['target_tokens'], optional: ['weights'] },
+  importance_sampling: { required: ['target_tokens', 'logprobs', 'advantages'], optional: [] },
+  ppo: { required: ['target_tokens', 'logprobs', 'advantages'], optional: [] },
+  cispo: { required: ['target_tokens', 'logprobs', 'advantages'], optional: [] },
+  dro: { required: ['target_tokens', 'logprobs', 'advantages'], optional: [] },
+};
+
+const invalid = (m: string) => new BrokerError('INVALID_REQUEST', m);
+
+/** Checks a batch against the loss and the model before it is queued; the engine re-checks. */
+export function validateBatch(lossFn: string, data: Datum[], vocabSize: number): void {
+  const spec = LOSS_INPUTS[lossFn];
+  if (!spec) throw invalid(`unknown loss_fn '${lossFn}'; supported: ${Object.keys(LOSS_INPUTS).join(', ')}`);
+  if (data.length === 0) throw invalid('forward_backward needs at least one datum');
+  data.forEach((d, i) => {
+    const n = d.tokens.length;
+    if (n === 0) throw invalid(`data[${i}]: model_input is empty`);
+    for (const t of d.tokens)
+      if (t < 0 || t >= vocabSize) throw invalid(`data[${i}]: model_input token id ${t} is outside the vocabulary [0, ${vocabSize})`);
+    for (const k of spec.required) if (!d.loss_fn_inputs[k]) throw invalid(`data[${i}]: loss_fn '${lossFn}' needs loss_fn_inputs.${k}`);
+    for (const k of Object.keys(d.loss_fn_inputs))
+      if (!spec.required.includes(k) && !spec.optional.includes(k))
+        throw invalid(`data[${i}]: loss_fn_inputs.${k} is not an input of '${lossFn}' (expected ${[...spec.required, ...spec.optional].join(', ')})`);
+    const target = d.loss_fn_inputs.target_tokens!;
+    for (const [k, t] of Object.entries(d.loss_fn_inputs)) {
+      if (t.shape[0] !== n)
+        throw invalid(`data[${i}]: loss_fn_inputs.${k} has shape [${t.shape.join(', ')}] but model_input has ${n} tokens`);
+      if (t.data.some((v) => !Number.isFinite(v))) throw invalid(`data[${i}]: loss_fn_inputs.${k} contains NaN or infinite values`);
+    }
+    if (target.shape.length > 2) throw invalid(`data[${i}]: target_tokens must be (N,) or (N, K), got [${target.shape.join(', ')}]`);
+    if (lossFn !== 'cross_entropy' && target.shape.length !== 1) throw invalid(`data[${i}]: '${lossFn}' needs 1-D target_tokens`);
+    for (const t of target.data)
+      if (!Number.isInteger(t) || t < 0 || t >= vocabSize) throw invalid(`data[${i}]: target token id ${t} is outside the vocabulary [0, ${vocabSize})`);
+    for (const [k, t] of Object.entries(d.loss_fn_inputs)) {
+      if (k !== 'target_tokens' && t.shape.join(',') !== target.shape.join(','))
+        throw invalid(`data[${i}]: loss_fn_inputs.${k} has shape [${t.shape.join(', ')}], target_tokens has [${target.shape.join(', ')}]`);
+    }
+  });
+}
+
+async function submitTrainOp(ctx: ApiContext, model: ModelRecord, seqId: number, job: TrainJob): Promise<string> {
+  if (model.lost_reason) throw new BrokerError('ENGINE_FAILED', `model ${model.model_id} is unavailable: ${model.lost_reason}`);
+  const jobId = jobIds.train(model.model_id, seqId);
+  await ctx.gate.submit(model.model_id, seqId, model.train_queue, jobId, job);
+  return encodeRequestId({ queue: model.train_queue, jobId });
+}
+
+export function trainingRoutes(ctx: ApiContext): Router {
+  const r = Router();
+
+  r.post('/forward_backward', express.raw({ type: () => true, limit: '512mb' }), async (req, res) => {
+    if (!Buffer.isBuffer(req.body) || req.body.length === 0) throw invalid('forward_backward needs a protobuf ForwardBackwardRequest body');
+    const fb = decodeForwardBackwardRequest(req.body);
+    if (!fb.model_id) throw invalid('forward_backward: model_id is required');
+    if (fb.seq_id < 1) throw invalid(`forward_backward: seq_id must be ≥ 1, got ${fb.seq_id}`);
+    const model = await ctx.registry.requireModel(fb.model_id);
+    validateBatch(fb.loss_fn, fb.data, model.vocab_size);
+    if (fb.loss_fn === 'dro' && typeof fb.loss_fn_config.beta !== 'number') throw invalid("loss_fn 'dro' needs loss_fn_config.beta");
+    const requestId = await submitTrainOp(ctx, model, fb.seq_id, { op: 'forward_backward', ...fb });
+    res.json({ request_id: requestId, model_id: fb.model_id });
+  });
+
+  r.post('/optim_step', async (req, res) => {
+    const body = parseBody(OptimStepBody, req.body, 'optim_step');
+    const model = await ctx.registry.requireModel(body.model_id);
+    const adam = (body.adam_params ?? body.optim_params)!;
+    const requestId = await submitTrainOp(ctx, model, body.seq_id, { op: 'optim_step', model_id: body.model_id, seq_id: body.seq_id, adam });
+    res.json({ request_id: requestId, model_id: body.model_id });
+  });
+
+  r.post('/save_weights_for_sampler', async (req, res) => {
+    const body = parseBody(SaveWeightsForSamplerBody, req.body, 'save_weights_for_sampler');
+    const model = await ctx.registry.requireModel(body.model_id);
+    const named = (body.path ?? null) !== null;
+    const tp = { modelId: model.model_id, kind: 'sampler_weights' as const, name: named ? body.path! : `ephemeral-${body.seq_id}` };
+    const requestId = await submitTrainOp(ctx, model, body.seq_id, {
+      op: 'save_weights_for_sampler',
+      model_id: model.model_id,
+      seq_id: body.seq_id,
+      tinker_path: formatTinkerPath(tp),
+      dir: storageDirFor(ctx.config.storageDir, tp),
+      sampling_session_id: named ? null : `${model.session_id}:sample:${body.sampling_session_seq_id}`,
+    });
+    res.json({ request_id: requestId, model_id: body.model_id });
+  });
+
+  return r;
+}

@@ -1,0 +1,199 @@
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import protobuf from 'protobufjs';
+import { BrokerError } from '../../queues/errors.js';
+import type { Datum, ForwardBackwardResult, SampleResult, Tensor } from '../../queues/schemas.js';
+
+/**
+ * Protobuf codecs of the Tinker wire format: the forward_backward request body, and the
+ * ForwardBackwardOutput / SampleResponse future results. Byte fields are little-endian arrays.
+ */
+const root = protobuf.loadSync(path.join(path.dirname(fileURLToPath(import.meta.url)), 'tinker_public.proto'));
+const ForwardBackwardRequestT = root.lookupType('tinker_public.ForwardBackwardRequest');
+const ForwardBackwardOutputT = root.lookupType('tinker_public.ForwardBackwardOutput');
+const SampleResponseT = root.lookupType('tinker_public.SampleResponse');
+
+export const PROTOBUF_CONTENT_TYPE = 'application/x-protobuf';
+
+const DTYPE = { UNSPECIFIED: 0, FLOAT32: 1, INT64: 2, INT32: 3, BFLOAT16: 4 } as const;
+const ITEMSIZE: Record<number, number> = { [DTYPE.FLOAT32]: 4, [DTYPE.INT64]: 8, [DTYPE.INT32]: 4, [DTYPE.BFLOAT16]: 2 };
+
+const invalid = (msg: string) => new BrokerError('INVALID_REQUEST', msg);
+
+type PbObject = Record<string, unknown>;
+const toObj = (t: protobuf.Type, m: protobuf.Message) =>
+  t.toObject(m, { longs: Number, enums: Number, bytes: Buffer, defaults: true, oneofs: true }) as PbObject;
+
+/** Little-endian array bytes → numbers, widening int32/bfloat16 as the SDK does. */
+function readArray(buf: Buffer, dtype: number, what: string): number[] {
+  const size = ITEMSIZE[dtype];
+  if (!size) throw invalid(`${what}: unsupported tensor dtype ${dtype}`);
+  if (buf.length % size !== 0) throw invalid(`${what}: ${buf.length} bytes is not a whole number of ${size}-byte elements`);
+  const n = buf.length / size;
+  const out = new Array<number>(n);
+  for (let i = 0; i < n; i++) {
+    const o = i * size;
+    if (dtype === DTYPE.FLOAT32) out[i] = buf.readFloatLE(o);
+    else if (dtype === DTYPE.INT32) out[i] = buf.readInt32LE(o);
+    else if (dtype === DTYPE.INT64) {
+      const v = buf.readBigInt64LE(o);
+      if (v > BigInt(Number.MAX_SAFE_INTEGER) || v < BigInt(Number.MIN_SAFE_INTEGER)) throw invalid(`${what}: int64 value ${v} out of range`);
+      out[i] = Number(v);
+    } else {
+      const tmp = Buffer.alloc(4);
+      tmp.writeUInt32LE(buf.readUInt16LE(o) << 16);
+      out[i] = tmp.readFloatLE(0);
+    }
+  }
+  return out;
+}
+
+function decodeTensor(t: PbObject, what: string): Tensor {
+  const dtype = Number(t.dtype ?? 0);
+  const wireDtype: Tensor['dtype'] = dtype === DTYPE.INT64 || dtype === DTYPE.INT32 ? 'int64' : 'float32';
+  const shape = ((t.shape as number[] | undefined) ?? []).map(Number);
+  if (shape.some((d) => !Number.isInteger(d) || d < 0)) throw invalid(`${what}: invalid shape [${shape.join(', ')}]`);
+  if (t.encoding === 'sparse_csr') {
+    const csr = t.sparse_csr as PbObject;
+    if (shape.length !== 2) throw invalid(`${what}: a sparse CSR tensor needs a 2-D shape, got [${shape.join(', ')}]`);
+    const [rows, cols] = shape as [number, number];
+    const values = readArray(csr.values as Buffer, dtype, what);
+    const crow = readArray(csr.crow_indices as Buffer, DTYPE.INT64, `${what} crow_indices`);
+    const col = readArray(csr.col_indices as Buffer, DTYPE.INT64, `${what} col_indices`);
+    if (crow.length !== rows + 1 || col.length !== values.length || crow[rows] !== values.length)
+      throw invalid(`${what}: inconsistent sparse CSR indices`);
+    const data = new Array<number>(rows * cols).fill(0);
+    for (let r = 0; r < rows; r++) {
+      for (let j = crow[r]!; j < crow[r + 1]!; j++) {
+        const c = col[j]!;
+        if (c < 0 || c >= cols) throw invalid(`${what}: sparse column index ${c} outside [0, ${cols})`);
+        data[r * cols + c] = values[j]!;
+      }
+    }
+    return { dtype: wireDtype, shape, data };
+  }
+  const data = readArray((t.dense as Buffer | undefined) ?? Buffer.alloc(0), dtype, what);
+  const finalShape = shape.length ? shape : [data.length];
+  const count = finalShape.reduce((a, b) => a * b, 1);
+  if (count !== data.length) throw invalid(`${what}: shape [${finalShape.join(', ')}] needs ${count} elements, got ${data.length}`);
+  return { dtype: wireDtype, shape: finalShape, data };
+}
+
+export type DecodedForwardBackward = {
+  model_id: string;
+  seq_id: number;
+  loss_fn: string;
+  loss_fn_config: Record<string, number | string>;
+  forward_only: boolean;
+  data: Datum[];
+};
+
+export function decodeForwardBackwardRequest(body: Buffer): DecodedForwardBackward {
+  let msg: protobuf.Message;
+  try {
+    msg = ForwardBackwardRequestT.decode(body);
+  } catch (e) {
+    throw invalid(`forward_backward body is not a valid ForwardBackwardRequest protobuf: ${(e as Error).message}`);
+  }
+  const o = toObj(ForwardBackwardRequestT, msg);
+  const data = (o.data as PbObject[]).map((d, i): Datum => {
+    const tokens: number[] = [];
+    for (const chunk of d.model_input as PbObject[]) {
+      if (chunk.chunk !== 'encoded_text')
+        throw invalid(`data[${i}]: model_input chunk of type '${String(chunk.chunk)}' is not supported (text tokens only)`);
+      tokens.push(...readArray((chunk.encoded_text as PbObject).tokens as Buffer, DTYPE.INT32, `data[${i}].model_input`));
+    }
+    const inputs: Record<string, Tensor> = {};
+    for (const [k, v] of Object.entries(d.loss_fn_inputs as Record<string, PbObject>)) {
+      inputs[k] = decodeTensor(v, `data[${i}].loss_fn_inputs.${k}`);
+    }
+    return { tokens, loss_fn_inputs: inputs };
+  });
+  // loss_fn_config_v2 (numbers or text) wins over the numeric-only field 5 when present.
+  const config: Record<string, number | string> = { ...(o.loss_fn_config as Record<string, number>) };
+  for (const [k, v] of Object.entries(o.loss_fn_config_v2 as Record<string, PbObject>)) {
+    if (v.value === 'text') config[k] = String(v.text);
+    else if (v.value === 'number') config[k] = Number(v.number);
+  }
+  return {
+    model_id: String(o.model_id),
+    seq_id: Number(o.seq_id),
+    loss_fn: String(o.loss_fn),
+    loss_fn_config: config,
+    forward_only: Boolean(o.forward_only),
+    data,
+  };
+}
+
+function le(values: ArrayLike<number>, kind: 'f32' | 'i32' | 'i64'): Buffer {
+  const size = kind === 'i64' ? 8 : 4;
+  const buf = Buffer.alloc(values.length * size);
+  for (let i = 0; i < values.length; i++) {
+    const v = values[i]!;
+    if (kind === 'f32') buf.writeFloatLE(v, i * 4);
+    else if (kind === 'i32') buf.writeInt32LE(v, i * 4);
+    else buf.writeBigInt64LE(BigInt(v), i * 8);
+  }
+  return buf;
+}
+
+/** One ArrayRecord with one BatchedTensor per output field, datums concatenated. */
+export function encodeForwardBackwardOutput(r: ForwardBackwardResult): Buffer {
+  const fields: Record<string, PbObject> = {};
+  const names = r.loss_fn_outputs.length ? Object.keys(r.loss_fn_outputs[0]!) : [];
+  for (const name of names) {
+    const tensors = r.loss_fn_outputs.map((o) => o[name]!);
+    const dtype = tensors[0]!.dtype;
+    const trailing = tensors[0]!.shape.slice(1);
+    const flat: number[] = [];
+    const offsets: number[] = [0];
+    const itemsize = dtype === 'int64' ? 8 : 4;
+    for (const t of tensors) {
+      for (const v of t.data) flat.push(v);
+      offsets.push(flat.length * itemsize);
+    }
+    fields[name] = {
+      data: le(flat, dtype === 'int64' ? 'i64' : 'f32'),
+      offsets: le(offsets, 'i64'),
+      dtype: dtype === 'int64' ? DTYPE.INT64 : DTYPE.FLOAT32,
+      trailing_shape: trailing,
+    };
+  }
+  const msg = ForwardBackwardOutputT.fromObject({
+    loss_fn_output_type: 'ArrayRecord',
+    loss_fn_outputs: [{ type_tag: 'ArrayRecord', fields, num_datums: r.loss_fn_outputs.length }],
+    metrics: r.metrics,
+  });
+  return Buffer.from(ForwardBackwardOutputT.encode(msg).finish());
+}
+
+const TOPK_EMPTY_ID = 0;
+const TOPK_EMPTY_LOGPROB = -99999.0;
+
+function encodeTopk(rows: ([number, number][] | null)[]): PbObject {
+  const k = Math.max(0, ...rows.map((r) => r?.length ?? 0));
+  const ids: number[] = [];
+  const lps: number[] = [];
+  for (const row of rows) {
+    for (let j = 0; j < k; j++) {
+      const cell = row?.[j];
+      ids.push(cell ? cell[0] : TOPK_EMPTY_ID);
+      lps.push(cell ? cell[1] : TOPK_EMPTY_LOGPROB);
+    }
+  }
+  return { token_ids: le(ids, 'i32'), logprobs: le(lps, 'f32'), k, length: rows.length };
+}
+
+export function encodeSampleResponse(r: SampleResult): Buffer {
+  const obj: PbObject = {
+    sequences: r.sequences.map((s) => ({
+      stop_reason: s.stop_reason === 'length' ? 1 : 0,
+      tokens: le(s.tokens, 'i32'),
+      logprobs: le(s.logprobs, 'f32'),
+    })),
+    prompt_cache_hit_tokens: 0,
+  };
+  if (r.prompt_logprobs) obj.prompt_logprobs = le(r.prompt_logprobs.map((v) => (v === null ? NaN : v)), 'f32');
+  if (r.topk_prompt_logprobs) obj.topk_prompt_logprobs = encodeTopk(r.topk_prompt_logprobs);
+  return Buffer.from(SampleResponseT.encode(SampleResponseT.fromObject(obj)).finish());
+}

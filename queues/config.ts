@@ -1,0 +1,132 @@
+import { existsSync } from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import { z } from 'zod';
+
+/**
+ * Process configuration, parsed once at start from the environment (and, from the start
+ * command, from a preset). Invalid values stop the process with a message naming the variable.
+ */
+const csv = z
+  .string()
+  .transform((s) => s.split(',').map((x) => x.trim()).filter(Boolean));
+
+const bool = z.enum(['true', 'false']).transform((v) => v === 'true');
+
+const CommonEnv = z.object({
+  /** Redis connection URL. @defaultValue `redis://127.0.0.1:6379` */
+  REDIS_URL: z.string().url().default('redis://127.0.0.1:6379'),
+  /** Prefix of every Redis key and BullMQ queue of this deployment. @defaultValue `tb` */
+  TB_PREFIX: z.string().regex(/^[a-zA-Z0-9_-]+$/).default('tb'),
+  /** Directory for sampler weights and checkpoints, shared by the API and agents. @defaultValue `var/storage` */
+  TB_STORAGE_DIR: z.string().default('var/storage'),
+  /** How long finished futures stay retrievable, in seconds. @defaultValue 86400 (24 h) */
+  TB_FUTURE_RETENTION_S: z.coerce.number().int().positive().default(86_400),
+});
+
+const ApiEnv = CommonEnv.extend({
+  /** Interface the API listens on. @defaultValue `127.0.0.1` */
+  TB_HOST: z.string().default('127.0.0.1'),
+  /** Port the API listens on; 0 picks a free one. @defaultValue 8000 */
+  TB_PORT: z.coerce.number().int().min(0).max(65535).default(8000),
+  /** Accepted `X-API-Key` values, comma separated (SDK keys must start with `tml-`). @defaultValue `tml-local` */
+  TB_API_KEYS: csv.default(['tml-local']),
+  /** Longest time a `retrieve_future` call is held open before `try_again`, in ms. @defaultValue 25000 */
+  TB_LONG_POLL_MS: z.coerce.number().int().positive().default(25_000),
+  /** Base models that must be served before `/healthz` reports `ready`; empty: any agent. */
+  TB_REQUIRED_MODELS: csv.default([]),
+  /** Most waiting sample jobs per base model before `asample` answers 429. @defaultValue 2000 */
+  TB_MAX_QUEUED_SAMPLES: z.coerce.number().int().positive().default(2000),
+});
+
+const AgentEnv = CommonEnv.extend({
+  /** This agent's id in the registry and in its queue name. @defaultValue `<hostname>-<pid>` */
+  TB_AGENT_ID: z.string().regex(/^[a-zA-Z0-9_.-]+$/).optional(),
+  /** Base models this agent serves: `path[=alias]`, comma separated. */
+  TB_AGENT_MODELS: csv.pipe(z.array(z.string()).min(1, 'name at least one base model directory')),
+  /** Python interpreter of the engine. @defaultValue `.venv/bin/python` when it exists, else `python3` */
+  TB_PYTHON: z.string().optional(),
+  /** Device for the engine (`cpu`, `cuda`, `cuda:1`); empty lets the engine choose. */
+  TB_ENGINE_DEVICE: z.string().optional(),
+  /** Sample jobs one agent runs at once. @defaultValue 8 */
+  TB_SAMPLE_CONCURRENCY: z.coerce.number().int().positive().default(8),
+  /** Restart the engine process when it dies. @defaultValue true */
+  TB_ENGINE_RESTART: bool.default(true),
+});
+
+export type ApiConfig = {
+  redisUrl: string;
+  prefix: string;
+  storageDir: string;
+  retentionS: number;
+  host: string;
+  port: number;
+  apiKeys: string[];
+  longPollMs: number;
+  requiredModels: string[];
+  maxQueuedSamples: number;
+};
+
+export type BaseModelSpec = { name: string; path: string; aliases: string[] };
+
+export type AgentConfig = {
+  redisUrl: string;
+  prefix: string;
+  storageDir: string;
+  retentionS: number;
+  agentId: string;
+  models: BaseModelSpec[];
+  python: string;
+  engineDevice: string | undefined;
+  sampleConcurrency: number;
+  engineRestart: boolean;
+};
+
+function parseEnv<S extends z.ZodType>(schema: S, env: NodeJS.ProcessEnv): z.output<S> {
+  const res = schema.safeParse(env);
+  if (!res.success) {
+    const lines = res.error.issues.map((i) => `  ${i.path.join('.')}: ${i.message}`);
+    throw new Error(`invalid configuration:\n${lines.join('\n')}`);
+  }
+  return res.data;
+}
+
+export function loadApiConfig(env: NodeJS.ProcessEnv = process.env): ApiConfig {
+  const e = parseEnv(ApiEnv, env);
+  return {
+    redisUrl: e.REDIS_URL,
+    prefix: e.TB_PREFIX,
+    storageDir: path.resolve(e.TB_STORAGE_DIR),
+    retentionS: e.TB_FUTURE_RETENTION_S,
+    host: e.TB_HOST,
+    port: e.TB_PORT,
+    apiKeys: e.TB_API_KEYS,
+    longPollMs: e.TB_LONG_POLL_MS,
+    requiredModels: e.TB_REQUIRED_MODELS,
+    maxQueuedSamples: e.TB_MAX_QUEUED_SAMPLES,
+  };
+}
+
+/** `path[=alias]` → a base model whose canonical name is its absolute path. */
+export function parseModelSpec(spec: string): BaseModelSpec {
+  const [p, ...aliases] = spec.split('=');
+  const abs = path.resolve(p ?? '');
+  return { name: abs, path: abs, aliases: aliases.filter(Boolean) };
+}
+
+export function loadAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentConfig {
+  const e = parseEnv(AgentEnv, env);
+  const venvPython = path.resolve('.venv/bin/python');
+  return {
+    redisUrl: e.REDIS_URL,
+    prefix: e.TB_PREFIX,
+    storageDir: path.resolve(e.TB_STORAGE_DIR),
+    retentionS: e.TB_FUTURE_RETENTION_S,
+    agentId: e.TB_AGENT_ID ?? `${os.hostname()}-${process.pid}`.replace(/[^a-zA-Z0-9_.-]/g, '-'),
+    models: e.TB_AGENT_MODELS.map(parseModelSpec),
+    python: e.TB_PYTHON ?? (existsSync(venvPython) ? venvPython : 'python3'),
+    engineDevice: e.TB_ENGINE_DEVICE || undefined,
+    sampleConcurrency: e.TB_SAMPLE_CONCURRENCY,
+    engineRestart: e.TB_ENGINE_RESTART,
+  };
+}

@@ -1,0 +1,54 @@
+/**
+ * The closed set of errors the broker raises, shared by the API and the agents.
+ * `api/errors.ts` is the one place that maps them to HTTP; a failed job carries
+ * `category` and message through `encodeJobFailure` / `decodeJobFailure`.
+ */
+export type ErrorCategory = 'user' | 'server';
+
+export const ERROR_CODES = {
+  INVALID_REQUEST: { status: 400, category: 'user' },
+  UNAUTHORIZED: { status: 401, category: 'user' },
+  NOT_FOUND: { status: 404, category: 'user' },
+  STALE_SAMPLER: { status: 400, category: 'user' },
+  OVERLOADED: { status: 429, category: 'server' },
+  UNAVAILABLE: { status: 503, category: 'server' },
+  ENGINE_FAILED: { status: 500, category: 'server' },
+  INTERNAL: { status: 500, category: 'server' },
+} as const satisfies Record<string, { status: number; category: ErrorCategory }>;
+
+export type ErrorCode = keyof typeof ERROR_CODES;
+
+export class BrokerError extends Error {
+  override readonly name = 'BrokerError';
+  readonly code: ErrorCode;
+  constructor(code: ErrorCode, message: string, options?: { cause?: unknown }) {
+    super(message, options);
+    this.code = code;
+  }
+  get category(): ErrorCategory {
+    return ERROR_CODES[this.code].category;
+  }
+  get status(): number {
+    return ERROR_CODES[this.code].status;
+  }
+}
+
+/** Errors cross module copies in tests; match by name as well as by class. */
+export function isBrokerError(err: unknown): err is BrokerError {
+  return err instanceof BrokerError || (err instanceof Error && err.name === 'BrokerError' && 'code' in err);
+}
+
+/**
+ * A job's failure reason as stored by BullMQ (`job.failedReason`): `[user] message` or
+ * `[server] message`. Anything without the prefix (a stall, a crash) counts as a server error.
+ */
+export function encodeJobFailure(category: ErrorCategory, message: string): string {
+  return `[${category}] ${message}`;
+}
+
+export function decodeJobFailure(reason: string | undefined): { category: ErrorCategory; message: string } {
+  const text = reason ?? 'the job failed without a reason';
+  const m = /^\[(user|server)\] ([\s\S]*)$/.exec(text);
+  if (m) return { category: m[1] as ErrorCategory, message: m[2] ?? '' };
+  return { category: 'server', message: text };
+}

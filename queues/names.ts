@@ -1,0 +1,67 @@
+import { createHash } from 'node:crypto';
+
+/**
+ * Every queue name and Redis key of a deployment, in one place. `prefix` isolates
+ * deployments (and tests) that share one Redis.
+ */
+export function shortHash(s: string, n = 16): string {
+  return createHash('sha1').update(s).digest('hex').slice(0, n);
+}
+
+export class Names {
+  constructor(readonly prefix: string) {}
+
+  /** BullMQ prefix for all queues of this deployment. */
+  get bull(): string {
+    return `${this.prefix}-bull`;
+  }
+  /** Training ops of the models placed on one agent, run one at a time. */
+  trainQueue(agentId: string): string {
+    return `train-${agentId}`;
+  }
+  /** Sample jobs for one base model, taken by every agent serving it. */
+  sampleQueue(baseModel: string): string {
+    return `sample-${shortHash(baseModel, 12)}`;
+  }
+
+  // Registries.
+  agents(): string {
+    return `${this.prefix}:agents`;
+  }
+  agentAlive(agentId: string): string {
+    return `${this.prefix}:agent:${agentId}:alive`;
+  }
+  session(sessionId: string): string {
+    return `${this.prefix}:session:${sessionId}`;
+  }
+  sessions(): string {
+    return `${this.prefix}:sessions`;
+  }
+  model(modelId: string): string {
+    return `${this.prefix}:model:${modelId}`;
+  }
+  samplingSession(id: string): string {
+    return `${this.prefix}:sampler:${id}`;
+  }
+  samplerVersion(tinkerPath: string): string {
+    return `${this.prefix}:sampler-version:${tinkerPath}`;
+  }
+
+  // The per-model ordering gate (see queues/gate.ts).
+  gateNext(modelId: string): string {
+    return `${this.prefix}:gate:${modelId}:next`;
+  }
+  gateHeld(modelId: string): string {
+    return `${this.prefix}:gate:${modelId}:held`;
+  }
+  gateLock(modelId: string): string {
+    return `${this.prefix}:gate:${modelId}:lock`;
+  }
+}
+
+/** BullMQ job ids may not contain ':'; these are deterministic so a repeated submission is the same job. */
+export const jobIds = {
+  createModel: (modelId: string) => `c-${shortHash(modelId)}`,
+  train: (modelId: string, seqId: number) => `t-${shortHash(modelId)}-${seqId}`,
+  sample: (samplingSessionId: string, seqId: number) => `s-${shortHash(samplingSessionId)}-${seqId}`,
+};

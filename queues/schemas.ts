@@ -1,0 +1,149 @@
+import { z } from 'zod';
+
+/**
+ * The contract between the API and the agents: one schema per job type and per result,
+ * the TypeScript types inferred from them. The API parses before it enqueues; the agent
+ * parses `job.data` again because it crossed Redis.
+ */
+
+export const Tensor = z.object({
+  dtype: z.enum(['float32', 'int64']),
+  shape: z.array(z.number().int().nonnegative()),
+  data: z.array(z.number()),
+});
+export type Tensor = z.infer<typeof Tensor>;
+
+export const Datum = z.object({
+  /** The model input's tokens (text chunks concatenated). */
+  tokens: z.array(z.number().int()).min(1),
+  loss_fn_inputs: z.record(z.string(), Tensor),
+});
+export type Datum = z.infer<typeof Datum>;
+
+export const LoraConfig = z.object({
+  rank: z.number().int().positive(),
+  seed: z.number().int().nullable(),
+  train_unembed: z.boolean(),
+  train_mlp: z.boolean(),
+  train_attn: z.boolean(),
+});
+export type LoraConfig = z.infer<typeof LoraConfig>;
+
+export const AdamParams = z.object({
+  learning_rate: z.number().finite().nonnegative(),
+  beta1: z.number().min(0).lt(1),
+  beta2: z.number().min(0).lt(1),
+  eps: z.number().finite().nonnegative(),
+  weight_decay: z.number().finite().nonnegative(),
+  grad_clip_norm: z.number().finite().nonnegative(),
+});
+export type AdamParams = z.infer<typeof AdamParams>;
+
+export const SamplingParams = z.object({
+  max_tokens: z.number().int().positive(),
+  temperature: z.number().finite().nonnegative(),
+  top_k: z.number().int(),
+  top_p: z.number().gt(0).max(1),
+  seed: z.number().int().nullable(),
+  stop_tokens: z.array(z.number().int().nonnegative()),
+  stop_strings: z.array(z.string().min(1)),
+  /** False when the client sent `stop: []`, which disables every stop including EOS. */
+  stop_at_eos: z.boolean(),
+});
+export type SamplingParams = z.infer<typeof SamplingParams>;
+
+// ---- Training queue jobs (one queue per agent, concurrency 1, seq_id order per model) ----
+
+export const CreateModelJob = z.object({
+  op: z.literal('create_model'),
+  model_id: z.string(),
+  base_model: z.string(),
+  lora: LoraConfig,
+});
+export const ForwardBackwardJob = z.object({
+  op: z.literal('forward_backward'),
+  model_id: z.string(),
+  seq_id: z.number().int(),
+  loss_fn: z.string(),
+  loss_fn_config: z.record(z.string(), z.union([z.number(), z.string()])),
+  forward_only: z.boolean(),
+  data: z.array(Datum).min(1),
+});
+export const OptimStepJob = z.object({
+  op: z.literal('optim_step'),
+  model_id: z.string(),
+  seq_id: z.number().int(),
+  adam: AdamParams,
+});
+export const SaveSamplerJob = z.object({
+  op: z.literal('save_weights_for_sampler'),
+  model_id: z.string(),
+  seq_id: z.number().int(),
+  /** `tinker://<model_id>/sampler_weights/<name>` */
+  tinker_path: z.string(),
+  dir: z.string(),
+  /** Set for the unnamed save behind `save_weights_and_get_sampling_client`. */
+  sampling_session_id: z.string().nullable(),
+});
+export const TrainJob = z.discriminatedUnion('op', [CreateModelJob, ForwardBackwardJob, OptimStepJob, SaveSamplerJob]);
+export type TrainJob = z.infer<typeof TrainJob>;
+export type CreateModelJob = z.infer<typeof CreateModelJob>;
+export type ForwardBackwardJob = z.infer<typeof ForwardBackwardJob>;
+export type OptimStepJob = z.infer<typeof OptimStepJob>;
+export type SaveSamplerJob = z.infer<typeof SaveSamplerJob>;
+
+// ---- Sample queue jobs (one queue per base model, concurrent) ----
+
+export const SampleJob = z.object({
+  op: z.literal('sample'),
+  sampling_session_id: z.string(),
+  seq_id: z.number().int(),
+  base_model: z.string(),
+  /** The sampler version's adapter directory; null samples the base model. */
+  adapter_dir: z.string().nullable(),
+  /** The sampler version's tinker path, for error messages. */
+  model_path: z.string().nullable(),
+  prompt: z.array(z.number().int()).min(1),
+  num_samples: z.number().int().positive(),
+  sampling_params: SamplingParams,
+  prompt_logprobs: z.boolean(),
+  topk_prompt_logprobs: z.number().int().nonnegative(),
+});
+export type SampleJob = z.infer<typeof SampleJob>;
+
+export type AnyJob = TrainJob | SampleJob;
+export type JobOp = AnyJob['op'];
+
+// ---- Results (job return values) ----
+
+export const CreateModelResult = z.object({ model_id: z.string() });
+export const ForwardBackwardResult = z.object({
+  loss_fn_outputs: z.array(z.record(z.string(), Tensor)),
+  metrics: z.record(z.string(), z.number()),
+});
+export type ForwardBackwardResult = z.infer<typeof ForwardBackwardResult>;
+export const OptimStepResult = z.object({ metrics: z.record(z.string(), z.number()) });
+export const SaveSamplerResult = z.object({
+  path: z.string(),
+  sampling_session_id: z.string().nullable(),
+});
+export const SampleResult = z.object({
+  sequences: z.array(
+    z.object({
+      tokens: z.array(z.number().int()),
+      logprobs: z.array(z.number()),
+      stop_reason: z.enum(['stop', 'length']),
+    }),
+  ),
+  prompt_logprobs: z.array(z.number().nullable()).nullable(),
+  topk_prompt_logprobs: z.array(z.array(z.tuple([z.number().int(), z.number()])).nullable()).nullable(),
+});
+export type SampleResult = z.infer<typeof SampleResult>;
+
+export const ResultSchemas = {
+  create_model: CreateModelResult,
+  forward_backward: ForwardBackwardResult,
+  optim_step: OptimStepResult,
+  save_weights_for_sampler: SaveSamplerResult,
+  sample: SampleResult,
+} as const satisfies Record<JobOp, z.ZodType>;

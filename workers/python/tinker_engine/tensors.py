@@ -1,0 +1,49 @@
+"""JSON tensors ``{"dtype", "shape", "data"}`` (row-major) to torch and back."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .errors import UserError
+from .params import is_int
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "int64": torch.int64}
+_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+def tensor_from_json(obj: Any, what: str) -> torch.Tensor:
+    """Decode a JSON tensor (on CPU). ``what`` names it in error messages."""
+    if not isinstance(obj, dict):
+        raise UserError(f"{what}: a tensor must be an object with dtype, shape and data")
+    dtype_name = obj.get("dtype")
+    if dtype_name not in DTYPES:
+        raise UserError(f"{what}: dtype must be one of {sorted(DTYPES)}, got {dtype_name!r}")
+    shape = obj.get("shape")
+    if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
+        raise UserError(f"{what}: shape must be a list of non-negative integers, got {shape!r}")
+    data = obj.get("data")
+    if not isinstance(data, list):
+        raise UserError(f"{what}: data must be a list of numbers")
+    expected = math.prod(shape)
+    if len(data) != expected:
+        raise UserError(f"{what}: shape {shape} needs {expected} values, data has {len(data)}")
+    dtype = DTYPES[dtype_name]
+    if dtype == torch.int64:
+        if not all(is_int(v) for v in data):
+            raise UserError(f"{what}: int64 data must be integers")
+    elif not all(is_int(v) or isinstance(v, float) for v in data):
+        raise UserError(f"{what}: float32 data must be numbers")
+    return torch.tensor(data, dtype=dtype).reshape(shape)
+
+
+def tensor_to_json(t: torch.Tensor) -> dict[str, Any]:
+    """Encode a float32 or int64 tensor; float32 values widen to double exactly."""
+    t = t.detach()
+    if t.is_floating_point():
+        t = t.to(torch.float32)
+    elif t.dtype != torch.int64:
+        t = t.to(torch.int64)
+    return {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data": t.cpu().reshape(-1).tolist()}
