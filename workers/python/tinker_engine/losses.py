@@ -123,3 +123,11 @@ def get_loss(name: str) -> LossSpec:
     if spec is None:
         raise UserError(f"unknown loss_fn '{name}'; supported: {', '.join(LOSSES)}")
     return spec
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(targets) from ``logits`` (N, V): float32 log-softmax, gathered at ``targets`` (N,) or (N, K)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    if targets.dim() == 1:
+        return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return logp.gather(-1, targets)

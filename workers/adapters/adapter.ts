@@ -1,0 +1,31 @@
+import type { ServedModel } from '../../queues/registry.js';
+import type {
+  CreateModelJob,
+  ForwardBackwardJob,
+  ForwardBackwardResult,
+  OptimStepJob,
+  SampleJob,
+  SampleResult,
+  SaveSamplerJob,
+} from '../../queues/schemas.js';
+import type { BaseModelSpec } from '../../queues/config.js';
+
+/**
+ * What an agent needs from an engine: one method per Tinker operation. Each engine
+ * (torch today; vLLM and verl later) has one adapter that translates jobs into its calls.
+ */
+export interface EngineAdapter {
+  readonly kind: string;
+  readonly device: string;
+  start(): Promise<void>;
+  stop(): Promise<void>;
+  loadBase(spec: BaseModelSpec): Promise<ServedModel>;
+  createModel(job: CreateModelJob): Promise<{ model_id: string }>;
+  forwardBackward(job: ForwardBackwardJob): Promise<ForwardBackwardResult>;
+  optimStep(job: OptimStepJob): Promise<{ metrics: Record<string, number> }>;
+  /** Writes the sampler version's PEFT adapter into `job.dir`. */
+  saveSampler(job: SaveSamplerJob): Promise<void>;
+  sample(job: SampleJob): Promise<SampleResult>;
+  /** Called when the engine died: every model it held is gone. */
+  onExit(listener: (reason: string) => void): void;
+}

@@ -1,0 +1,99 @@
+import type { BaseModelSpec } from '../../queues/config.js';
+import type { Logger } from '../../queues/logger.js';
+import type { ServedModel } from '../../queues/registry.js';
+import {
+  ForwardBackwardResult,
+  OptimStepResult,
+  SampleResult,
+  type CreateModelJob,
+  type ForwardBackwardJob,
+  type OptimStepJob,
+  type SampleJob,
+  type SaveSamplerJob,
+} from '../../queues/schemas.js';
+import { EngineProcess } from '../engine.js';
+import type { EngineAdapter } from './adapter.js';
+
+/**
+ * The torch engine (transformers + PEFT; CPU or one GPU): the one place where Tinker jobs
+ * become engine requests (docs/engine-protocol.md). Results are parsed before they leave.
+ */
+export class TorchAdapter implements EngineAdapter {
+  readonly kind = 'torch';
+  device = 'unknown';
+  private engine: EngineProcess;
+  private readonly exitListeners: ((reason: string) => void)[] = [];
+
+  constructor(private readonly opts: { python: string; device?: string | undefined; log: Logger }) {
+    this.engine = this.makeEngine();
+  }
+
+  private makeEngine(): EngineProcess {
+    const e = new EngineProcess({ python: this.opts.python, device: this.opts.device, log: this.opts.log });
+    e.on('exit', (code, signal) => {
+      for (const l of this.exitListeners) l(`the engine process exited (code ${code}, signal ${signal})`);
+    });
+    return e;
+  }
+
+  onExit(listener: (reason: string) => void): void {
+    this.exitListeners.push(listener);
+  }
+
+  async start(): Promise<void> {
+    this.engine = this.makeEngine();
+    this.engine.start();
+    const hello = await this.engine.call<{ protocol: number; engine: string; device: string }>('hello', {});
+    if (hello.protocol !== 1) throw new Error(`engine speaks protocol ${hello.protocol}; this agent speaks 1`);
+    this.device = hello.device;
+  }
+
+  stop(): Promise<void> {
+    return this.engine.stop();
+  }
+
+  async loadBase(spec: BaseModelSpec): Promise<ServedModel> {
+    const r = await this.engine.call<{ vocab_size: number; arch: string; max_context_length: number }>('load_base', {
+      name: spec.name,
+      path: spec.path,
+    });
+    return { name: spec.name, aliases: spec.aliases, arch: r.arch, vocab_size: r.vocab_size, max_context_length: r.max_context_length };
+  }
+
+  async createModel(job: CreateModelJob): Promise<{ model_id: string }> {
+    await this.engine.call('create_model', { model_id: job.model_id, base_model: job.base_model, lora: job.lora });
+    return { model_id: job.model_id };
+  }
+
+  async forwardBackward(job: ForwardBackwardJob): Promise<ForwardBackwardResult> {
+    const r = await this.engine.call('forward_backward', {
+      model_id: job.model_id,
+      loss_fn: job.loss_fn,
+      loss_fn_config: job.loss_fn_config,
+      forward_only: job.forward_only,
+      data: job.data,
+    });
+    return ForwardBackwardResult.parse(r);
+  }
+
+  async optimStep(job: OptimStepJob): Promise<{ metrics: Record<string, number> }> {
+    return OptimStepResult.parse(await this.engine.call('optim_step', { model_id: job.model_id, adam: job.adam }));
+  }
+
+  async saveSampler(job: SaveSamplerJob): Promise<void> {
+    await this.engine.call('save_sampler', { model_id: job.model_id, dir: job.dir });
+  }
+
+  async sample(job: SampleJob): Promise<SampleResult> {
+    const r = await this.engine.call('sample', {
+      base_model: job.base_model,
+      adapter_dir: job.adapter_dir,
+      prompt: job.prompt,
+      num_samples: job.num_samples,
+      sampling_params: job.sampling_params,
+      prompt_logprobs: job.prompt_logprobs,
+      topk_prompt_logprobs: job.topk_prompt_logprobs,
+    });
+    return SampleResult.parse(r);
+  }
+}

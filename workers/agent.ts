@@ -1,0 +1,215 @@
+import { UnrecoverableError, Worker, type Job } from 'bullmq';
+import type { Redis } from 'ioredis';
+import { ZodError } from 'zod';
+import type { AgentConfig } from '../queues/config.js';
+import { encodeJobFailure, isBrokerError, type ErrorCategory } from '../queues/errors.js';
+import { logger as rootLogger, type Logger } from '../queues/logger.js';
+import { Names } from '../queues/names.js';
+import { connect } from '../queues/redis.js';
+import { Registry, type ServedModel } from '../queues/registry.js';
+import { SampleJob, TrainJob, type AnyJob } from '../queues/schemas.js';
+import type { EngineAdapter } from './adapters/adapter.js';
+import { TorchAdapter } from './adapters/torch.js';
+import { EngineError } from './engine.js';
+
+/**
+ * A worker agent: registers in Redis, supervises its engine, and consumes
+ * - its training queue (`train-<agentId>`): the ordered ops of the models placed here, one at
+ *   a time, never retried (`maxStalledCount: 0`: a crash fails the op instead of re-running it);
+ * - the sample queue of each base model it serves, concurrently.
+ */
+const HEARTBEAT_MS = 5_000;
+
+export class Agent {
+  readonly names: Names;
+  readonly log: Logger;
+  private redis!: Redis;
+  private registry!: Registry;
+  private readonly adapter: EngineAdapter;
+  private served: ServedModel[] = [];
+  private workers: Worker[] = [];
+  private heartbeat: NodeJS.Timeout | undefined;
+  private stopping = false;
+  private restarting: Promise<void> | null = null;
+  /** Models whose adapters live in the current engine process. */
+  private readonly loaded = new Set<string>();
+
+  constructor(
+    readonly config: AgentConfig,
+    adapter?: EngineAdapter,
+  ) {
+    this.names = new Names(config.prefix);
+    this.log = rootLogger.child({ agentId: config.agentId });
+    this.adapter = adapter ?? new TorchAdapter({ python: config.python, device: config.engineDevice, log: this.log });
+  }
+
+  get trainQueue(): string {
+    return this.names.trainQueue(this.config.agentId);
+  }
+
+  async start(): Promise<void> {
+    this.redis = connect(this.config.redisUrl, 'blocking');
+    this.registry = new Registry(this.redis, this.names);
+    this.adapter.onExit((reason) => void this.onEngineExit(reason));
+    await this.startEngine();
+    // A new engine holds no adapters: models placed on this agent id before are gone.
+    const lost = await this.registry.markModelsLost(this.config.agentId, 'its worker agent restarted; load it from a saved checkpoint');
+    if (lost.length) this.log.warn('models from a previous run of this agent are unavailable', { models: lost });
+
+    const common = { connection: this.redis, prefix: this.names.bull, maxStalledCount: 0 };
+    this.workers.push(
+      new Worker<AnyJob>(this.trainQueue, (job) => this.runTrain(job), { ...common, concurrency: 1 }),
+      ...this.served.map(
+        (m) =>
+          new Worker<AnyJob>(this.names.sampleQueue(m.name), (job) => this.runSample(job), {
+            ...common,
+            concurrency: this.config.sampleConcurrency,
+          }),
+      ),
+    );
+    for (const w of this.workers) {
+      w.on('error', (err) => this.log.error('worker error', { queue: w.name, error: String(err) }));
+      w.on('failed', (job, err) => this.log.warn('job failed', { queue: w.name, jobId: job?.id, op: job?.name, error: err.message }));
+      await w.waitUntilReady();
+    }
+    await this.registry.registerAgent({
+      agent_id: this.config.agentId,
+      train_queue: this.trainQueue,
+      models: this.served,
+      engine: this.adapter.kind,
+      device: this.adapter.device,
+      started_at: new Date().toISOString(),
+    });
+    this.heartbeat = setInterval(() => {
+      this.registry.heartbeatAgent(this.config.agentId).catch((e) => this.log.warn('heartbeat failed', { error: String(e) }));
+    }, HEARTBEAT_MS);
+    this.log.info('agent ready', { trainQueue: this.trainQueue, models: this.served.map((m) => m.name), device: this.adapter.device });
+  }
+
+  private async startEngine(): Promise<void> {
+    await this.adapter.start();
+    this.served = [];
+    for (const spec of this.config.models) this.served.push(await this.adapter.loadBase(spec));
+  }
+
+  private async onEngineExit(reason: string): Promise<void> {
+    if (this.stopping) return;
+    this.log.error('engine process died', { reason });
+    const models = [...this.loaded];
+    this.loaded.clear();
+    await this.registry.markModelsLost(this.config.agentId, `${reason}; load it from a saved checkpoint`).catch(() => undefined);
+    if (models.length) this.log.warn('models lost with the engine', { models });
+    if (!this.config.engineRestart) {
+      this.log.error('engine restart is disabled; agent stopping');
+      await this.stop();
+      process.exitCode = 1;
+      return;
+    }
+    this.restarting = (async () => {
+      try {
+        await this.startEngine();
+        this.log.info('engine restarted');
+      } catch (e) {
+        this.log.error('engine restart failed; agent stopping', { error: String(e) });
+        await this.stop();
+        process.exitCode = 1;
+      } finally {
+        this.restarting = null;
+      }
+    })();
+  }
+
+  private async ensureEngine(): Promise<void> {
+    if (this.restarting) await this.restarting;
+  }
+
+  private async requireLoaded(modelId: string): Promise<void> {
+    if (this.loaded.has(modelId)) return;
+    const rec = await this.registry.getModel(modelId);
+    const why = rec?.lost_reason ?? 'it is not loaded on this agent';
+    throw new EngineError('server', `model ${modelId} is unavailable: ${why}`);
+  }
+
+  private async runTrain(job: Job<AnyJob>): Promise<unknown> {
+    return this.guard(job, async () => {
+      await this.ensureEngine();
+      const data = TrainJob.parse(job.data);
+      switch (data.op) {
+        case 'create_model': {
+          const r = await this.adapter.createModel(data);
+          this.loaded.add(data.model_id);
+          return r;
+        }
+        case 'forward_backward':
+          await this.requireLoaded(data.model_id);
+          return this.adapter.forwardBackward(data);
+        case 'optim_step':
+          await this.requireLoaded(data.model_id);
+          return this.adapter.optimStep(data);
+        case 'save_weights_for_sampler': {
+          await this.requireLoaded(data.model_id);
+          const named = data.sampling_session_id === null;
+          if (named && (await this.registry.getSamplerVersion(data.tinker_path)))
+            throw new EngineError('user', `sampler weights ${data.tinker_path} already exist; save under a new name`);
+          await this.adapter.saveSampler(data);
+          const model = (await this.registry.getModel(data.model_id))!;
+          await this.registry.putSamplerVersion({
+            tinker_path: data.tinker_path,
+            model_id: data.model_id,
+            base_model: model.base_model,
+            dir: data.dir,
+            created_at: new Date().toISOString(),
+          });
+          if (data.sampling_session_id)
+            await this.registry.putSamplingSession(
+              {
+                sampling_session_id: data.sampling_session_id,
+                session_id: model.session_id,
+                base_model: model.base_model,
+                model_path: data.tinker_path,
+                adapter_dir: data.dir,
+              },
+              this.config.retentionS,
+            );
+          return { path: data.tinker_path, sampling_session_id: data.sampling_session_id };
+        }
+      }
+    });
+  }
+
+  private async runSample(job: Job<AnyJob>): Promise<unknown> {
+    return this.guard(job, async () => {
+      await this.ensureEngine();
+      return this.adapter.sample(SampleJob.parse(job.data));
+    });
+  }
+
+  /** Runs one job; any failure becomes an unrecoverable job failure carrying its category. */
+  private async guard<T>(job: Job<AnyJob>, fn: () => Promise<T>): Promise<T> {
+    const log = this.log.child({ jobId: job.id, op: job.name, queue: job.queueName });
+    const start = Date.now();
+    try {
+      const r = await fn();
+      log.debug('job done', { ms: Date.now() - start });
+      return r;
+    } catch (err) {
+      let category: ErrorCategory = 'server';
+      let message = String((err as Error)?.message ?? err);
+      if (err instanceof EngineError) category = err.category;
+      else if (isBrokerError(err)) category = err.category;
+      else if (err instanceof ZodError) message = `invalid ${job.name} job payload: ${err.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`;
+      throw new UnrecoverableError(encodeJobFailure(category, message));
+    }
+  }
+
+  async stop(): Promise<void> {
+    if (this.stopping) return;
+    this.stopping = true;
+    clearInterval(this.heartbeat);
+    await Promise.all(this.workers.map((w) => w.close()));
+    await this.registry?.removeAgent(this.config.agentId).catch(() => undefined);
+    await this.adapter.stop().catch(() => undefined);
+    await this.redis?.quit().catch(() => undefined);
+    this.log.info('agent stopped');
+  }
+}

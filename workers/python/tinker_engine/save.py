@@ -1,0 +1,49 @@
+"""``save_sampler``: write a model's adapter as a standard PEFT adapter directory.
+
+The directory holds ``adapter_config.json`` (``base_model_name_or_path`` = the base's absolute
+path, ``inference_mode`` true) and ``adapter_model.safetensors`` with PEFT's usual key names, so
+``PeftModel.from_pretrained(base, dir)`` and vLLM's LoRA loader can read it. Only the LoRA A/B
+matrices are written (never a copy of lm_head, even when lm_head is a LoRA target). Files are
+written under temporary names and renamed into place, so a reader never sees a half-written file.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import save_file
+
+from .models import ADAPTER_FILES, Registry, TrainingModel
+from .params import get_str
+
+
+def write_adapter(model: TrainingModel, directory: str) -> None:
+    base = model.base
+    assert base.peft is not None
+    config = copy.deepcopy(base.peft.peft_config[model.adapter])
+    config.base_model_name_or_path = base.path
+    config.inference_mode = True
+    state = get_peft_model_state_dict(base.peft, adapter_name=model.adapter, save_embedding_layers=False)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in sorted(state.items())}
+
+    os.makedirs(directory, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-adapter-", dir=directory)
+    try:
+        config.save_pretrained(tmp)
+        save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+        for fname in ADAPTER_FILES:
+            os.replace(os.path.join(tmp, fname), os.path.join(directory, fname))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_sampler(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
+    model = registry.model(get_str(args, "model_id"))
+    directory = get_str(args, "dir")
+    write_adapter(model, directory)
+    return {"dir": directory}

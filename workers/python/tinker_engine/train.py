@@ -1,0 +1,219 @@
+"""``forward_backward`` and ``optim_step``.
+
+forward_backward validates every datum before it touches the model, so a ``UserError`` changes
+nothing. Datums are right-padded into micro-batches of at most ``max_batch_tokens`` padded tokens
+(``TB_ENGINE_MAX_BATCH_TOKENS``, default 16384); each micro-batch's summed loss is backpropagated
+into the adapter's ``.grad``, which accumulates across calls until ``optim_step``. If anything
+fails midway, the gradients are restored to what they were before the call.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import UserError
+from .losses import LossSpec, get_loss, target_logprobs
+from .models import BaseModel, Registry
+from .params import check_token_ids, get_bool, get_float, get_obj, get_str, is_int
+from .tensors import tensor_from_json, tensor_to_json
+
+DEFAULT_MAX_BATCH_TOKENS = 16384
+
+
+def max_batch_tokens() -> int:
+    return max(1, int(os.environ.get("TB_ENGINE_MAX_BATCH_TOKENS", DEFAULT_MAX_BATCH_TOKENS)))
+
+
+@dataclass
+class Datum:
+    """One validated datum: model input tokens, targets and float loss inputs (CPU tensors)."""
+
+    index: int
+    tokens: torch.Tensor  # (N,) int64
+    targets: torch.Tensor  # (N,) or (N, K) int64
+    inputs: dict[str, torch.Tensor]  # float32, each shaped like targets
+
+
+def parse_datum(index: int, raw: Any, base: BaseModel, loss: LossSpec) -> Datum:
+    where = f"datum {index}"
+    if not isinstance(raw, dict):
+        raise UserError(f"{where}: must be an object with tokens and loss_fn_inputs")
+    tokens = raw.get("tokens")
+    if not isinstance(tokens, list) or not tokens or not all(is_int(t) for t in tokens):
+        raise UserError(f"{where}: tokens must be a non-empty list of integers")
+    n = len(tokens)
+    if base.max_context_length and n > base.max_context_length:
+        raise UserError(f"{where}: {n} tokens exceed the model's context length {base.max_context_length}")
+    check_token_ids(tokens, base.input_vocab_size, f"{where} tokens")
+
+    raw_inputs = raw.get("loss_fn_inputs")
+    if not isinstance(raw_inputs, dict):
+        raise UserError(f"{where}: loss_fn_inputs must be an object")
+    if "target_tokens" not in raw_inputs:
+        raise UserError(f"{where}: loss_fn_inputs['target_tokens'] is required")
+    targets = tensor_from_json(raw_inputs["target_tokens"], f"{where} target_tokens")
+    if targets.dtype != torch.int64:
+        raise UserError(f"{where}: target_tokens must be int64, got {targets.dtype}")
+    allowed_dims = (1, 2) if loss.allows_topk else (1,)
+    if targets.dim() not in allowed_dims:
+        shape_text = "(N,) or (N, K)" if loss.allows_topk else "(N,)"
+        raise UserError(f"{where}: target_tokens for '{loss.name}' must have shape {shape_text}, "
+                        f"got {list(targets.shape)}")
+    if targets.shape[0] != n or (targets.dim() == 2 and targets.shape[1] == 0):
+        raise UserError(f"{where}: target_tokens has shape {list(targets.shape)} but the datum has {n} tokens; "
+                        f"its first dimension must equal the token count")
+    bad = (targets < 0) | (targets >= base.vocab_size)
+    if bool(bad.any()):
+        value = int(targets[bad][0])
+        raise UserError(f"{where}: target token id {value} is outside the vocabulary [0, {base.vocab_size})")
+
+    for name in loss.required_inputs:
+        if name not in raw_inputs:
+            raise UserError(f"{where}: loss '{loss.name}' requires loss_fn_inputs['{name}']")
+    inputs: dict[str, torch.Tensor] = {}
+    for name in loss.required_inputs + loss.optional_inputs:
+        if name not in raw_inputs:
+            continue
+        value = tensor_from_json(raw_inputs[name], f"{where} {name}").to(torch.float32)
+        if value.shape != targets.shape:
+            raise UserError(f"{where}: {name} has shape {list(value.shape)} but target_tokens has shape "
+                            f"{list(targets.shape)}; they must match")
+        if not bool(torch.isfinite(value).all()):
+            raise UserError(f"{where}: {name} contains NaN or infinite values")
+        inputs[name] = value
+    return Datum(index=index, tokens=torch.tensor(tokens, dtype=torch.int64), targets=targets, inputs=inputs)
+
+
+def micro_batches(datums: list[Datum], budget: int) -> Iterator[list[Datum]]:
+    """Consecutive groups whose padded size (count x longest) stays within ``budget`` tokens."""
+    batch: list[Datum] = []
+    longest = 0
+    for d in datums:
+        n = d.tokens.shape[0]
+        if batch and max(longest, n) * (len(batch) + 1) > budget:
+            yield batch
+            batch, longest = [], 0
+        batch.append(d)
+        longest = max(longest, n)
+    if batch:
+        yield batch
+
+
+def _run_batch(base: BaseModel, batch: list[Datum], loss: LossSpec, config: dict[str, float],
+               backward: bool) -> tuple[list[torch.Tensor], float]:
+    device = base.device
+    longest = max(d.tokens.shape[0] for d in batch)
+    ids = torch.zeros((len(batch), longest), dtype=torch.int64)
+    mask = torch.zeros((len(batch), longest), dtype=torch.int64)
+    for row, d in enumerate(batch):
+        ids[row, : d.tokens.shape[0]] = d.tokens
+        mask[row, : d.tokens.shape[0]] = 1
+    with torch.set_grad_enabled(backward):
+        logits = base.hf(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+        outputs: list[torch.Tensor] = []
+        losses: list[torch.Tensor] = []
+        for row, d in enumerate(batch):
+            lp = target_logprobs(logits[row, : d.tokens.shape[0]], d.targets.to(device))
+            inputs = {k: v.to(device) for k, v in d.inputs.items()}
+            losses.append(loss.fn(lp, inputs, config))
+            outputs.append(lp.detach().cpu())
+        total = torch.stack(losses).sum()
+        if backward:
+            total.backward()
+    return outputs, float(total.detach())
+
+
+def forward_backward(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
+    model = registry.model(get_str(args, "model_id"))
+    loss = get_loss(get_str(args, "loss_fn"))
+    raw_config = args.get("loss_fn_config")
+    if raw_config is not None and not isinstance(raw_config, dict):
+        raise UserError("loss_fn_config must be an object")
+    config = loss.parse_config(raw_config)
+    forward_only = get_bool(args, "forward_only", default=False)
+    raw_data = args.get("data")
+    if not isinstance(raw_data, list):
+        raise UserError("data must be a list of datums")
+    base = model.base
+    datums = [parse_datum(i, d, base, loss) for i, d in enumerate(raw_data)]
+
+    base.activate(model.adapter, trainable=True)
+    saved = None if forward_only else [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    outputs: list[torch.Tensor] = []
+    total = 0.0
+    try:
+        for batch in micro_batches(datums, max_batch_tokens()):
+            batch_outputs, batch_loss = _run_batch(base, batch, loss, config, backward=not forward_only)
+            outputs.extend(batch_outputs)
+            total += batch_loss
+    except BaseException:
+        if saved is not None:
+            for p, g in zip(model.parameters(), saved):
+                p.grad = g
+        raise
+    return {
+        "loss_fn_outputs": [{"logprobs": tensor_to_json(lp)} for lp in outputs],
+        "metrics": {"loss:sum": total},
+    }
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """The ``adam`` object of ``optim_step``; missing fields take Tinker's AdamParams defaults."""
+
+    learning_rate: float
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+    @classmethod
+    def parse(cls, obj: dict[str, Any]) -> AdamParams:
+        hp = cls(
+            learning_rate=get_float(obj, "learning_rate", "adam"),
+            beta1=get_float(obj, "beta1", "adam", default=cls.beta1),
+            beta2=get_float(obj, "beta2", "adam", default=cls.beta2),
+            eps=get_float(obj, "eps", "adam", default=cls.eps),
+            weight_decay=get_float(obj, "weight_decay", "adam", default=cls.weight_decay),
+            grad_clip_norm=get_float(obj, "grad_clip_norm", "adam", default=cls.grad_clip_norm),
+        )
+        if hp.learning_rate < 0:
+            raise UserError(f"adam.learning_rate must be >= 0, got {hp.learning_rate}")
+        for name, beta in (("beta1", hp.beta1), ("beta2", hp.beta2)):
+            if not 0.0 <= beta < 1.0:
+                raise UserError(f"adam.{name} must be in [0, 1), got {beta}")
+        for name, value in (("eps", hp.eps), ("weight_decay", hp.weight_decay), ("grad_clip_norm", hp.grad_clip_norm)):
+            if value < 0:
+                raise UserError(f"adam.{name} must be >= 0, got {value}")
+        return hp
+
+
+def optim_step(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
+    model = registry.model(get_str(args, "model_id"))
+    hp = AdamParams.parse(get_obj(args, "adam"))
+    params = model.parameters()
+    if model.optimizer is None:
+        model.optimizer = torch.optim.AdamW(params, lr=hp.learning_rate)
+    opt = model.optimizer
+    for group in opt.param_groups:
+        group["lr"] = hp.learning_rate
+        group["betas"] = (hp.beta1, hp.beta2)
+        group["eps"] = hp.eps
+        group["weight_decay"] = hp.weight_decay
+    grads = [p.grad for p in params if p.grad is not None]
+    if hp.grad_clip_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, hp.grad_clip_norm)
+    elif grads:
+        norm = torch.nn.utils.get_total_norm(grads)
+    else:
+        norm = torch.zeros(())
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return {"metrics": {"grad_norm": float(norm), "learning_rate": hp.learning_rate}}
+
