@@ -10,6 +10,7 @@ written under temporary names and renamed into place, so a reader never sees a h
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import tempfile
@@ -20,6 +21,17 @@ from safetensors.torch import save_file
 
 from .models import ADAPTER_FILES, Registry, TrainingModel
 from .params import get_str
+
+
+def _normalise_config(path: str) -> None:
+    """Sorted keys and target_modules (PEFT keeps them in a set), so equal adapters write equal files."""
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    if isinstance(config.get("target_modules"), list):
+        config["target_modules"] = sorted(config["target_modules"])
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def write_adapter(model: TrainingModel, directory: str) -> None:
@@ -35,6 +47,7 @@ def write_adapter(model: TrainingModel, directory: str) -> None:
     tmp = tempfile.mkdtemp(prefix=".tmp-adapter-", dir=directory)
     try:
         config.save_pretrained(tmp)
+        _normalise_config(os.path.join(tmp, "adapter_config.json"))
         save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
         for fname in ADAPTER_FILES:
             os.replace(os.path.join(tmp, fname), os.path.join(directory, fname))

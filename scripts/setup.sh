@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Installs everything tinker-broker needs on a fresh machine: Node packages, a Python
+# virtual environment (.venv) with the engine's and the end-to-end tests' pinned
+# requirements, and the tiny local model (models/tiny-qwen3). Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ ! -d node_modules ] || [ package-lock.json -nt node_modules/.package-lock.json ]; then
+  npm ci --no-audit --no-fund
+fi
+
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+# torch first, pinned: the CPU build; an unpinned torch would pull a multi-GB CUDA build.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/pip install --quiet --disable-pip-version-check "$(grep '^torch==' workers/python/requirements.txt)"
+fi
+.venv/bin/pip install --quiet --disable-pip-version-check -r workers/python/requirements.txt -r test/e2e/requirements.txt
+
+.venv/bin/python scripts/make_tiny_model.py --out models/tiny-qwen3

@@ -1,0 +1,113 @@
+import { randomUUID } from 'node:crypto';
+import { expect } from 'chai';
+import { Worker } from 'bullmq';
+import { Redis } from 'ioredis';
+import { OrderingGate } from '../queues/gate.js';
+import { jobIds, Names } from '../queues/names.js';
+import { QueueSet } from '../queues/queues.js';
+import type { TrainJob } from '../queues/schemas.js';
+import { deletePrefix, REDIS_URL } from './helpers/stack.js';
+
+/** The per-model ordering gate against real Redis and real BullMQ queues. */
+describe('ordering gate', () => {
+  let prefix: string;
+  let conns: Redis[];
+  let sets: QueueSet[];
+  const modelId = 'sess:train:0';
+  const queue = 'train-a';
+
+  const optim = (seq: number): TrainJob => ({
+    op: 'optim_step',
+    model_id: modelId,
+    seq_id: seq,
+    adam: { learning_rate: seq / 1000, beta1: 0.9, beta2: 0.95, eps: 1e-12, weight_decay: 0, grad_clip_norm: 0 },
+  });
+
+  /** One "API process": its own Redis connection, queues and gate. */
+  const process = () => {
+    const c = new Redis(REDIS_URL, { maxRetriesPerRequest: null });
+    conns.push(c);
+    const names = new Names(prefix);
+    const qs = new QueueSet(c, names, 3600);
+    sets.push(qs);
+    return { gate: new OrderingGate(c, names, qs), qs };
+  };
+
+  beforeEach(() => {
+    prefix = `test-${randomUUID().slice(0, 8)}`;
+    conns = [];
+    sets = [];
+  });
+  afterEach(async () => {
+    for (const s of sets) await s.close();
+    for (const c of conns) c.disconnect();
+    await deletePrefix(prefix);
+  });
+
+  async function queuedSeqs(qs: QueueSet): Promise<number[]> {
+    // getWaiting lists the wait list oldest first, the order a worker takes them.
+    const jobs = await qs.get(queue).getWaiting(0, -1);
+    return jobs.map((j) => (j.data as { seq_id: number }).seq_id);
+  }
+
+  it('releases ops in seq_id order when requests arrive out of order, across API processes', async () => {
+    const a = process();
+    const b = process();
+    await a.gate.open(modelId);
+    const order = [5, 3, 8, 1, 2, 7, 4, 6];
+    // Alternate processes and submit all at once, as the SDK's parallel chunks do.
+    await Promise.all(order.map((seq, i) => (i % 2 ? a : b).gate.submit(modelId, seq, queue, jobIds.train(modelId, seq), optim(seq))));
+    expect(await queuedSeqs(a.qs)).to.deep.equal([1, 2, 3, 4, 5, 6, 7, 8]);
+    expect(await a.gate.state(modelId)).to.deep.equal({ next: 9, held: 0 });
+    // And a worker of concurrency 1, like an agent's, takes them in that order.
+    const ran: number[] = [];
+    const c = new Redis(REDIS_URL, { maxRetriesPerRequest: null });
+    conns.push(c);
+    const done = new Promise<void>((resolve) => {
+      const w = new Worker(
+        queue,
+        async (job) => {
+          ran.push((job.data as { seq_id: number }).seq_id);
+          if (ran.length === order.length) setImmediate(() => void w.close().then(resolve));
+        },
+        { connection: c, prefix: new Names(prefix).bull, concurrency: 1 },
+      );
+    });
+    await done;
+    expect(ran).to.deep.equal([1, 2, 3, 4, 5, 6, 7, 8]);
+  });
+
+  it('holds ops behind a gap and reports them as pending', async () => {
+    const { gate, qs } = process();
+    await gate.open(modelId);
+    await gate.submit(modelId, 2, queue, jobIds.train(modelId, 2), optim(2));
+    await gate.submit(modelId, 3, queue, jobIds.train(modelId, 3), optim(3));
+    expect(await queuedSeqs(qs)).to.deep.equal([]);
+    expect(await gate.isHeld(jobIds.train(modelId, 2))).to.equal(true);
+    expect(await gate.state(modelId)).to.deep.equal({ next: 1, held: 2 });
+    await gate.submit(modelId, 1, queue, jobIds.train(modelId, 1), optim(1));
+    expect(await queuedSeqs(qs)).to.deep.equal([1, 2, 3]);
+    expect(await gate.isHeld(jobIds.train(modelId, 2))).to.equal(false);
+  });
+
+  it('recognises a repeated (model_id, seq_id), held or released, and enqueues it once', async () => {
+    const { gate, qs } = process();
+    await gate.open(modelId);
+    expect(await gate.submit(modelId, 2, queue, jobIds.train(modelId, 2), optim(2))).to.equal('admitted');
+    expect(await gate.submit(modelId, 2, queue, jobIds.train(modelId, 2), optim(2))).to.equal('duplicate');
+    expect(await gate.submit(modelId, 1, queue, jobIds.train(modelId, 1), optim(1))).to.equal('admitted');
+    expect(await gate.submit(modelId, 1, queue, jobIds.train(modelId, 1), optim(1))).to.equal('duplicate');
+    expect(await queuedSeqs(qs)).to.deep.equal([1, 2]);
+  });
+
+  it('refuses ops for a model whose gate was never opened', async () => {
+    const { gate } = process();
+    let err: unknown;
+    try {
+      await gate.submit('nope:train:0', 1, queue, 't-x-1', optim(1));
+    } catch (e) {
+      err = e;
+    }
+    expect(String(err)).to.match(/not open/);
+  });
+});

@@ -1,0 +1,49 @@
+"""Entry point: ``python -m tinker_engine`` speaks protocol v1 on stdin/stdout, logs on stderr.
+
+File descriptor 1 is reserved for reply frames: at start-up the engine keeps a private duplicate
+of it for the channel and points fd 1 (and ``sys.stdout``) at stderr, so a stray ``print`` or a
+library writing to stdout can never corrupt the framing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+
+# Local directories only: never reach a model hub. Set before transformers is imported.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def main() -> int:
+    protocol_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    sys.stdout = sys.stderr
+    protocol_in = sys.stdin.buffer
+
+    logging.basicConfig(stream=sys.stderr, level=os.environ.get("TB_ENGINE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+    from transformers.utils import logging as hf_logging
+
+    from .channel import Channel
+    from .device import placement_from_env
+    from .engine import Engine
+    from .server import serve
+
+    hf_logging.disable_progress_bar()
+    # Deprecation notices from transformers/PEFT internals would repeat on every op.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    placement = placement_from_env()
+    logging.getLogger("tinker_engine").info("engine start pid=%d device=%s dtype=%s", os.getpid(),
+                                            placement.device_name, placement.dtype)
+    return serve(Channel(protocol_in, protocol_out), Engine(placement))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
