@@ -1,0 +1,264 @@
+import { mkdirSync, writeFileSync } from 'node:fs';
+import path from 'node:path';
+import { expect } from 'chai';
+import { TINY_MODEL_ALIAS, TINY_MODEL_DIR } from '../scripts/stack.js';
+import { call, startStack, type HttpReply, type TestStack } from './helpers/stack.js';
+import { decodeForwardBackwardOutput, decodeSampleResponse, encodeForwardBackward, type TestDatum } from './helpers/wire.js';
+
+const PROTO = 'application/x-protobuf';
+
+function expectTinkerError(r: HttpReply, status: number, category: 'user' | 'server', pattern: RegExp): void {
+  expect(r.status, JSON.stringify(r.json)).to.equal(status);
+  expect(r.json).to.include({ category });
+  expect(r.json.error).to.be.a('string').and.match(pattern);
+}
+
+describe('API without a worker agent', () => {
+  let s: TestStack;
+  before(async () => {
+    s = await startStack({ agent: false, longPollMs: 500 });
+  });
+  after(async () => s?.stop());
+
+  it('reports not ready on /healthz until an agent serves a model', async () => {
+    const r = await call(s.baseUrl, 'GET', '/healthz', undefined, { key: null });
+    expect(r.status).to.equal(503);
+    expect(r.json.status).to.equal('starting');
+  });
+
+  it('answers 401 in the Tinker error shape for a missing or wrong API key', async () => {
+    expectTinkerError(await call(s.baseUrl, 'POST', '/create_session', {}, { key: null }), 401, 'user', /missing X-API-Key/);
+    expectTinkerError(await call(s.baseUrl, 'POST', '/create_session', {}, { key: 'tml-wrong' }), 401, 'user', /invalid API key/);
+  });
+
+  it('answers 400 with a message naming the problem for malformed bodies', async () => {
+    expectTinkerError(await call(s.baseUrl, 'POST', '/create_session', '{"tags": [', {}), 400, 'user', /malformed JSON/);
+    expectTinkerError(await call(s.baseUrl, 'POST', '/create_model', { session_id: 'x' }), 400, 'user', /model_seq_id.*base_model|base_model/);
+    expectTinkerError(
+      await call(s.baseUrl, 'POST', '/create_model', { session_id: 'x', model_seq_id: 0, base_model: 'm', lora_config: { rank: -4 } }),
+      400,
+      'user',
+      /lora_config\.rank/,
+    );
+    expectTinkerError(await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: Buffer.from([0xff, 0xff, 0xff]) }), 400, 'user', /not a valid ForwardBackwardRequest/);
+    expectTinkerError(await call(s.baseUrl, 'POST', '/optim_step', { model_id: 'm', seq_id: 1 }), 400, 'user', /adam_params: required/);
+  });
+
+  it('answers unknown sessions, models and futures with user errors, not 500s', async () => {
+    expectTinkerError(await call(s.baseUrl, 'POST', '/get_info', { model_id: 'nope:train:0' }), 404, 'user', /unknown model_id/);
+    expectTinkerError(
+      await call(s.baseUrl, 'POST', '/create_model', { session_id: 'nope', model_seq_id: 0, base_model: 'm', lora_config: { rank: 4 } }),
+      404,
+      'user',
+      /unknown session/,
+    );
+    const sess = await call(s.baseUrl, 'POST', '/create_session', { tags: [], sdk_version: '0.38.0' });
+    expectTinkerError(
+      await call(s.baseUrl, 'POST', '/create_model', { session_id: sess.json.session_id, model_seq_id: 0, base_model: 'Qwen/Qwen3-8B', lora_config: { rank: 4 } }),
+      404,
+      'user',
+      /base model 'Qwen\/Qwen3-8B' is not served here/,
+    );
+    const fb = encodeForwardBackward({ modelId: 'nope:train:0', seqId: 1, data: [{ tokens: [1, 2], targets: [2, 3] }] });
+    expectTinkerError(await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: fb }), 404, 'user', /unknown model_id/);
+    expectTinkerError(await call(s.baseUrl, 'POST', '/retrieve_future', { request_id: 'train-x/t-abc-1' }), 404, 'user', /unknown or expired future/);
+    expectTinkerError(await call(s.baseUrl, 'POST', '/no_such_endpoint', {}), 404, 'user', /no such endpoint/);
+  });
+});
+
+describe('API with a worker agent and the tiny model', function () {
+  this.timeout(300_000);
+  let s: TestStack;
+  let sessionId: string;
+
+  before(async () => {
+    s = await startStack({ longPollMs: 1_500 });
+    sessionId = (await call(s.baseUrl, 'POST', '/create_session', { tags: [], sdk_version: '0.38.0' })).json.session_id;
+  });
+  after(async () => s?.stop());
+
+  /** Polls a future as the SDK does: again at once on try_again. */
+  async function result(requestId: string, accept = 'application/json'): Promise<HttpReply> {
+    for (let i = 0; i < 100; i++) {
+      const r = await call(s.baseUrl, 'POST', '/retrieve_future', { request_id: requestId, allow_metadata_only: true }, { accept });
+      if (r.json?.type !== 'try_again') return r;
+    }
+    throw new Error(`future ${requestId} never finished`);
+  }
+
+  let modelSeq = 0;
+  async function createModel(seed: number): Promise<string> {
+    const r = await call(s.baseUrl, 'POST', '/create_model', {
+      session_id: sessionId,
+      model_seq_id: modelSeq++,
+      base_model: TINY_MODEL_ALIAS,
+      lora_config: { rank: 4, seed },
+      type: 'create_model',
+    });
+    expect(r.status, JSON.stringify(r.json)).to.equal(200);
+    const done = await result(r.json.request_id);
+    expect(done.json).to.deep.equal({ type: 'create_model', model_id: r.json.model_id });
+    return r.json.model_id;
+  }
+
+  const batch: TestDatum[] = [
+    { tokens: [5, 17, 42, 99, 7], targets: [17, 42, 99, 7, 300], weights: [1, 1, 1, 1, 1] },
+    { tokens: [11, 12, 13], targets: [12, 13, 14], weights: [0, 1, 1] },
+  ];
+
+  function submitFb(modelId: string, seqId: number, forwardOnly = false): Promise<HttpReply> {
+    return call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: encodeForwardBackward({ modelId, seqId, data: batch, forwardOnly }) });
+  }
+  function submitOptim(modelId: string, seqId: number): Promise<HttpReply> {
+    return call(s.baseUrl, 'POST', '/optim_step', {
+      model_id: modelId,
+      seq_id: seqId,
+      adam_params: { learning_rate: 0.05, beta1: 0.9, beta2: 0.95, eps: 1e-12, weight_decay: 0, grad_clip_norm: 0 },
+      type: 'optim_step',
+    });
+  }
+  async function fbOutput(requestId: string) {
+    const r = await result(requestId, PROTO);
+    expect(r.headers.get('content-type')).to.include(PROTO);
+    return decodeForwardBackwardOutput(r.body);
+  }
+
+  it('reports ready on /healthz and lists the model in the capabilities', async () => {
+    const h = await call(s.baseUrl, 'GET', '/healthz', undefined, { key: null });
+    expect(h.status).to.equal(200);
+    expect(h.json.status).to.equal('ready');
+    const caps = await call(s.baseUrl, 'GET', '/get_server_capabilities');
+    expect(caps.json.supported_models).to.deep.include({ model_name: TINY_MODEL_DIR, max_context_length: 2048, trainable: true, sampleable: true });
+  });
+
+  it('creates a model by alias and by path, and get_info names the tokenizer by its path', async () => {
+    const id = await createModel(1);
+    const info = await call(s.baseUrl, 'POST', '/get_info', { model_id: id, type: 'get_info' });
+    expect(info.json.model_data).to.deep.include({ model_name: TINY_MODEL_DIR, tokenizer_id: TINY_MODEL_DIR });
+    expect(info.json).to.include({ is_lora: true, lora_rank: 4 });
+    const r = await call(s.baseUrl, 'POST', '/create_model', { session_id: sessionId, model_seq_id: modelSeq++, base_model: TINY_MODEL_DIR, lora_config: { rank: 2 } });
+    expect((await result(r.json.request_id)).json.model_id).to.equal(r.json.model_id);
+  });
+
+  it('resolves a future by long-poll as soon as its job completes, without try_again', async () => {
+    const id = await createModel(2);
+    const sub = await submitFb(id, 1, true);
+    const t0 = Date.now();
+    const r = await call(s.baseUrl, 'POST', '/retrieve_future', { request_id: sub.json.request_id }, { accept: PROTO });
+    expect(r.headers.get('content-type')).to.include(PROTO);
+    expect(Date.now() - t0).to.be.below(1_500);
+    const out = decodeForwardBackwardOutput(r.body);
+    expect(out.logprobs.map((l) => l.length)).to.deep.equal([5, 3]);
+    const nll = -out.logprobs.flatMap((l, i) => l.map((v, j) => v * batch[i]!.weights![j]!)).reduce((a, b) => a + b, 0);
+    expect(out.metrics['loss:sum']).to.be.closeTo(nll, 1e-4);
+  });
+
+  it('answers try_again while an op waits behind a seq_id gap', async () => {
+    const id = await createModel(3);
+    const sub = await submitOptim(id, 2);
+    const r = await call(s.baseUrl, 'POST', '/retrieve_future', { request_id: sub.json.request_id });
+    expect(r.json).to.deep.equal({ type: 'try_again', request_id: sub.json.request_id, queue_state: 'active' });
+    await submitFb(id, 1);
+    expect((await result(sub.json.request_id)).json.type).to.equal('optim_step');
+  });
+
+  it('runs training ops in seq_id order when they arrive out of order, and de-duplicates a repeated seq_id', async () => {
+    // Same seed: same LoRA init. Model A gets seq 3, 2, 1 (each submission answered before the next is sent);
+    // model B gets 1, 2, 3 one at a time. Seq 3 is a forward after the optimizer step of seq 2.
+    const a = await createModel(7);
+    const b = await createModel(7);
+    const a3 = await submitFb(a, 3, true);
+    const a2 = await submitOptim(a, 2);
+    const a1 = await submitFb(a, 1);
+    const again = await submitFb(a, 1);
+    expect(again.json.request_id).to.equal(a1.json.request_id);
+
+    const b1 = await fbOutput((await submitFb(b, 1)).json.request_id);
+    await result((await submitOptim(b, 2)).json.request_id);
+    const b3 = await fbOutput((await submitFb(b, 3, true)).json.request_id);
+
+    const [o1, o2, o3] = [await fbOutput(a1.json.request_id), await result(a2.json.request_id), await fbOutput(a3.json.request_id)];
+    expect(o2.json.type).to.equal('optim_step');
+    o1.logprobs.flat().forEach((v, i) => expect(v).to.be.closeTo(b1.logprobs.flat()[i]!, 1e-5));
+    o3.logprobs.flat().forEach((v, i) => expect(v).to.be.closeTo(b3.logprobs.flat()[i]!, 1e-5));
+    // The step changed the weights: seq 3 saw them, so its loss is lower than seq 1's.
+    expect(o3.metrics['loss:sum']).to.be.below(o1.metrics['loss:sum']! - 1e-3);
+  });
+
+  it('samples from saved sampler weights with a logprob for every token', async () => {
+    const id = await createModel(4);
+    await result((await submitFb(id, 1)).json.request_id);
+    await result((await submitOptim(id, 2)).json.request_id);
+    const save = await call(s.baseUrl, 'POST', '/save_weights_for_sampler', { model_id: id, seq_id: 3, sampling_session_seq_id: 0 });
+    const saved = await result(save.json.request_id);
+    expect(saved.json.sampling_session_id).to.equal(`${sessionId}:sample:0`);
+    const sampler = await call(s.baseUrl, 'GET', `/samplers/${encodeURIComponent(saved.json.sampling_session_id)}`);
+    expect(sampler.json).to.include({ base_model: TINY_MODEL_DIR });
+    const sub = await call(s.baseUrl, 'POST', '/asample', {
+      num_samples: 3,
+      prompt: { chunks: [{ type: 'encoded_text', tokens: [5, 17, 42] }] },
+      sampling_params: { max_tokens: 6, seed: 3, temperature: 1, top_k: -1, top_p: 1, stop: [] },
+      sampling_session_id: saved.json.sampling_session_id,
+      seq_id: 0,
+      prompt_logprobs: true,
+      topk_prompt_logprobs: 0,
+      type: 'sample',
+    });
+    expect(sub.json.sample_sequence_ids).to.have.length(3);
+    const r = await result(sub.json.request_id, PROTO);
+    const out = decodeSampleResponse(r.body);
+    expect(out.sequences).to.have.length(3);
+    for (const seq of out.sequences) {
+      expect(seq.tokens).to.have.length(6);
+      expect(seq.logprobs).to.have.length(6);
+      expect(seq.stop_reason).to.equal(1); // length: stop [] disables EOS
+      for (const lp of seq.logprobs) expect(lp).to.be.at.most(0);
+    }
+    expect(out.promptLogprobs).to.have.length(3);
+    expect(Number.isNaN(out.promptLogprobs![0])).to.equal(true);
+  });
+
+  it('fails the future with category server and the engine message when the engine raises, and keeps serving', async () => {
+    const id = await createModel(5);
+    // A plain file where the checkpoint directory must go makes the engine's save raise.
+    const modelDir = path.join(s.storageDir, id.replace(/[^A-Za-z0-9._-]/g, '_'));
+    mkdirSync(modelDir, { recursive: true });
+    writeFileSync(path.join(modelDir, 'sampler_weights'), 'not a directory');
+    const save = await call(s.baseUrl, 'POST', '/save_weights_for_sampler', { model_id: id, seq_id: 1, path: 'blocked' });
+    const failed = await result(save.json.request_id);
+    expect(failed.status).to.equal(200);
+    expect(failed.json.category).to.equal('server');
+    expect(failed.json.error).to.match(/sampler_weights/);
+    // The next op of the same model runs.
+    const out = await fbOutput((await submitFb(id, 2)).json.request_id);
+    expect(out.logprobs).to.have.length(2);
+  });
+
+  it('fails with a user error when the engine rejects input the API let through', async () => {
+    const id = await createModel(6);
+    // ppo with a low clip threshold above the high one: the engine validates loss_fn_config.
+    const raw = encodeForwardBackward({
+      modelId: id,
+      seqId: 1,
+      lossFn: 'ppo',
+      config: { clip_low_threshold: 2.0, clip_high_threshold: 0.5 },
+      data: [{ tokens: [1, 2, 3], targets: [2, 3, 4], logprobs: [-1, -1, -1], advantages: [1, -1, 0.5] }],
+    });
+    const sub = await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw });
+    const r = await result(sub.json.request_id, PROTO);
+    expect(r.json.category).to.equal('user');
+    expect(r.json.error).to.match(/clip/);
+  });
+
+  it('rejects shape mismatches and out-of-vocabulary tokens before they reach the engine', async () => {
+    const id = await createModel(8);
+    const bad = encodeForwardBackward({ modelId: id, seqId: 1, data: [{ tokens: [1, 2, 3], targets: [2, 3] }] });
+    expectTinkerError(await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: bad }), 400, 'user', /target_tokens has shape \[2\] but model_input has 3 tokens/);
+    const oov = encodeForwardBackward({ modelId: id, seqId: 1, data: [{ tokens: [1, 2, 999999], targets: [2, 3, 4] }] });
+    expectTinkerError(await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: oov }), 400, 'user', /999999 is outside the vocabulary/);
+    const nan = encodeForwardBackward({ modelId: id, seqId: 1, lossFn: 'importance_sampling', data: [{ tokens: [1, 2], targets: [2, 3], logprobs: [-1, -1], advantages: [NaN, 1] }] });
+    expectTinkerError(await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: nan }), 400, 'user', /advantages contains NaN/);
+    // Rejected requests consumed no seq_id: seq 1 still runs.
+    expect((await fbOutput((await submitFb(id, 1)).json.request_id)).logprobs).to.have.length(2);
+  });
+});

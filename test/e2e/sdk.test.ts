@@ -1,0 +1,119 @@
+import { spawn, spawnSync, type ChildProcess } from 'node:child_process';
+import { randomUUID } from 'node:crypto';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { createServer } from 'node:net';
+import os from 'node:os';
+import path from 'node:path';
+import { expect } from 'chai';
+import { TINY_MODEL_ALIAS, TINY_MODEL_DIR } from '../../scripts/stack.js';
+import { deletePrefix, REDIS_URL } from '../helpers/stack.js';
+
+/**
+ * End to end as a user runs it: the start command (`npm start`'s script) brings up the API and
+ * an agent with the tiny model; an unchanged Tinker SDK program trains and samples through it.
+ */
+const PYTHON = path.resolve('.venv/bin/python');
+const KEY = 'tml-e2e-key';
+
+async function freePort(): Promise<number> {
+  return new Promise((resolve) => {
+    const srv = createServer();
+    srv.listen(0, '127.0.0.1', () => {
+      const port = (srv.address() as { port: number }).port;
+      srv.close(() => resolve(port));
+    });
+  });
+}
+
+type LoopResult = {
+  model_id: string;
+  nll: number[];
+  loss_sum: number[];
+  n_tokens: number;
+  samples: { tokens: number[]; logprobs: number[]; stop_reason: string }[];
+  greedy: { tokens: number[]; text: string };
+  base_model: string;
+};
+
+describe('Tinker SDK end to end through the start command', function () {
+  let server: ChildProcess;
+  let baseUrl: string;
+  const prefix = `e2e-${randomUUID().slice(0, 8)}`;
+  const storage = mkdtempSync(path.join(os.tmpdir(), 'tb-e2e-'));
+  let serverLog = '';
+
+  before(async function () {
+    this.timeout(180_000);
+    const port = await freePort();
+    baseUrl = `http://127.0.0.1:${port}`;
+    server = spawn(process.execPath, ['--import', 'tsx', 'scripts/start.ts'], {
+      env: { ...process.env, TB_PORT: String(port), TB_PREFIX: prefix, TB_STORAGE_DIR: storage, TB_API_KEYS: KEY, TB_AGENT_ID: `e2e-${prefix}`, REDIS_URL },
+      stdio: ['ignore', 'pipe', 'pipe'],
+    });
+    server.stdout!.on('data', (d) => (serverLog += d));
+    server.stderr!.on('data', (d) => (serverLog += d));
+    const deadline = Date.now() + 170_000;
+    for (;;) {
+      if (server.exitCode !== null) throw new Error(`start command exited early:\n${serverLog}`);
+      try {
+        const r = await fetch(`${baseUrl}/api/v1/healthz`);
+        if (r.status === 200 && (await r.json()).status === 'ready') break;
+      } catch {
+        /* not listening yet */
+      }
+      if (Date.now() > deadline) throw new Error(`server not ready:\n${serverLog}`);
+      await new Promise((r) => setTimeout(r, 250));
+    }
+  });
+
+  after(async () => {
+    if (server && server.exitCode === null) {
+      const exited = new Promise((r) => server.once('exit', r));
+      server.kill('SIGTERM');
+      await exited;
+    }
+    await deletePrefix(prefix);
+    rmSync(storage, { recursive: true, force: true });
+  });
+
+  function runLoop(mode: 'pipelined' | 'sequential', model: string): LoopResult {
+    const r = spawnSync(PYTHON, ['test/e2e/sdk_train_loop.py', model, mode, '30'], {
+      env: { ...process.env, TINKER_BASE_URL: baseUrl, TINKER_API_KEY: KEY, TINKER_TELEMETRY: '1', HF_HUB_OFFLINE: '1' },
+      encoding: 'utf8',
+      timeout: 600_000,
+    });
+    if (r.status !== 0) throw new Error(`SDK loop (${mode}) failed (${r.status}):\n${r.stderr}\n--- server ---\n${serverLog.slice(-4000)}`);
+    const lines = r.stdout.trim().split('\n');
+    return JSON.parse(lines[lines.length - 1]!) as LoopResult;
+  }
+
+  let pipelined: LoopResult;
+
+  it('trains 30 pipelined steps: the mean NLL from loss_fn_outputs falls by at least half', function () {
+    this.timeout(600_000);
+    pipelined = runLoop('pipelined', TINY_MODEL_ALIAS);
+    const { nll, loss_sum, n_tokens } = pipelined;
+    expect(nll).to.have.length(30);
+    expect(nll[29]!).to.be.at.most(nll[0]! / 2);
+    // loss:sum is the summed NLL of the same tokens.
+    nll.forEach((v, i) => expect(loss_sum[i]!).to.be.closeTo(v * n_tokens, 1e-3 * n_tokens));
+  });
+
+  it('samples from the saved weights with a logprob for every token', () => {
+    expect(pipelined.samples).to.have.length(2);
+    for (const s of pipelined.samples) {
+      expect(s.tokens.length).to.be.within(1, 8);
+      expect(s.logprobs).to.have.length(s.tokens.length);
+      expect(['stop', 'length']).to.include(s.stop_reason);
+    }
+    expect(pipelined.base_model).to.equal(TINY_MODEL_DIR);
+    // The adapter memorised the first sentence: greedy decoding continues it.
+    expect(pipelined.greedy.text).to.match(/^ fox/);
+  });
+
+  it('gives the same losses when every call is awaited one by one (the ordering is real)', function () {
+    this.timeout(600_000);
+    const sequential = runLoop('sequential', TINY_MODEL_DIR);
+    sequential.nll.forEach((v, i) => expect(v).to.be.closeTo(pipelined.nll[i]!, 1e-4 * Math.max(1, Math.abs(v))));
+  });
+});
