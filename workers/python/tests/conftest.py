@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -20,7 +19,14 @@ if str(PY_ROOT) not in sys.path:
 from tinker_engine.device import Placement  # noqa: E402
 from tinker_engine.engine import Engine  # noqa: E402
 
-warnings.filterwarnings("ignore", category=FutureWarning)
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+hf_logging.disable_progress_bar()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # transformers/PEFT deprecation notices from their own internals.
+    config.addinivalue_line("filterwarnings", "ignore::FutureWarning")
 
 BASE = "tiny"
 

@@ -49,7 +49,7 @@ def _reference(engine: Engine, items: list[tuple[list[int], torch.Tensor, dict[s
     total.backward()
     ref_grads = {n: p.grad.clone() for n, p in model.params}
     zero_grads(engine, MODEL)
-    return float(total), lps, ref_grads
+    return float(total.detach()), lps, ref_grads
 
 
 def _check(engine: Engine, loss_fn: str, items: list[tuple[list[int], torch.Tensor, dict[str, torch.Tensor]]],

@@ -93,7 +93,10 @@ class Engine:
                 args = {}
             if not isinstance(args, dict):
                 raise ValueError("request args must be an object")
-            subject = str(args.get("model_id") or args.get("base_model") or args.get("name") or "")
+            if args.get("model_id"):
+                subject = f"model_id={args['model_id']}"
+            elif args.get("base_model") or args.get("name"):
+                subject = f"base={args.get('base_model') or args.get('name')}"
             result = self.call(op, args)
             self._log(op, subject, start, "ok")
             return {"id": request_id, "ok": True, "result": result}
@@ -112,4 +115,4 @@ class Engine:
     @staticmethod
     def _log(op: str, subject: str, start: float, outcome: str) -> None:
         ms = (time.perf_counter() - start) * 1000.0
-        log.info("op=%s model_id=%s ms=%.1f %s", op, subject or "-", ms, outcome)
+        log.info("op=%s %s ms=%.1f %s", op, subject or "model_id=-", ms, outcome)

@@ -32,6 +32,7 @@ class SamplingParams:
     seed: int | None = None
     stop_tokens: frozenset[int] = field(default_factory=frozenset)
     stop_strings: tuple[str, ...] = ()
+    stop_at_eos: bool = True  # false: the tokenizer's EOS does not end a sequence
 
     @classmethod
     def parse(cls, obj: dict[str, Any]) -> SamplingParams:
@@ -44,6 +45,7 @@ class SamplingParams:
             seed=get_opt_int(obj, "seed", w),
             stop_tokens=frozenset(get_int_list(obj, "stop_tokens", w, default=[])),
             stop_strings=tuple(get_str_list(obj, "stop_strings", w, default=[])),
+            stop_at_eos=get_bool(obj, "stop_at_eos", w, default=True),
         )
         if params.temperature < 0:
             raise UserError(f"sampling_params.temperature must be >= 0, got {params.temperature}")
@@ -96,7 +98,7 @@ class Sequence:
 
 
 def _stops(seq: Sequence, token: int, params: SamplingParams, base: BaseModel) -> bool:
-    if token in params.stop_tokens or token == base.eos_token_id:
+    if token in params.stop_tokens or (params.stop_at_eos and token == base.eos_token_id):
         return True
     if params.stop_strings:
         text = base.tokenizer.decode(seq.tokens, skip_special_tokens=False)
