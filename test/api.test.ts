@@ -79,7 +79,7 @@ describe('API with a worker agent and the tiny model', function () {
 
   /** Polls a future as the SDK does: again at once on try_again. */
   async function result(requestId: string, accept = 'application/json'): Promise<HttpReply> {
-    for (let i = 0; i < 100; i++) {
+    for (let i = 0; i < 40; i++) {
       const r = await call(s.baseUrl, 'POST', '/retrieve_future', { request_id: requestId, allow_metadata_only: true }, { accept });
       if (r.json?.type !== 'try_again') return r;
     }

@@ -8,7 +8,8 @@ import type { Datum, ForwardBackwardResult, SampleResult, Tensor } from '../../q
  * Protobuf codecs of the Tinker wire format: the forward_backward request body, and the
  * ForwardBackwardOutput / SampleResponse future results. Byte fields are little-endian arrays.
  */
-const root = protobuf.loadSync(path.join(path.dirname(fileURLToPath(import.meta.url)), 'tinker_public.proto'));
+// keepCase: field names exactly as in the .proto (snake_case), as on the wire.
+const root = new protobuf.Root().loadSync(path.join(path.dirname(fileURLToPath(import.meta.url)), 'tinker_public.proto'), { keepCase: true });
 const ForwardBackwardRequestT = root.lookupType('tinker_public.ForwardBackwardRequest');
 const ForwardBackwardOutputT = root.lookupType('tinker_public.ForwardBackwardOutput');
 const SampleResponseT = root.lookupType('tinker_public.SampleResponse');
@@ -22,7 +23,7 @@ const invalid = (msg: string) => new BrokerError('INVALID_REQUEST', msg);
 
 type PbObject = Record<string, unknown>;
 const toObj = (t: protobuf.Type, m: protobuf.Message) =>
-  t.toObject(m, { longs: Number, enums: Number, bytes: Buffer, defaults: true, oneofs: true }) as PbObject;
+  t.toObject(m, { longs: Number, enums: Number, bytes: Buffer, defaults: true, arrays: true, objects: true, oneofs: true }) as PbObject;
 
 /** Little-endian array bytes → numbers, widening int32/bfloat16 as the SDK does. */
 function readArray(buf: Buffer, dtype: number, what: string): number[] {

@@ -2,7 +2,7 @@ import path from 'node:path';
 import protobuf from 'protobufjs';
 
 /** Client-side protobuf encoding and decoding, as the SDK does it, for tests that speak the wire directly. */
-const root = protobuf.loadSync(path.resolve('api/wire/tinker_public.proto'));
+const root = new protobuf.Root().loadSync(path.resolve('api/wire/tinker_public.proto'), { keepCase: true });
 const Req = root.lookupType('tinker_public.ForwardBackwardRequest');
 const Out = root.lookupType('tinker_public.ForwardBackwardOutput');
 const Sample = root.lookupType('tinker_public.SampleResponse');
