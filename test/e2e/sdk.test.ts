@@ -31,7 +31,7 @@ type LoopResult = {
   loss_sum: number[];
   n_tokens: number;
   samples: { tokens: number[]; logprobs: number[]; stop_reason: string }[];
-  greedy: { tokens: number[]; text: string };
+  greedy: { tokens: number[]; logprobs: number[]; rescored: number[]; text: string };
   base_model: string;
 };
 
@@ -107,8 +107,10 @@ describe('Tinker SDK end to end through the start command', function () {
       expect(['stop', 'length']).to.include(s.stop_reason);
     }
     expect(pipelined.base_model).to.equal(TINY_MODEL_DIR);
-    // The adapter memorised the first sentence: greedy decoding continues it.
-    expect(pipelined.greedy.text).to.match(/^ fox/);
+    // Each sampled token's logprob equals the one compute_logprobs gives the same tokens.
+    const g = pipelined.greedy;
+    expect(g.logprobs).to.have.length(g.tokens.length);
+    g.logprobs.forEach((lp, i) => expect(lp).to.be.closeTo(g.rescored[i]!, 1e-4));
   });
 
   it('gives the same losses when every call is awaited one by one (the ordering is real)', function () {

@@ -63,6 +63,9 @@ def main() -> None:
     prompt = types.ModelInput.from_ints(tok.encode("The quick brown"))
     res = sampler.sample(prompt, num_samples=2, sampling_params=types.SamplingParams(max_tokens=8, temperature=1.0, seed=7)).result()
     greedy = sampler.sample(prompt, num_samples=1, sampling_params=types.SamplingParams(max_tokens=8, temperature=0.0)).result()
+    # The sampled tokens' logprobs, recomputed by scoring prompt + completion.
+    g = greedy.sequences[0]
+    rescored = sampler.compute_logprobs(types.ModelInput.from_ints(prompt.to_ints() + list(g.tokens))).result()
     print(
         json.dumps(
             {
@@ -75,7 +78,12 @@ def main() -> None:
                     {"tokens": list(s.tokens), "logprobs": list(s.logprobs or []), "stop_reason": s.stop_reason}
                     for s in res.sequences
                 ],
-                "greedy": {"tokens": list(greedy.sequences[0].tokens), "text": tok.decode(greedy.sequences[0].tokens)},
+                "greedy": {
+                    "tokens": list(g.tokens),
+                    "logprobs": list(g.logprobs or []),
+                    "rescored": list(rescored[-len(g.tokens):]),
+                    "text": tok.decode(g.tokens),
+                },
                 "base_model": sampler.get_base_model(),
             }
         )
