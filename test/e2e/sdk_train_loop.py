@@ -59,7 +59,7 @@ def main() -> None:
         loss_sum.append(float(fb.metrics["loss:sum"]))
         optim_metrics.append(opt.metrics or {})
 
-    sampler = tc.save_weights_and_get_sampling_client()
+    sampler = tc.save_weights_and_get_sampling_client().result()
     prompt = types.ModelInput.from_ints(tok.encode("The quick brown"))
     res = sampler.sample(prompt, num_samples=2, sampling_params=types.SamplingParams(max_tokens=8, temperature=1.0, seed=7)).result()
     greedy = sampler.sample(prompt, num_samples=1, sampling_params=types.SamplingParams(max_tokens=8, temperature=0.0)).result()
