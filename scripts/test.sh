@@ -16,6 +16,7 @@ fi
 
 bash scripts/setup.sh || { echo "tests: 0 passed, 1 failed"; exit 1; }
 
+export TB_LOG_LEVEL="${TB_LOG_LEVEL:-warn}"
 log=$(mktemp)
 status=0
 run() { "$@" 2>&1 | tee -a "$log"; local rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || status=1; }

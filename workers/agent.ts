@@ -50,7 +50,7 @@ export class Agent {
   async start(): Promise<void> {
     this.redis = connect(this.config.redisUrl, 'blocking');
     this.registry = new Registry(this.redis, this.names);
-    this.adapter.onExit((reason) => void this.onEngineExit(reason));
+    this.adapter.onExit((reason) => this.onEngineExit(reason));
     await this.startEngine();
     // A new engine holds no adapters: models placed on this agent id before are gone.
     const lost = await this.registry.markModelsLost(this.config.agentId, 'its worker agent restarted; load it from a saved checkpoint');
@@ -92,27 +92,23 @@ export class Agent {
     for (const spec of this.config.models) this.served.push(await this.adapter.loadBase(spec));
   }
 
-  private async onEngineExit(reason: string): Promise<void> {
+  private onEngineExit(reason: string): void {
     if (this.stopping) return;
     this.log.error('engine process died', { reason });
     const models = [...this.loaded];
     this.loaded.clear();
-    await this.registry.markModelsLost(this.config.agentId, `${reason}; load it from a saved checkpoint`).catch(() => undefined);
-    if (models.length) this.log.warn('models lost with the engine', { models });
-    if (!this.config.engineRestart) {
-      this.log.error('engine restart is disabled; agent stopping');
-      await this.stop();
-      process.exitCode = 1;
-      return;
-    }
+    // Set synchronously, so a job taken from now on waits for the new engine.
     this.restarting = (async () => {
       try {
+        await this.registry.markModelsLost(this.config.agentId, `${reason}; load it from a saved checkpoint`);
+        if (models.length) this.log.warn('models lost with the engine', { models });
+        if (!this.config.engineRestart) throw new Error('engine restart is disabled (TB_ENGINE_RESTART=false)');
         await this.startEngine();
         this.log.info('engine restarted');
       } catch (e) {
-        this.log.error('engine restart failed; agent stopping', { error: String(e) });
-        await this.stop();
+        this.log.error('engine not restarted; agent stopping', { error: String(e) });
         process.exitCode = 1;
+        void this.stop();
       } finally {
         this.restarting = null;
       }
