@@ -1,7 +1,7 @@
 import { execFileSync } from 'node:child_process';
 import { expect } from 'chai';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
-import { call, startStack, type HttpReply, type TestStack } from './helpers/stack.js';
+import { awaitFuture, call, startStack, type TestStack } from './helpers/stack.js';
 import { decodeForwardBackwardOutput, encodeForwardBackward } from './helpers/wire.js';
 
 /** The agent supervises its engine: a dead engine loses its models (said clearly) and is restarted. */
@@ -15,13 +15,7 @@ describe('worker agent supervision', function () {
   });
   after(async () => s?.stop());
 
-  async function result(requestId: string, accept = 'application/json'): Promise<HttpReply> {
-    for (let i = 0; i < 60; i++) {
-      const r = await call(s.baseUrl, 'POST', '/retrieve_future', { request_id: requestId }, { accept });
-      if (r.json?.type !== 'try_again') return r;
-    }
-    throw new Error(`future ${requestId} never finished`);
-  }
+  const result = (requestId: string, accept?: string) => awaitFuture(s.baseUrl, requestId, accept);
   async function createModel(seq: number): Promise<string> {
     const r = await call(s.baseUrl, 'POST', '/create_model', { session_id: sessionId, model_seq_id: seq, base_model: TINY_MODEL_ALIAS, lora_config: { rank: 2, seed: 0 } });
     const done = await result(r.json.request_id);

@@ -2,7 +2,7 @@ import { mkdirSync, writeFileSync } from 'node:fs';
 import path from 'node:path';
 import { expect } from 'chai';
 import { TINY_MODEL_ALIAS, TINY_MODEL_DIR } from '../scripts/stack.js';
-import { call, startStack, type HttpReply, type TestStack } from './helpers/stack.js';
+import { awaitFuture, call, startStack, type HttpReply, type TestStack } from './helpers/stack.js';
 import { decodeForwardBackwardOutput, decodeSampleResponse, encodeForwardBackward, type TestDatum } from './helpers/wire.js';
 
 const PROTO = 'application/x-protobuf';
@@ -77,14 +77,7 @@ describe('API with a worker agent and the tiny model', function () {
   });
   after(async () => s?.stop());
 
-  /** Polls a future as the SDK does: again at once on try_again. */
-  async function result(requestId: string, accept = 'application/json'): Promise<HttpReply> {
-    for (let i = 0; i < 40; i++) {
-      const r = await call(s.baseUrl, 'POST', '/retrieve_future', { request_id: requestId, allow_metadata_only: true }, { accept });
-      if (r.json?.type !== 'try_again') return r;
-    }
-    throw new Error(`future ${requestId} never finished`);
-  }
+  const result = (requestId: string, accept?: string) => awaitFuture(s.baseUrl, requestId, accept);
 
   let modelSeq = 0;
   async function createModel(seed: number): Promise<string> {

@@ -106,3 +106,12 @@ export async function call(
   if ((res.headers.get('content-type') ?? '').includes('json')) json = JSON.parse(buf.toString('utf8'));
   return { status: res.status, headers: res.headers, json, body: buf };
 }
+
+/** Polls a future as the SDK does, again at once on try_again, until it has an answer. */
+export async function awaitFuture(baseUrl: string, requestId: string, accept = 'application/json', maxPolls = 40): Promise<HttpReply> {
+  for (let i = 0; i < maxPolls; i++) {
+    const r = await call(baseUrl, 'POST', '/retrieve_future', { request_id: requestId, allow_metadata_only: true }, { accept });
+    if (r.json?.type !== 'try_again') return r;
+  }
+  throw new Error(`future ${requestId} never finished`);
+}
