@@ -24,13 +24,14 @@ import { trainingRoutes } from './routes/training.js';
 export type BuiltApp = { app: Express; ctx: ApiContext; close: () => Promise<void> };
 
 export function buildApp(config: ApiConfig): BuiltApp {
-  const redis: Redis = connect(config.redisUrl, 'blocking');
+  const redis: Redis = connect(config.redisUrl, 'producer');
   const blocking: Redis[] = [];
   const names = new Names(config.prefix);
   const registry = new Registry(redis, names);
   const queues = new QueueSet(redis, names, config.retentionS);
   const gate = new OrderingGate(redis, names, queues);
   const futures = new FutureResolver(
+    redis,
     () => {
       const c = connect(config.redisUrl, 'blocking');
       blocking.push(c);
@@ -39,6 +40,7 @@ export function buildApp(config: ApiConfig): BuiltApp {
     names,
     queues,
     gate,
+    registry,
   );
   const ctx: ApiContext = { config, redis, names, registry, queues, gate, futures };
 

@@ -5,68 +5,84 @@ import { decodeRequestId, type FutureRef } from '../queues/futures.js';
 import type { OrderingGate } from '../queues/gate.js';
 import type { Names } from '../queues/names.js';
 import type { QueueSet } from '../queues/queues.js';
+import type { Registry } from '../queues/registry.js';
 import type { AnyJob, JobOp } from '../queues/schemas.js';
 
 /**
  * Futures are answered from BullMQ job state (the truth) plus one shared completion listener
- * per queue: a `retrieve_future` first registers a waiter, then checks the job, then sleeps
- * on the waiter for at most the long-poll window. No polling loop.
+ * per queue: a `retrieve_future` reads the job; if it is pending, registers a waiter on the
+ * queue's listener, reads again, and sleeps on the waiter for at most the long-poll window.
+ * No polling loop. Listeners exist only for queues that hold a real pending job.
  */
 export type FutureState =
   | { kind: 'done'; op: JobOp; result: unknown }
-  | { kind: 'failed'; op: JobOp; category: ErrorCategory; message: string }
+  | { kind: 'failed'; op: string; category: ErrorCategory; message: string }
   | { kind: 'pending'; queueState: 'active' }
   | { kind: 'unknown' };
+
+const QUEUE_NAME = /^(train|sample)-[A-Za-z0-9_.-]{1,128}$/;
 
 export class FutureResolver {
   private readonly events = new Map<string, Promise<QueueEvents>>();
   private readonly waiters = new Map<string, Set<() => void>>();
 
   constructor(
+    private readonly redis: Redis,
     private readonly blockingConnection: () => Redis,
     private readonly names: Names,
     private readonly queues: QueueSet,
     private readonly gate: OrderingGate,
+    private readonly registry: Registry,
   ) {}
-
-  private key(ref: FutureRef): string {
-    return `${ref.queue}/${ref.jobId}`;
-  }
 
   private notify(queue: string, jobId: string): void {
     const set = this.waiters.get(`${queue}/${jobId}`);
     if (set) for (const wake of set) wake();
   }
 
-  /** The shared listener of one queue, created on first use. */
+  /** The shared listener of one queue, created on first use; it reads from the stream's current end. */
   private listen(queue: string): Promise<QueueEvents> {
     let p = this.events.get(queue);
     if (!p) {
       p = (async () => {
-        const qe = new QueueEvents(queue, { connection: this.blockingConnection(), prefix: this.names.bull });
+        // Start at the last event already in the stream, not at '$': an event written between
+        // "ready" and the first blocking read is then still delivered.
+        const last = await this.redis.xrevrange(`${this.names.bull}:${queue}:events`, '+', '-', 'COUNT', 1);
+        const qe = new QueueEvents(queue, {
+          connection: this.blockingConnection(),
+          prefix: this.names.bull,
+          lastEventId: last[0]?.[0] ?? '0-0',
+        });
         qe.on('completed', ({ jobId }) => this.notify(queue, jobId));
         qe.on('failed', ({ jobId }) => this.notify(queue, jobId));
         await qe.waitUntilReady();
         return qe;
       })();
       this.events.set(queue, p);
+      // A listener that failed to start is dropped, so the next poll tries again.
+      p.catch(() => this.events.delete(queue));
     }
     return p;
   }
 
   async state(ref: FutureRef): Promise<FutureState> {
+    if (!QUEUE_NAME.test(ref.queue)) return { kind: 'unknown' };
+    const exists = (await this.redis.exists(`${this.names.bull}:${ref.queue}:${ref.jobId}`)) === 1;
+    if (!exists) {
+      const failed = await this.registry.getFailedFuture(ref.jobId);
+      if (failed) return { kind: 'failed', ...failed };
+      const model = await this.gate.heldModel(ref.jobId);
+      if (model === null) return { kind: 'unknown' };
+      await this.gate.release(model);
+      return { kind: 'pending', queueState: 'active' };
+    }
     const job = (await Job.fromId(this.queues.get(ref.queue), ref.jobId)) as Job<AnyJob> | undefined;
-    if (!job) return (await this.gate.isHeld(ref.jobId)) ? { kind: 'pending', queueState: 'active' } : { kind: 'unknown' };
+    if (!job) return { kind: 'unknown' };
     const op = job.data.op;
     if (job.finishedOn) {
-      if (job.failedReason !== undefined && job.failedReason !== null && job.returnvalue === null) {
-        const f = decodeJobFailure(job.failedReason);
-        return { kind: 'failed', op, ...f };
-      }
+      if (job.failedReason) return { kind: 'failed', op, ...decodeJobFailure(job.failedReason) };
       return { kind: 'done', op, result: job.returnvalue };
     }
-    // A job whose lock expired with maxStalledCount 0 carries a deferred failure until a worker touches it.
-    if (job.deferredFailure) return { kind: 'failed', op, category: 'server', message: job.deferredFailure };
     return { kind: 'pending', queueState: 'active' };
   }
 
@@ -74,23 +90,25 @@ export class FutureResolver {
   async retrieve(requestId: string, timeoutMs: number, signal?: AbortSignal): Promise<FutureState> {
     const ref = decodeRequestId(requestId);
     if (!ref) return { kind: 'unknown' };
+    const first = await this.state(ref);
+    if (first.kind !== 'pending') return first;
     await this.listen(ref.queue);
-    const key = this.key(ref);
+    const key = `${ref.queue}/${ref.jobId}`;
     let wake!: () => void;
     const woken = new Promise<void>((resolve) => (wake = resolve));
     const set = this.waiters.get(key) ?? new Set();
     set.add(wake);
     this.waiters.set(key, set);
+    let timer: NodeJS.Timeout | undefined;
     try {
-      const first = await this.state(ref);
-      if (first.kind !== 'pending') return first;
-      let timer: NodeJS.Timeout | undefined;
+      const second = await this.state(ref);
+      if (second.kind !== 'pending') return second;
       const timeout = new Promise<void>((resolve) => (timer = setTimeout(resolve, timeoutMs)));
       const aborted = new Promise<void>((resolve) => signal?.addEventListener('abort', () => resolve(), { once: true }));
       await Promise.race([woken, timeout, aborted]);
-      clearTimeout(timer);
       return await this.state(ref);
     } finally {
+      clearTimeout(timer);
       set.delete(wake);
       if (set.size === 0) this.waiters.delete(key);
     }

@@ -109,7 +109,7 @@ export const SamplingParamsBody = z.object({
   seed: z.number().int().nullable().optional(),
   stop: z.union([z.string(), z.array(z.string()), z.array(z.number().int().nonnegative())]).nullable().optional(),
   temperature: z.number().finite().nonnegative().default(1),
-  top_k: z.number().int().default(-1),
+  top_k: z.number().int().min(-1, 'top_k is -1 (off) or a positive count').default(-1),
   top_p: z.number().gt(0).max(1).default(1),
 });
 

@@ -23,7 +23,7 @@ local nxt = redis.call('GET', KEYS[1])
 if not nxt then return -1 end
 if tonumber(ARGV[1]) < tonumber(nxt) then return 0 end
 if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then return 0 end
-redis.call('HSET', KEYS[3], ARGV[3], ARGV[1])
+redis.call('HSET', KEYS[3], ARGV[3], ARGV[4])
 return 1
 `;
 
@@ -40,7 +40,11 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 `;
 
-type Held = { queue: string; jobId: string; job: TrainJob };
+/** An admitted op, or a skipped seq_id (a request refused at the door still used up its seq_id). */
+/** A releaser that died leaves its lock this long; then any poll of a held future resumes the release. */
+const LOCK_MS = 10_000;
+
+type Held = { queue: string; jobId: string; job: TrainJob } | { skip: true; jobId: string };
 
 export type AdmitOutcome = 'admitted' | 'duplicate';
 
@@ -64,9 +68,13 @@ export class OrderingGate {
     return (await this.redis.exists(this.names.gateNext(modelId))) === 1;
   }
 
-  /** Whether a job is admitted but not yet released (its future is pending, not unknown). */
-  async isHeld(jobId: string): Promise<boolean> {
-    return (await this.redis.hexists(this.heldIndex(), jobId)) === 1;
+  /**
+   * The model of a job that is admitted but not yet released (its future is pending, not
+   * unknown), or null. Callers that find one call `release(model)`: if the process that was
+   * releasing died, whoever polls the future next finishes the release.
+   */
+  async heldModel(jobId: string): Promise<string | null> {
+    return this.redis.hget(this.heldIndex(), jobId);
   }
 
   /**
@@ -74,7 +82,18 @@ export class OrderingGate {
    * `(model_id, seq_id)` seen before, whose future is the one already issued.
    */
   async submit(modelId: string, seqId: number, queue: string, jobId: string, job: TrainJob): Promise<AdmitOutcome> {
-    const held: Held = { queue, jobId, job };
+    return this.admit(modelId, seqId, { queue, jobId, job });
+  }
+
+  /**
+   * Records that `seq_id` will never run: the request was refused (bad input, a lost model), but
+   * the SDK has used up the number and sends the next one. Later ops must not wait for it.
+   */
+  async skip(modelId: string, seqId: number, jobId: string): Promise<AdmitOutcome> {
+    return this.admit(modelId, seqId, { skip: true, jobId });
+  }
+
+  private async admit(modelId: string, seqId: number, held: Held): Promise<AdmitOutcome> {
     const r = (await this.redis.eval(
       ADMIT,
       3,
@@ -83,7 +102,8 @@ export class OrderingGate {
       this.heldIndex(),
       String(seqId),
       JSON.stringify(held),
-      jobId,
+      held.jobId,
+      modelId,
     )) as number;
     if (r === -1) throw new Error(`ordering gate of model ${modelId} is not open`);
     await this.release(modelId);
@@ -97,7 +117,7 @@ export class OrderingGate {
     const lockKey = this.names.gateLock(modelId);
     for (;;) {
       const token = randomUUID();
-      const got = await this.redis.set(lockKey, token, 'PX', 30_000, 'NX');
+      const got = await this.redis.set(lockKey, token, 'PX', LOCK_MS, 'NX');
       // Another process is releasing; it re-checks after unlocking, so nothing is stranded.
       if (got !== 'OK') return;
       try {
@@ -107,7 +127,7 @@ export class OrderingGate {
           const raw = await this.redis.hget(heldKey, next);
           if (raw === null) break;
           const h = JSON.parse(raw) as Held;
-          await this.queues.add(h.queue, h.jobId, TrainJob.parse(h.job));
+          if (!('skip' in h)) await this.queues.add(h.queue, h.jobId, TrainJob.parse(h.job));
           await this.redis.eval(ADVANCE, 3, nextKey, heldKey, this.heldIndex(), next, h.jobId);
         }
       } finally {

@@ -62,6 +62,13 @@ export const SamplerVersionRecord = z.object({
 });
 export type SamplerVersionRecord = z.infer<typeof SamplerVersionRecord>;
 
+export const FailedFuture = z.object({
+  op: z.string(),
+  category: z.enum(['user', 'server']),
+  message: z.string(),
+});
+export type FailedFuture = z.infer<typeof FailedFuture>;
+
 /** How long an agent's liveness key lives without a refresh. */
 export const AGENT_TTL_MS = 15_000;
 
@@ -156,6 +163,10 @@ export class Registry {
     if (!m) throw new BrokerError('NOT_FOUND', `unknown model_id '${modelId}': create it with create_model first`);
     return m;
   }
+  async markModelLost(modelId: string, reason: string): Promise<void> {
+    const m = await this.getModel(modelId);
+    if (m && m.lost_reason === null) await this.redis.set(this.names.model(modelId), JSON.stringify({ ...m, lost_reason: reason }), 'XX');
+  }
   async markModelsLost(agentId: string, reason: string): Promise<string[]> {
     const lost: string[] = [];
     let cursor = '0';
@@ -173,6 +184,18 @@ export class Registry {
       }
     } while (cursor !== '0');
     return lost;
+  }
+
+  // ---- futures refused at submission ----
+  /**
+   * A future that failed before any job existed (its model was lost, its agent is gone): the
+   * request still gets a future, as the SDK expects, and retrieving it reports the failure.
+   */
+  async putFailedFuture(jobId: string, f: FailedFuture, ttlS: number): Promise<void> {
+    await this.redis.set(`${this.names.prefix}:failed-future:${jobId}`, JSON.stringify(f), 'EX', ttlS);
+  }
+  async getFailedFuture(jobId: string): Promise<FailedFuture | null> {
+    return this.getJson(`${this.names.prefix}:failed-future:${jobId}`, FailedFuture);
   }
 
   // ---- sampling sessions and sampler versions ----

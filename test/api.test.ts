@@ -251,7 +251,10 @@ describe('API with a worker agent and the tiny model', function () {
     expectTinkerError(await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: oov }), 400, 'user', /999999 is outside the vocabulary/);
     const nan = encodeForwardBackward({ modelId: id, seqId: 1, lossFn: 'importance_sampling', data: [{ tokens: [1, 2], targets: [2, 3], logprobs: [-1, -1], advantages: [NaN, 1] }] });
     expectTinkerError(await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: nan }), 400, 'user', /advantages contains NaN/);
-    // Rejected requests consumed no seq_id: seq 1 still runs.
-    expect((await fbOutput((await submitFb(id, 1)).json.request_id)).logprobs).to.have.length(2);
+    // The SDK does not resend a refused request and numbers the next call seq 2: it must run.
+    expect((await fbOutput((await submitFb(id, 2)).json.request_id)).logprobs).to.have.length(2);
+    const badOptim = await call(s.baseUrl, 'POST', '/optim_step', { model_id: id, seq_id: 3, adam_params: { learning_rate: -1 } });
+    expectTinkerError(badOptim, 400, 'user', /adam_params\.learning_rate/);
+    expect((await result((await submitOptim(id, 4)).json.request_id)).json.type).to.equal('optim_step');
   });
 });

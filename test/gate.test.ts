@@ -83,11 +83,11 @@ describe('ordering gate', () => {
     await gate.submit(modelId, 2, queue, jobIds.train(modelId, 2), optim(2));
     await gate.submit(modelId, 3, queue, jobIds.train(modelId, 3), optim(3));
     expect(await queuedSeqs(qs)).to.deep.equal([]);
-    expect(await gate.isHeld(jobIds.train(modelId, 2))).to.equal(true);
+    expect(await gate.heldModel(jobIds.train(modelId, 2))).to.equal(modelId);
     expect(await gate.state(modelId)).to.deep.equal({ next: 1, held: 2 });
     await gate.submit(modelId, 1, queue, jobIds.train(modelId, 1), optim(1));
     expect(await queuedSeqs(qs)).to.deep.equal([1, 2, 3]);
-    expect(await gate.isHeld(jobIds.train(modelId, 2))).to.equal(false);
+    expect(await gate.heldModel(jobIds.train(modelId, 2))).to.equal(null);
   });
 
   it('recognises a repeated (model_id, seq_id), held or released, and enqueues it once', async () => {
@@ -97,6 +97,33 @@ describe('ordering gate', () => {
     expect(await gate.submit(modelId, 2, queue, jobIds.train(modelId, 2), optim(2))).to.equal('duplicate');
     expect(await gate.submit(modelId, 1, queue, jobIds.train(modelId, 1), optim(1))).to.equal('admitted');
     expect(await gate.submit(modelId, 1, queue, jobIds.train(modelId, 1), optim(1))).to.equal('duplicate');
+    expect(await queuedSeqs(qs)).to.deep.equal([1, 2]);
+  });
+
+  it('lets later ops run past a skipped seq_id (a request refused at the door)', async () => {
+    const { gate, qs } = process();
+    await gate.open(modelId);
+    await gate.submit(modelId, 3, queue, jobIds.train(modelId, 3), optim(3));
+    await gate.submit(modelId, 1, queue, jobIds.train(modelId, 1), optim(1));
+    expect(await queuedSeqs(qs)).to.deep.equal([1]);
+    await gate.skip(modelId, 2, jobIds.train(modelId, 2));
+    expect(await queuedSeqs(qs)).to.deep.equal([1, 3]);
+    expect(await gate.state(modelId)).to.deep.equal({ next: 4, held: 0 });
+  });
+
+  it('resumes a release abandoned by a process that died holding the lock', async () => {
+    const { gate, qs } = process();
+    await gate.open(modelId);
+    // A dead releaser's lock, about to expire.
+    await conns[0]!.set(new Names(prefix).gateLock(modelId), 'dead-process', 'PX', 200);
+    await gate.submit(modelId, 1, queue, jobIds.train(modelId, 1), optim(1));
+    await gate.submit(modelId, 2, queue, jobIds.train(modelId, 2), optim(2));
+    expect(await queuedSeqs(qs)).to.deep.equal([]);
+    await new Promise((r) => setTimeout(r, 300));
+    // Polling a held future releases it (api/futures.ts calls release for held jobs).
+    const model = await gate.heldModel(jobIds.train(modelId, 1));
+    expect(model).to.equal(modelId);
+    await gate.release(model!);
     expect(await queuedSeqs(qs)).to.deep.equal([1, 2]);
   });
 

@@ -93,7 +93,7 @@ export function samplingRoutes(ctx: ApiContext): Router {
     const tokens: number[] = [];
     for (const c of body.prompt.chunks) {
       if (!('tokens' in c)) throw invalid(`prompt chunks of type '${c.type}' are not supported (text tokens only)`);
-      tokens.push(...(c.tokens as number[]));
+      for (const t of c.tokens as number[]) tokens.push(t);
     }
     if (tokens.length === 0) throw invalid('prompt is empty');
     const { model, agents } = await ctx.registry.resolveBaseModel(session.base_model);

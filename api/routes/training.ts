@@ -53,11 +53,37 @@ export function validateBatch(lossFn: string, data: Datum[], vocabSize: number):
   });
 }
 
+/**
+ * Runs a route's checks. The SDK has used up a `seq_id` even when the server refuses the request
+ * (it does not resend a 400), so once model_id and seq_id are known a refusal skips that seq_id
+ * in the gate: later ops of the model must not wait behind it.
+ */
+async function guardSeq<T>(ctx: ApiContext, modelId: unknown, seqId: unknown, fn: () => Promise<T>): Promise<T> {
+  try {
+    return await fn();
+  } catch (e) {
+    if (typeof modelId === 'string' && typeof seqId === 'number' && Number.isInteger(seqId) && seqId >= 1 && (await ctx.gate.isOpen(modelId)))
+      await ctx.gate.skip(modelId, seqId, jobIds.train(modelId, seqId));
+    throw e;
+  }
+}
+
 async function submitTrainOp(ctx: ApiContext, model: ModelRecord, seqId: number, job: TrainJob): Promise<string> {
-  if (model.lost_reason) throw new BrokerError('ENGINE_FAILED', `model ${model.model_id} is unavailable: ${model.lost_reason}`);
   const jobId = jobIds.train(model.model_id, seqId);
+  const requestId = encodeRequestId({ queue: model.train_queue, jobId });
+  let lost = model.lost_reason;
+  if (!lost && !(await ctx.registry.isAgentAlive(model.agent_id))) {
+    lost = `its worker agent ${model.agent_id} is not running; load it from a saved checkpoint`;
+    await ctx.registry.markModelLost(model.model_id, lost);
+  }
+  if (lost) {
+    // The op gets a future that fails with the reason (an HTTP 5xx would be retried by the SDK for minutes).
+    if ((await ctx.gate.skip(model.model_id, seqId, jobId)) === 'admitted')
+      await ctx.registry.putFailedFuture(jobId, { op: job.op, category: 'server', message: `model ${model.model_id} is unavailable: ${lost}` }, ctx.config.retentionS);
+    return requestId;
+  }
   await ctx.gate.submit(model.model_id, seqId, model.train_queue, jobId, job);
-  return encodeRequestId({ queue: model.train_queue, jobId });
+  return requestId;
 }
 
 export function trainingRoutes(ctx: ApiContext): Router {
@@ -69,14 +95,16 @@ export function trainingRoutes(ctx: ApiContext): Router {
     if (!fb.model_id) throw invalid('forward_backward: model_id is required');
     if (fb.seq_id < 1) throw invalid(`forward_backward: seq_id must be ≥ 1, got ${fb.seq_id}`);
     const model = await ctx.registry.requireModel(fb.model_id);
-    validateBatch(fb.loss_fn, fb.data, model.vocab_size);
-    if (fb.loss_fn === 'dro' && typeof fb.loss_fn_config.beta !== 'number') throw invalid("loss_fn 'dro' needs loss_fn_config.beta");
+    await guardSeq(ctx, fb.model_id, fb.seq_id, async () => {
+      validateBatch(fb.loss_fn, fb.data, model.vocab_size);
+      if (fb.loss_fn === 'dro' && typeof fb.loss_fn_config.beta !== 'number') throw invalid("loss_fn 'dro' needs loss_fn_config.beta");
+    });
     const requestId = await submitTrainOp(ctx, model, fb.seq_id, { op: 'forward_backward', ...fb });
     res.json({ request_id: requestId, model_id: fb.model_id });
   });
 
   r.post('/optim_step', async (req, res) => {
-    const body = parseBody(OptimStepBody, req.body, 'optim_step');
+    const body = await guardSeq(ctx, req.body?.model_id, req.body?.seq_id, async () => parseBody(OptimStepBody, req.body, 'optim_step'));
     const model = await ctx.registry.requireModel(body.model_id);
     const adam = (body.adam_params ?? body.optim_params)!;
     const requestId = await submitTrainOp(ctx, model, body.seq_id, { op: 'optim_step', model_id: body.model_id, seq_id: body.seq_id, adam });
@@ -84,7 +112,9 @@ export function trainingRoutes(ctx: ApiContext): Router {
   });
 
   r.post('/save_weights_for_sampler', async (req, res) => {
-    const body = parseBody(SaveWeightsForSamplerBody, req.body, 'save_weights_for_sampler');
+    const body = await guardSeq(ctx, req.body?.model_id, req.body?.seq_id, async () =>
+      parseBody(SaveWeightsForSamplerBody, req.body, 'save_weights_for_sampler'),
+    );
     const model = await ctx.registry.requireModel(body.model_id);
     const named = (body.path ?? null) !== null;
     const tp = { modelId: model.model_id, kind: 'sampler_weights' as const, name: named ? body.path! : `ephemeral-${body.seq_id}` };

@@ -42,7 +42,7 @@ function readArray(buf: Buffer, dtype: number, what: string): number[] {
       out[i] = Number(v);
     } else {
       const tmp = Buffer.alloc(4);
-      tmp.writeUInt32LE(buf.readUInt16LE(o) << 16);
+      tmp.writeUInt32LE((buf.readUInt16LE(o) << 16) >>> 0);
       out[i] = tmp.readFloatLE(0);
     }
   }
@@ -102,7 +102,7 @@ export function decodeForwardBackwardRequest(body: Buffer): DecodedForwardBackwa
     for (const chunk of d.model_input as PbObject[]) {
       if (chunk.chunk !== 'encoded_text')
         throw invalid(`data[${i}]: model_input chunk of type '${String(chunk.chunk)}' is not supported (text tokens only)`);
-      tokens.push(...readArray((chunk.encoded_text as PbObject).tokens as Buffer, DTYPE.INT32, `data[${i}].model_input`));
+      for (const t of readArray((chunk.encoded_text as PbObject).tokens as Buffer, DTYPE.INT32, `data[${i}].model_input`)) tokens.push(t);
     }
     const inputs: Record<string, Tensor> = {};
     for (const [k, v] of Object.entries(d.loss_fn_inputs as Record<string, PbObject>)) {
@@ -172,7 +172,9 @@ const TOPK_EMPTY_ID = 0;
 const TOPK_EMPTY_LOGPROB = -99999.0;
 
 function encodeTopk(rows: ([number, number][] | null)[]): PbObject {
-  const k = Math.max(0, ...rows.map((r) => r?.length ?? 0));
+  // k ≥ 1 even when every row is empty (a one-token prompt), so the client decodes [None], not None.
+  let k = 1;
+  for (const r of rows) k = Math.max(k, r?.length ?? 0);
   const ids: number[] = [];
   const lps: number[] = [];
   for (const row of rows) {

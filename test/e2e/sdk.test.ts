@@ -76,16 +76,19 @@ describe('Tinker SDK end to end through the start command', function () {
     rmSync(storage, { recursive: true, force: true });
   });
 
-  function runLoop(mode: 'pipelined' | 'sequential', model: string): LoopResult {
-    const r = spawnSync(PYTHON, ['test/e2e/sdk_train_loop.py', model, mode, '30'], {
+  function runPython(args: string[]): any {
+    const r = spawnSync(PYTHON, args, {
       env: { ...process.env, TINKER_BASE_URL: baseUrl, TINKER_API_KEY: KEY, TINKER_TELEMETRY: '1', HF_HUB_OFFLINE: '1' },
       encoding: 'utf8',
       timeout: 600_000,
     });
-    if (r.status !== 0) throw new Error(`SDK loop (${mode}) failed (${r.status}):\n${r.stderr}\n--- server ---\n${serverLog.slice(-4000)}`);
+    if (r.status !== 0) throw new Error(`${args.join(' ')} failed (${r.status}):\n${r.stderr}\n--- server ---\n${serverLog.slice(-4000)}`);
     const lines = r.stdout.trim().split('\n');
-    return JSON.parse(lines[lines.length - 1]!) as LoopResult;
+    return JSON.parse(lines[lines.length - 1]!);
   }
+
+  const runLoop = (mode: 'pipelined' | 'sequential', model: string): LoopResult =>
+    runPython(['test/e2e/sdk_train_loop.py', model, mode, '30']) as LoopResult;
 
   let pipelined: LoopResult;
 
@@ -117,5 +120,17 @@ describe('Tinker SDK end to end through the start command', function () {
     this.timeout(600_000);
     const sequential = runLoop('sequential', TINY_MODEL_DIR);
     sequential.nll.forEach((v, i) => expect(v).to.be.closeTo(pipelined.nll[i]!, 1e-4 * Math.max(1, Math.abs(v))));
+  });
+
+  it('answers bad input with clear errors, and the training client keeps working after them', function () {
+    this.timeout(300_000);
+    const out = runPython(['test/e2e/sdk_bad_input.py', TINY_MODEL_ALIAS]);
+    expect(out.unknown_model).to.match(/base model 'Qwen\/Qwen3-8B' is not served here; served models: .*tiny-qwen3/);
+    expect(out.oov_token).to.match(/BadRequestError.*999999 is outside the vocabulary/);
+    expect(out.unknown_loss).to.match(/BadRequestError.*unknown loss_fn 'no_such_loss'/);
+    expect(out.after_errors_loss).to.be.a('number').and.above(0);
+    expect(out.after_errors_optim).to.have.property('grad_norm');
+    expect(out.oov_prompt).to.match(/999999 is outside the vocabulary/);
+    expect(out.sample_ok).to.have.length(2);
   });
 });

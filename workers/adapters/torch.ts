@@ -1,3 +1,4 @@
+import type { z } from 'zod';
 import type { BaseModelSpec } from '../../queues/config.js';
 import type { Logger } from '../../queues/logger.js';
 import type { ServedModel } from '../../queues/registry.js';
@@ -11,8 +12,16 @@ import {
   type SampleJob,
   type SaveSamplerJob,
 } from '../../queues/schemas.js';
-import { EngineProcess } from '../engine.js';
+import { EngineError, EngineProcess } from '../engine.js';
 import type { EngineAdapter } from './adapter.js';
+
+/** An engine result that does not fit its schema (e.g. a NaN loss, sent as null) is a server error that says so. */
+function parseResult<S extends z.ZodType>(schema: S, r: unknown, op: string): z.output<S> {
+  const res = schema.safeParse(r);
+  if (res.success) return res.data;
+  const where = res.error.issues.slice(0, 3).map((i) => `${i.path.join('.')}: ${i.message}`).join('; ');
+  throw new EngineError('server', `the engine returned an invalid ${op} result (non-finite values?): ${where}`);
+}
 
 /**
  * The torch engine (transformers + PEFT; CPU or one GPU): the one place where Tinker jobs
@@ -73,11 +82,11 @@ export class TorchAdapter implements EngineAdapter {
       forward_only: job.forward_only,
       data: job.data,
     });
-    return ForwardBackwardResult.parse(r);
+    return parseResult(ForwardBackwardResult, r, 'forward_backward');
   }
 
   async optimStep(job: OptimStepJob): Promise<{ metrics: Record<string, number> }> {
-    return OptimStepResult.parse(await this.engine.call('optim_step', { model_id: job.model_id, adam: job.adam }));
+    return parseResult(OptimStepResult, await this.engine.call('optim_step', { model_id: job.model_id, adam: job.adam }), 'optim_step');
   }
 
   async saveSampler(job: SaveSamplerJob): Promise<void> {
@@ -94,6 +103,6 @@ export class TorchAdapter implements EngineAdapter {
       prompt_logprobs: job.prompt_logprobs,
       topk_prompt_logprobs: job.topk_prompt_logprobs,
     });
-    return SampleResult.parse(r);
+    return parseResult(SampleResult, r, 'sample');
   }
 }
