@@ -1,30 +1,11 @@
-import { spawn, spawnSync, type ChildProcess } from 'node:child_process';
-import { randomUUID } from 'node:crypto';
-import { mkdtempSync, rmSync } from 'node:fs';
-import { createServer } from 'node:net';
-import os from 'node:os';
-import path from 'node:path';
 import { expect } from 'chai';
 import { TINY_MODEL_ALIAS, TINY_MODEL_DIR } from '../../scripts/stack.js';
-import { deletePrefix, REDIS_URL } from '../helpers/stack.js';
+import { E2EServer } from './server.js';
 
 /**
  * End to end as a user runs it: the start command (`npm start`'s script) brings up the API and
  * an agent with the tiny model; an unchanged Tinker SDK program trains and samples through it.
  */
-const PYTHON = path.resolve('.venv/bin/python');
-const KEY = 'tml-e2e-key';
-
-async function freePort(): Promise<number> {
-  return new Promise((resolve) => {
-    const srv = createServer();
-    srv.listen(0, '127.0.0.1', () => {
-      const port = (srv.address() as { port: number }).port;
-      srv.close(() => resolve(port));
-    });
-  });
-}
-
 type LoopResult = {
   model_id: string;
   nll: number[];
@@ -36,56 +17,13 @@ type LoopResult = {
 };
 
 describe('Tinker SDK end to end through the start command', function () {
-  let server: ChildProcess;
-  let baseUrl: string;
-  const prefix = `e2e-${randomUUID().slice(0, 8)}`;
-  const storage = mkdtempSync(path.join(os.tmpdir(), 'tb-e2e-'));
-  let serverLog = '';
-
+  const server = new E2EServer();
   before(async function () {
     this.timeout(180_000);
-    const port = await freePort();
-    baseUrl = `http://127.0.0.1:${port}`;
-    server = spawn(process.execPath, ['--import', 'tsx', 'scripts/start.ts'], {
-      env: { ...process.env, TB_PORT: String(port), TB_PREFIX: prefix, TB_STORAGE_DIR: storage, TB_API_KEYS: KEY, TB_AGENT_ID: `e2e-${prefix}`, REDIS_URL },
-      stdio: ['ignore', 'pipe', 'pipe'],
-    });
-    server.stdout!.on('data', (d) => (serverLog += d));
-    server.stderr!.on('data', (d) => (serverLog += d));
-    const deadline = Date.now() + 170_000;
-    for (;;) {
-      if (server.exitCode !== null) throw new Error(`start command exited early:\n${serverLog}`);
-      try {
-        const r = await fetch(`${baseUrl}/api/v1/healthz`);
-        if (r.status === 200 && (await r.json()).status === 'ready') break;
-      } catch {
-        /* not listening yet */
-      }
-      if (Date.now() > deadline) throw new Error(`server not ready:\n${serverLog}`);
-      await new Promise((r) => setTimeout(r, 250));
-    }
+    await server.start();
   });
-
-  after(async () => {
-    if (server && server.exitCode === null) {
-      const exited = new Promise((r) => server.once('exit', r));
-      server.kill('SIGTERM');
-      await exited;
-    }
-    await deletePrefix(prefix);
-    rmSync(storage, { recursive: true, force: true });
-  });
-
-  function runPython(args: string[]): any {
-    const r = spawnSync(PYTHON, args, {
-      env: { ...process.env, TINKER_BASE_URL: baseUrl, TINKER_API_KEY: KEY, TINKER_TELEMETRY: '1', HF_HUB_OFFLINE: '1' },
-      encoding: 'utf8',
-      timeout: 600_000,
-    });
-    if (r.status !== 0) throw new Error(`${args.join(' ')} failed (${r.status}):\n${r.stderr}\n--- server ---\n${serverLog.slice(-4000)}`);
-    const lines = r.stdout.trim().split('\n');
-    return JSON.parse(lines[lines.length - 1]!);
-  }
+  after(async () => server.destroy());
+  const runPython = (args: string[]) => server.runPython(args);
 
   const runLoop = (mode: 'pipelined' | 'sequential', model: string): LoopResult =>
     runPython(['test/e2e/sdk_train_loop.py', model, mode, '30']) as LoopResult;
