@@ -11,7 +11,9 @@ import { apiKeyAuth } from './auth.js';
 import type { ApiContext } from './context.js';
 import { errorHandler, notFoundHandler } from './errors.js';
 import { FutureResolver } from './futures.js';
+import { startCheckpointSweeper } from './checkpoints.js';
 import { futureRoutes } from './routes/futures.js';
+import { restRoutes } from './routes/rest.js';
 import { modelRoutes } from './routes/models.js';
 import { samplingRoutes } from './routes/sampling.js';
 import { healthHandler, serviceRoutes } from './routes/service.js';
@@ -62,12 +64,15 @@ export function buildApp(config: ApiConfig): BuiltApp {
   v1.use(trainingRoutes(ctx));
   v1.use(samplingRoutes(ctx));
   v1.use(futureRoutes(ctx));
+  v1.use(restRoutes(ctx));
   app.use('/api/v1', v1);
   app.get('/healthz', healthHandler(ctx));
   app.use(notFoundHandler);
   app.use(errorHandler);
 
+  const stopSweeper = startCheckpointSweeper(ctx);
   const close = async () => {
+    stopSweeper();
     await futures.close();
     await queues.close();
     await Promise.all(blocking.map((c) => c.quit().catch(() => undefined)));

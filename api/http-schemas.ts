@@ -84,10 +84,37 @@ export const SaveWeightsForSamplerBody = z
     sampling_session_seq_id: nonNegInt.nullable().optional(),
     kind: z.enum(['snapshot', 'inflight']).default('snapshot'),
     ttl_seconds: z.number().int().positive().nullable().optional(),
+    user_metadata: z.record(z.string(), z.string()).nullable().optional(),
   })
   .refine((b) => (b.path ?? null) !== null || (b.sampling_session_seq_id ?? null) !== null, {
     message: 'give either path (a named save) or sampling_session_seq_id',
   });
+
+export const SaveWeightsBody = z.object({
+  model_id: id,
+  seq_id: z.number().int().positive(),
+  path: checkpointName,
+  ttl_seconds: z.number().int().positive().nullable().optional(),
+  overwrite: z.boolean().default(false),
+  user_metadata: z.record(z.string(), z.string()).nullable().optional(),
+});
+
+export const LoadWeightsBody = z.object({
+  model_id: id,
+  seq_id: z.number().int().positive(),
+  path: z.string().startsWith('tinker://', 'path must be a tinker:// path'),
+  optimizer: z.boolean(),
+  weights_access_token: z.string().nullable().optional(),
+});
+
+export const WeightsInfoBody = z.object({ tinker_path: z.string().startsWith('tinker://', 'tinker_path must be a tinker:// path') });
+
+export const CheckpointTtlBody = z.object({ ttl_seconds: z.number().int().positive().nullable() });
+
+export const FinishSessionBody = z.object({
+  reason: z.object({ type: z.enum(['success', 'errored', 'interrupted']) }).passthrough(),
+  detail: z.string().nullable().optional(),
+});
 
 export const CreateSamplingSessionBody = z
   .object({

@@ -10,6 +10,8 @@ export const ERROR_CODES = {
   UNAUTHORIZED: { status: 401, category: 'user' },
   NOT_FOUND: { status: 404, category: 'user' },
   STALE_SAMPLER: { status: 400, category: 'user' },
+  CONFLICT: { status: 409, category: 'user' },
+  GONE: { status: 410, category: 'user' },
   OVERLOADED: { status: 429, category: 'server' },
   UNAVAILABLE: { status: 503, category: 'server' },
   ENGINE_FAILED: { status: 500, category: 'server' },

@@ -43,9 +43,6 @@ export class Names {
   samplingSession(id: string): string {
     return `${this.prefix}:sampler:${id}`;
   }
-  samplerVersion(tinkerPath: string): string {
-    return `${this.prefix}:sampler-version:${tinkerPath}`;
-  }
 
   // The per-model ordering gate (see queues/gate.ts).
   gateNext(modelId: string): string {
@@ -63,5 +60,6 @@ export class Names {
 export const jobIds = {
   createModel: (modelId: string) => `c-${shortHash(modelId)}`,
   train: (modelId: string, seqId: number) => `t-${shortHash(modelId)}-${seqId}`,
+  unload: (modelId: string) => `u-${shortHash(modelId)}`,
   sample: (samplingSessionId: string, seqId: number) => `s-${shortHash(samplingSessionId)}-${seqId}`,
 };

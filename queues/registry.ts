@@ -53,14 +53,29 @@ export const SamplingSessionRecord = z.object({
 });
 export type SamplingSessionRecord = z.infer<typeof SamplingSessionRecord>;
 
-export const SamplerVersionRecord = z.object({
+/**
+ * A saved checkpoint: training state (`weights/<name>`: adapter + optimizer) or a sampler
+ * version (`sampler_weights/<name>`: an immutable PEFT adapter). Files live in `dir`.
+ */
+export const CheckpointRecord = z.object({
   tinker_path: z.string(),
   model_id: z.string(),
+  /** `weights/<name>` or `sampler_weights/<name>`, as the SDK's REST calls name it. */
+  checkpoint_id: z.string(),
+  checkpoint_type: z.enum(['training', 'sampler']),
   base_model: z.string(),
+  lora: LoraConfig,
   dir: z.string(),
-  created_at: z.string(),
+  time: z.string(),
+  size_bytes: z.number().int().nullable(),
+  expires_at: z.string().nullable(),
+  public: z.boolean(),
+  has_optimizer: z.boolean(),
+  /** The unnamed saves behind save_weights_and_get_sampling_client: not listed, expire with the retention. */
+  ephemeral: z.boolean(),
+  user_metadata: z.record(z.string(), z.string()).nullable(),
 });
-export type SamplerVersionRecord = z.infer<typeof SamplerVersionRecord>;
+export type CheckpointRecord = z.infer<typeof CheckpointRecord>;
 
 export const FailedFuture = z.object({
   op: z.string(),
@@ -208,10 +223,118 @@ export class Registry {
   async getSamplingSession(id: string): Promise<SamplingSessionRecord | null> {
     return this.getJson(this.names.samplingSession(id), SamplingSessionRecord);
   }
-  async putSamplerVersion(rec: SamplerVersionRecord): Promise<void> {
-    await this.redis.set(this.names.samplerVersion(rec.tinker_path), JSON.stringify(rec));
+  // ---- checkpoints ----
+  private ckptKey(tinkerPath: string): string {
+    return `${this.names.prefix}:ckpt:${tinkerPath}`;
   }
-  async getSamplerVersion(tinkerPath: string): Promise<SamplerVersionRecord | null> {
-    return this.getJson(this.names.samplerVersion(tinkerPath), SamplerVersionRecord);
+  private modelCkpts(modelId: string): string {
+    return `${this.names.prefix}:model-ckpts:${modelId}`;
+  }
+  private allCkpts(): string {
+    return `${this.names.prefix}:ckpts`;
+  }
+  private ckptExpiry(): string {
+    return `${this.names.prefix}:ckpt-expiry`;
+  }
+
+  async putCheckpoint(rec: CheckpointRecord): Promise<void> {
+    const m = this.redis
+      .multi()
+      .set(this.ckptKey(rec.tinker_path), JSON.stringify(rec))
+      .zadd(this.modelCkpts(rec.model_id), Date.parse(rec.time), rec.tinker_path);
+    if (!rec.ephemeral) m.zadd(this.allCkpts(), Date.parse(rec.time), rec.tinker_path);
+    if (rec.expires_at) m.zadd(this.ckptExpiry(), Date.parse(rec.expires_at), rec.tinker_path);
+    else m.zrem(this.ckptExpiry(), rec.tinker_path);
+    await m.exec();
+  }
+  /** The checkpoint, or null when it does not exist or has expired. */
+  async getCheckpoint(tinkerPath: string): Promise<CheckpointRecord | null> {
+    const rec = await this.getJson(this.ckptKey(tinkerPath), CheckpointRecord);
+    if (rec?.expires_at && Date.parse(rec.expires_at) <= Date.now()) return null;
+    return rec;
+  }
+  async deleteCheckpointRecord(rec: CheckpointRecord): Promise<void> {
+    await this.redis
+      .multi()
+      .del(this.ckptKey(rec.tinker_path))
+      .zrem(this.modelCkpts(rec.model_id), rec.tinker_path)
+      .zrem(this.allCkpts(), rec.tinker_path)
+      .zrem(this.ckptExpiry(), rec.tinker_path)
+      .exec();
+  }
+  /** A model's listed checkpoints, newest first. */
+  async listModelCheckpoints(modelId: string): Promise<CheckpointRecord[]> {
+    const paths = await this.redis.zrevrange(this.modelCkpts(modelId), 0, -1);
+    return (await this.loadCheckpoints(paths)).filter((c) => !c.ephemeral);
+  }
+  /** Every listed checkpoint, newest first, one page. */
+  async listAllCheckpoints(offset: number, limit: number): Promise<{ checkpoints: CheckpointRecord[]; total: number }> {
+    const [paths, total] = await Promise.all([this.redis.zrevrange(this.allCkpts(), offset, offset + limit - 1), this.redis.zcard(this.allCkpts())]);
+    return { checkpoints: await this.loadCheckpoints(paths), total };
+  }
+  private async loadCheckpoints(paths: string[]): Promise<CheckpointRecord[]> {
+    if (paths.length === 0) return [];
+    const raws = await this.redis.mget(paths.map((p) => this.ckptKey(p)));
+    const now = Date.now();
+    return raws
+      .filter((r): r is string => r !== null)
+      .map((r) => CheckpointRecord.parse(JSON.parse(r)))
+      .filter((c) => !c.expires_at || Date.parse(c.expires_at) > now);
+  }
+  /** Checkpoints whose TTL has run out (their files and records are due for deletion). */
+  async expiredCheckpoints(limit = 100): Promise<CheckpointRecord[]> {
+    const paths = await this.redis.zrangebyscore(this.ckptExpiry(), '-inf', Date.now(), 'LIMIT', 0, limit);
+    if (paths.length === 0) return [];
+    const raws = await this.redis.mget(paths.map((p) => this.ckptKey(p)));
+    const out: CheckpointRecord[] = [];
+    for (let i = 0; i < paths.length; i++) {
+      const raw = raws[i];
+      if (raw) out.push(CheckpointRecord.parse(JSON.parse(raw)));
+      else await this.redis.zrem(this.ckptExpiry(), paths[i]!);
+    }
+    return out;
+  }
+
+  // ---- listings ----
+  async indexModel(rec: ModelRecord): Promise<void> {
+    await this.redis
+      .multi()
+      .zadd(`${this.names.prefix}:models`, Date.parse(rec.created_at), rec.model_id)
+      .sadd(`${this.names.session(rec.session_id)}:models`, rec.model_id)
+      .exec();
+  }
+  async touchModel(modelId: string): Promise<void> {
+    await this.redis.hset(`${this.names.prefix}:model-last`, modelId, new Date().toISOString());
+  }
+  async modelLastRequest(modelIds: string[]): Promise<(string | null)[]> {
+    if (modelIds.length === 0) return [];
+    return this.redis.hmget(`${this.names.prefix}:model-last`, ...modelIds);
+  }
+  async listModels(offset: number, limit: number): Promise<{ models: ModelRecord[]; total: number }> {
+    const key = `${this.names.prefix}:models`;
+    const [ids, total] = await Promise.all([this.redis.zrevrange(key, offset, offset + limit - 1), this.redis.zcard(key)]);
+    const models = (await Promise.all(ids.map((id) => this.getModel(id)))).filter((m): m is ModelRecord => m !== null);
+    return { models, total };
+  }
+  async indexSampler(sessionId: string, samplerId: string): Promise<void> {
+    await this.redis.sadd(`${this.names.session(sessionId)}:samplers`, samplerId);
+  }
+  async sessionMembers(sessionId: string): Promise<{ training_run_ids: string[]; sampler_ids: string[] }> {
+    const [models, samplers] = await Promise.all([
+      this.redis.smembers(`${this.names.session(sessionId)}:models`),
+      this.redis.smembers(`${this.names.session(sessionId)}:samplers`),
+    ]);
+    return { training_run_ids: models.sort(), sampler_ids: samplers.sort() };
+  }
+  async listSessions(offset: number, limit: number): Promise<string[]> {
+    return this.redis.zrevrange(this.names.sessions(), offset, offset + limit - 1);
+  }
+  async finishSession(sessionId: string, finish: Record<string, unknown>): Promise<Record<string, unknown>> {
+    const key = `${this.names.session(sessionId)}:finish`;
+    await this.redis.set(key, JSON.stringify(finish), 'NX');
+    return JSON.parse((await this.redis.get(key))!);
+  }
+  async sessionFinished(sessionId: string): Promise<boolean> {
+    return (await this.redis.exists(`${this.names.session(sessionId)}:finish`)) === 1;
   }
 }

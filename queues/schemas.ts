@@ -84,13 +84,51 @@ export const SaveSamplerJob = z.object({
   dir: z.string(),
   /** Set for the unnamed save behind `save_weights_and_get_sampling_client`. */
   sampling_session_id: z.string().nullable(),
+  ttl_seconds: z.number().int().positive().nullable(),
+  user_metadata: z.record(z.string(), z.string()).nullable(),
 });
-export const TrainJob = z.discriminatedUnion('op', [CreateModelJob, ForwardBackwardJob, OptimStepJob, SaveSamplerJob]);
+/** save_weights: the training state (adapter and optimizer) as a named checkpoint. */
+export const SaveStateJob = z.object({
+  op: z.literal('save_weights'),
+  model_id: z.string(),
+  seq_id: z.number().int(),
+  tinker_path: z.string(),
+  dir: z.string(),
+  /** Replace an existing checkpoint of that name. */
+  overwrite: z.boolean(),
+  ttl_seconds: z.number().int().positive().nullable(),
+  user_metadata: z.record(z.string(), z.string()).nullable(),
+});
+/** load_weights: a training checkpoint (of this or another compatible model) into this model. */
+export const LoadStateJob = z.object({
+  op: z.literal('load_weights'),
+  model_id: z.string(),
+  seq_id: z.number().int(),
+  tinker_path: z.string(),
+  dir: z.string(),
+  optimizer: z.boolean(),
+});
+export const UnloadModelJob = z.object({
+  op: z.literal('unload_model'),
+  model_id: z.string(),
+});
+export const TrainJob = z.discriminatedUnion('op', [
+  CreateModelJob,
+  ForwardBackwardJob,
+  OptimStepJob,
+  SaveSamplerJob,
+  SaveStateJob,
+  LoadStateJob,
+  UnloadModelJob,
+]);
 export type TrainJob = z.infer<typeof TrainJob>;
 export type CreateModelJob = z.infer<typeof CreateModelJob>;
 export type ForwardBackwardJob = z.infer<typeof ForwardBackwardJob>;
 export type OptimStepJob = z.infer<typeof OptimStepJob>;
 export type SaveSamplerJob = z.infer<typeof SaveSamplerJob>;
+export type SaveStateJob = z.infer<typeof SaveStateJob>;
+export type LoadStateJob = z.infer<typeof LoadStateJob>;
+export type UnloadModelJob = z.infer<typeof UnloadModelJob>;
 
 // ---- Sample queue jobs (one queue per base model, concurrent) ----
 
@@ -127,6 +165,9 @@ export const SaveSamplerResult = z.object({
   path: z.string(),
   sampling_session_id: z.string().nullable(),
 });
+export const SaveStateResult = z.object({ path: z.string() });
+export const LoadStateResult = z.object({ path: z.string(), model_id: z.string() });
+export const UnloadModelResult = z.object({ model_id: z.string() });
 export const SampleResult = z.object({
   sequences: z.array(
     z.object({
@@ -145,5 +186,8 @@ export const ResultSchemas = {
   forward_backward: ForwardBackwardResult,
   optim_step: OptimStepResult,
   save_weights_for_sampler: SaveSamplerResult,
+  save_weights: SaveStateResult,
+  load_weights: LoadStateResult,
+  unload_model: UnloadModelResult,
   sample: SampleResult,
 } as const satisfies Record<JobOp, z.ZodType>;

@@ -1,3 +1,5 @@
+import { existsSync } from 'node:fs';
+import { rename, rm } from 'node:fs/promises';
 import { UnrecoverableError, Worker, type Job } from 'bullmq';
 import type { Redis } from 'ioredis';
 import { ZodError } from 'zod';
@@ -6,8 +8,8 @@ import { encodeJobFailure, isBrokerError, type ErrorCategory } from '../queues/e
 import { logger as rootLogger, type Logger } from '../queues/logger.js';
 import { Names } from '../queues/names.js';
 import { connect } from '../queues/redis.js';
-import { Registry, type ServedModel } from '../queues/registry.js';
-import { SampleJob, TrainJob, type AnyJob } from '../queues/schemas.js';
+import { Registry, type CheckpointRecord, type ServedModel } from '../queues/registry.js';
+import { SampleJob, TrainJob, type AnyJob, type SaveSamplerJob, type SaveStateJob } from '../queues/schemas.js';
 import type { EngineAdapter } from './adapters/adapter.js';
 import { TorchAdapter } from './adapters/torch.js';
 import { EngineError } from './engine.js';
@@ -142,35 +144,93 @@ export class Agent {
         case 'optim_step':
           await this.requireLoaded(data.model_id);
           return this.adapter.optimStep(data);
-        case 'save_weights_for_sampler': {
+        case 'save_weights_for_sampler':
           await this.requireLoaded(data.model_id);
-          const named = data.sampling_session_id === null;
-          if (named && (await this.registry.getSamplerVersion(data.tinker_path)))
-            throw new EngineError('user', `sampler weights ${data.tinker_path} already exist; save under a new name`);
-          await this.adapter.saveSampler(data);
-          const model = (await this.registry.getModel(data.model_id))!;
-          await this.registry.putSamplerVersion({
-            tinker_path: data.tinker_path,
-            model_id: data.model_id,
-            base_model: model.base_model,
-            dir: data.dir,
-            created_at: new Date().toISOString(),
-          });
-          if (data.sampling_session_id)
-            await this.registry.putSamplingSession(
-              {
-                sampling_session_id: data.sampling_session_id,
-                session_id: model.session_id,
-                base_model: model.base_model,
-                model_path: data.tinker_path,
-                adapter_dir: data.dir,
-              },
-              this.config.retentionS,
-            );
-          return { path: data.tinker_path, sampling_session_id: data.sampling_session_id };
+          return this.saveSampler(data);
+        case 'save_weights':
+          await this.requireLoaded(data.model_id);
+          return this.saveState(data);
+        case 'load_weights': {
+          await this.requireLoaded(data.model_id);
+          if (!(await this.registry.getCheckpoint(data.tinker_path)))
+            throw new EngineError('user', `checkpoint ${data.tinker_path} does not exist (deleted or expired)`);
+          await this.adapter.loadState(data.model_id, data.dir, data.optimizer);
+          return { path: data.tinker_path, model_id: data.model_id };
         }
+        case 'unload_model':
+          if (this.loaded.has(data.model_id)) await this.adapter.unloadModel(data.model_id);
+          this.loaded.delete(data.model_id);
+          await this.registry.markModelLost(data.model_id, 'it was unloaded (unload_model)');
+          return { model_id: data.model_id };
       }
     });
+  }
+
+  private async checkpointRecord(
+    job: { model_id: string; tinker_path: string; dir: string; ttl_seconds: number | null; user_metadata: Record<string, string> | null },
+    type: CheckpointRecord['checkpoint_type'],
+    extra: { size_bytes: number; has_optimizer: boolean; ephemeral: boolean },
+  ): Promise<CheckpointRecord> {
+    const model = (await this.registry.getModel(job.model_id))!;
+    const now = Date.now();
+    // Unnamed sampler saves live as long as futures do.
+    const ttl = job.ttl_seconds ?? (extra.ephemeral ? this.config.retentionS : null);
+    return {
+      tinker_path: job.tinker_path,
+      model_id: job.model_id,
+      checkpoint_id: job.tinker_path.split('/').slice(-2).join('/'),
+      checkpoint_type: type,
+      base_model: model.base_model,
+      lora: model.lora,
+      dir: job.dir,
+      time: new Date(now).toISOString(),
+      expires_at: ttl === null ? null : new Date(now + ttl * 1000).toISOString(),
+      public: false,
+      user_metadata: job.user_metadata,
+      ...extra,
+    };
+  }
+
+  private async saveSampler(job: SaveSamplerJob): Promise<{ path: string; sampling_session_id: string | null }> {
+    const ephemeral = job.sampling_session_id !== null;
+    // A named sampler version is immutable: a second save under its name is refused.
+    if (!ephemeral && (await this.registry.getCheckpoint(job.tinker_path)))
+      throw new EngineError('user', `sampler weights ${job.tinker_path} already exist; save under a new name`);
+    await rm(job.dir, { recursive: true, force: true }); // leftovers of an expired or deleted checkpoint
+    const { size_bytes } = await this.adapter.saveSampler(job);
+    const rec = await this.checkpointRecord(job, 'sampler', { size_bytes, has_optimizer: false, ephemeral });
+    await this.registry.putCheckpoint(rec);
+    if (job.sampling_session_id) {
+      const model = (await this.registry.getModel(job.model_id))!;
+      await this.registry.putSamplingSession(
+        { sampling_session_id: job.sampling_session_id, session_id: model.session_id, base_model: model.base_model, model_path: job.tinker_path, adapter_dir: job.dir },
+        this.config.retentionS,
+      );
+      await this.registry.indexSampler(model.session_id, job.sampling_session_id);
+    }
+    return { path: job.tinker_path, sampling_session_id: job.sampling_session_id };
+  }
+
+  private async saveState(job: SaveStateJob): Promise<{ path: string }> {
+    const existing = await this.registry.getCheckpoint(job.tinker_path);
+    if (existing && !job.overwrite)
+      throw new EngineError('user', `checkpoint ${job.tinker_path} already exists; pass overwrite=True to replace it`);
+    // Overwrite keeps the old files until the new ones are complete.
+    const old = `${job.dir}.old-${Date.now()}`;
+    const hadDir = existsSync(job.dir);
+    if (hadDir) await rename(job.dir, old);
+    try {
+      const { size_bytes } = await this.adapter.saveState(job.model_id, job.dir, true);
+      await this.registry.putCheckpoint(await this.checkpointRecord(job, 'training', { size_bytes, has_optimizer: true, ephemeral: false }));
+    } catch (e) {
+      if (hadDir) {
+        await rm(job.dir, { recursive: true, force: true });
+        await rename(old, job.dir);
+      }
+      throw e;
+    }
+    if (hadDir) await rm(old, { recursive: true, force: true });
+    return { path: job.tinker_path };
   }
 
   private async runSample(job: Job<AnyJob>): Promise<unknown> {

@@ -43,6 +43,7 @@ export function modelRoutes(ctx: ApiContext): Router {
       created_at: new Date().toISOString(),
       lost_reason: null,
     });
+    await ctx.registry.indexModel(rec);
     await ctx.gate.open(modelId);
     const job: CreateModelJob = { op: 'create_model', model_id: modelId, base_model: rec.base_model, lora: rec.lora };
     const jobId = jobIds.createModel(modelId);

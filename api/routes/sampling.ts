@@ -27,8 +27,8 @@ async function resolveTarget(
     const tp = parseTinkerPath(modelPath);
     if (tp.kind !== 'sampler_weights')
       throw invalid(`'${modelPath}' holds training state; sample from a sampler_weights path (save_weights_for_sampler)`);
-    const v = await ctx.registry.getSamplerVersion(modelPath);
-    if (!v) throw new BrokerError('NOT_FOUND', `sampler weights '${modelPath}' do not exist`);
+    const v = await ctx.registry.getCheckpoint(modelPath);
+    if (!v) throw new BrokerError('NOT_FOUND', `sampler weights '${modelPath}' do not exist (never saved, deleted or expired)`);
     return { base_model: v.base_model, model_path: modelPath, adapter_dir: v.dir };
   }
   const { model } = await ctx.registry.resolveBaseModel(baseModel!);
@@ -61,6 +61,7 @@ export function samplingRoutes(ctx: ApiContext): Router {
     const target = await resolveTarget(ctx, body.base_model, body.model_path);
     const id = `${body.session_id}:sample:${body.sampling_session_seq_id}`;
     await ctx.registry.putSamplingSession({ sampling_session_id: id, session_id: body.session_id, ...target }, ctx.config.retentionS);
+    await ctx.registry.indexSampler(body.session_id, id);
     res.json({ type: 'create_sampling_session', sampling_session_id: id });
   });
 
@@ -105,11 +106,20 @@ export function samplingRoutes(ctx: ApiContext): Router {
       throw invalid(`prompt (${tokens.length} tokens) + max_tokens (${params.max_tokens}) exceeds the model's context of ${model.max_context_length}`);
 
     const queue = ctx.names.sampleQueue(session.base_model);
+    const seqId = body.seq_id ?? null;
+    const jobId = body.sampling_session_id && seqId !== null ? jobIds.sample(sessionId, seqId) : `s-${randomUUID()}`;
+    const requestId = encodeRequestId({ queue, jobId });
+    const reply = () => res.json({ request_id: requestId, sample_sequence_ids: Array.from({ length: body.num_samples }, (_, i) => `${requestId}#${i}`) });
+    // A session is pinned to one sampler version; never sample silently from other weights.
+    if (session.model_path && !(await ctx.registry.getCheckpoint(session.model_path))) {
+      const message = `sampling session ${sessionId} is pinned to sampler weights ${session.model_path}, which no longer exist (deleted or expired); save new sampler weights and create a new sampling client`;
+      await ctx.registry.putFailedFuture(jobId, { op: 'sample', category: 'user', message }, ctx.config.retentionS);
+      reply();
+      return;
+    }
     if ((await ctx.queues.get(queue).getWaitingCount()) >= ctx.config.maxQueuedSamples)
       throw new BrokerError('OVERLOADED', `sampling queue of ${session.base_model} is full; retry shortly`);
 
-    const seqId = body.seq_id ?? null;
-    const jobId = body.sampling_session_id && seqId !== null ? jobIds.sample(sessionId, seqId) : `s-${randomUUID()}`;
     const job: SampleJob = {
       op: 'sample',
       sampling_session_id: sessionId,
@@ -124,8 +134,7 @@ export function samplingRoutes(ctx: ApiContext): Router {
       topk_prompt_logprobs: body.topk_prompt_logprobs,
     };
     await ctx.queues.add(queue, jobId, job);
-    const requestId = encodeRequestId({ queue, jobId });
-    res.json({ request_id: requestId, sample_sequence_ids: Array.from({ length: body.num_samples }, (_, i) => `${requestId}#${i}`) });
+    reply();
   });
 
   return r;

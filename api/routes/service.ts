@@ -43,6 +43,8 @@ export function serviceRoutes(ctx: ApiContext): Router {
     const body = parseBody(SessionHeartbeatBody, req.body, 'session_heartbeat');
     if (!(await ctx.registry.touchSession(body.session_id, ctx.config.retentionS)))
       throw new BrokerError('NOT_FOUND', `unknown session '${body.session_id}'`);
+    // A finished session (ServiceClient.close) answers 410, which stops the SDK's heartbeat loop.
+    if (await ctx.registry.sessionFinished(body.session_id)) throw new BrokerError('GONE', `session '${body.session_id}' has finished`);
     res.json({ type: 'session_heartbeat' });
   });
 

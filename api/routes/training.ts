@@ -5,8 +5,8 @@ import { jobIds } from '../../queues/names.js';
 import type { ModelRecord } from '../../queues/registry.js';
 import type { Datum, TrainJob } from '../../queues/schemas.js';
 import type { ApiContext } from '../context.js';
-import { OptimStepBody, parseBody, SaveWeightsForSamplerBody } from '../http-schemas.js';
-import { formatTinkerPath, storageDirFor } from '../paths.js';
+import { LoadWeightsBody, ModelIdBody, OptimStepBody, parseBody, SaveWeightsBody, SaveWeightsForSamplerBody } from '../http-schemas.js';
+import { formatTinkerPath, parseTinkerPath, storageDirFor } from '../paths.js';
 import { decodeForwardBackwardRequest } from '../wire/proto.js';
 
 /** forward_backward (also forward), optim_step, save_weights_for_sampler: ordered per model. */
@@ -83,6 +83,7 @@ async function submitTrainOp(ctx: ApiContext, model: ModelRecord, seqId: number,
     return requestId;
   }
   await ctx.gate.submit(model.model_id, seqId, model.train_queue, jobId, job);
+  await ctx.registry.touchModel(model.model_id);
   return requestId;
 }
 
@@ -125,8 +126,72 @@ export function trainingRoutes(ctx: ApiContext): Router {
       tinker_path: formatTinkerPath(tp),
       dir: storageDirFor(ctx.config.storageDir, tp),
       sampling_session_id: named ? null : `${model.session_id}:sample:${body.sampling_session_seq_id}`,
+      ttl_seconds: body.ttl_seconds ?? null,
+      user_metadata: body.user_metadata ?? null,
     });
     res.json({ request_id: requestId, model_id: body.model_id });
+  });
+
+  // save_state / save_weights: adapter and optimizer as tinker://<model_id>/weights/<name>.
+  r.post('/save_weights', async (req, res) => {
+    const body = await guardSeq(ctx, req.body?.model_id, req.body?.seq_id, async () => parseBody(SaveWeightsBody, req.body, 'save_weights'));
+    const model = await ctx.registry.requireModel(body.model_id);
+    const tp = { modelId: model.model_id, kind: 'weights' as const, name: body.path };
+    const tinkerPath = formatTinkerPath(tp);
+    await guardSeq(ctx, body.model_id, body.seq_id, async () => {
+      if (!body.overwrite && (await ctx.registry.getCheckpoint(tinkerPath)))
+        throw invalid(`checkpoint ${tinkerPath} already exists; pass overwrite=True to replace it`);
+    });
+    const requestId = await submitTrainOp(ctx, model, body.seq_id, {
+      op: 'save_weights',
+      model_id: model.model_id,
+      seq_id: body.seq_id,
+      tinker_path: tinkerPath,
+      dir: storageDirFor(ctx.config.storageDir, tp),
+      overwrite: body.overwrite,
+      ttl_seconds: body.ttl_seconds ?? null,
+      user_metadata: body.user_metadata ?? null,
+    });
+    res.json({ request_id: requestId, model_id: body.model_id });
+  });
+
+  // load_state / load_state_with_optimizer, and the load behind create_training_client_from_state.
+  r.post('/load_weights', async (req, res) => {
+    if (req.body && req.body.model_id === undefined && req.body.session_id !== undefined)
+      throw invalid('load_weights without model_id (create_model_via_load_weights) is not enabled on this server');
+    const body = await guardSeq(ctx, req.body?.model_id, req.body?.seq_id, async () => parseBody(LoadWeightsBody, req.body, 'load_weights'));
+    const model = await ctx.registry.requireModel(body.model_id);
+    const ckpt = await guardSeq(ctx, body.model_id, body.seq_id, async () => {
+      const tp = parseTinkerPath(body.path);
+      if (tp.kind !== 'weights')
+        throw invalid(`${body.path} is a sampler checkpoint (weights only); load a training checkpoint saved with save_state`);
+      const c = await ctx.registry.getCheckpoint(body.path);
+      if (!c) throw new BrokerError('NOT_FOUND', `checkpoint ${body.path} does not exist (never saved, deleted or expired)`);
+      if (c.base_model !== model.base_model)
+        throw invalid(`checkpoint ${body.path} is of base model ${c.base_model}; model ${model.model_id} is of ${model.base_model}`);
+      const key = (l: typeof c.lora) => `rank ${l.rank}, train_attn ${l.train_attn}, train_mlp ${l.train_mlp}, train_unembed ${l.train_unembed}`;
+      if (key(c.lora) !== key(model.lora))
+        throw invalid(`checkpoint ${body.path} has LoRA (${key(c.lora)}); model ${model.model_id} has (${key(model.lora)})`);
+      return c;
+    });
+    const requestId = await submitTrainOp(ctx, model, body.seq_id, {
+      op: 'load_weights',
+      model_id: model.model_id,
+      seq_id: body.seq_id,
+      tinker_path: ckpt.tinker_path,
+      dir: ckpt.dir,
+      optimizer: body.optimizer,
+    });
+    res.json({ request_id: requestId, model_id: body.model_id });
+  });
+
+  // unload_model carries no seq_id: it runs after whatever the model's queue already holds.
+  r.post('/unload_model', async (req, res) => {
+    const body = parseBody(ModelIdBody, req.body, 'unload_model');
+    const model = await ctx.registry.requireModel(body.model_id);
+    const jobId = jobIds.unload(model.model_id);
+    await ctx.queues.add(model.train_queue, jobId, { op: 'unload_model', model_id: model.model_id });
+    res.json({ request_id: encodeRequestId({ queue: model.train_queue, jobId }), model_id: model.model_id });
   });
 
   return r;

@@ -23,8 +23,13 @@ export interface EngineAdapter {
   createModel(job: CreateModelJob): Promise<{ model_id: string }>;
   forwardBackward(job: ForwardBackwardJob): Promise<ForwardBackwardResult>;
   optimStep(job: OptimStepJob): Promise<{ metrics: Record<string, number> }>;
-  /** Writes the sampler version's PEFT adapter into `job.dir`. */
-  saveSampler(job: SaveSamplerJob): Promise<void>;
+  /** Writes the sampler version's PEFT adapter into `job.dir` (which must not exist); returns its size. */
+  saveSampler(job: SaveSamplerJob): Promise<{ size_bytes: number }>;
+  /** Writes the training state (adapter, optionally optimizer) into `dir` (which must not exist). */
+  saveState(modelId: string, dir: string, optimizer: boolean): Promise<{ size_bytes: number }>;
+  /** Loads a training checkpoint into an existing model; without `optimizer` the Adam state starts fresh. */
+  loadState(modelId: string, dir: string, optimizer: boolean): Promise<void>;
+  unloadModel(modelId: string): Promise<void>;
   sample(job: SampleJob): Promise<SampleResult>;
   /** Called when the engine died: every model it held is gone. */
   onExit(listener: (reason: string) => void): void;

@@ -89,8 +89,22 @@ export class TorchAdapter implements EngineAdapter {
     return parseResult(OptimStepResult, await this.engine.call('optim_step', { model_id: job.model_id, adam: job.adam }), 'optim_step');
   }
 
-  async saveSampler(job: SaveSamplerJob): Promise<void> {
-    await this.engine.call('save_sampler', { model_id: job.model_id, dir: job.dir });
+  async saveSampler(job: SaveSamplerJob): Promise<{ size_bytes: number }> {
+    const r = await this.engine.call<{ size_bytes?: number }>('save_sampler', { model_id: job.model_id, dir: job.dir });
+    return { size_bytes: r.size_bytes ?? 0 };
+  }
+
+  async saveState(modelId: string, dir: string, optimizer: boolean): Promise<{ size_bytes: number }> {
+    const r = await this.engine.call<{ size_bytes: number }>('save_state', { model_id: modelId, dir, optimizer });
+    return { size_bytes: r.size_bytes };
+  }
+
+  async loadState(modelId: string, dir: string, optimizer: boolean): Promise<void> {
+    await this.engine.call('load_state', { model_id: modelId, dir, optimizer });
+  }
+
+  async unloadModel(modelId: string): Promise<void> {
+    await this.engine.call('unload_model', { model_id: modelId });
   }
 
   async sample(job: SampleJob): Promise<SampleResult> {
