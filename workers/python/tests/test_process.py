@@ -78,6 +78,27 @@ def test_engine_process_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None
             assert step["ok"] and step["result"]["metrics"]["grad_norm"] > 0
         assert losses[2] < losses[0]  # training on one datum lowers its loss
 
+        # Checkpoint round trip: another model_id resumes from e2e's weights and Adam state.
+        state_dir = tmp_path / "state"
+        saved = eng.request("save_state", {"model_id": "e2e", "dir": str(state_dir), "optimizer": True})
+        assert saved["ok"], saved
+        assert saved["result"] == {"dir": str(state_dir),
+                                   "size_bytes": sum(p.stat().st_size for p in state_dir.iterdir())}
+        again_saved = eng.request("save_state", {"model_id": "e2e", "dir": str(state_dir), "optimizer": True})
+        assert again_saved["ok"] is False and again_saved["error"]["category"] == "user"
+        assert eng.request("create_model", {"model_id": "e2e-resumed", "base_model": "tiny",
+                                            "lora": lora(8, seed=5)})["ok"]
+        loaded = eng.request("load_state", {"model_id": "e2e-resumed", "dir": str(state_dir), "optimizer": True})
+        assert loaded["result"] == {"model_id": "e2e-resumed", "has_optimizer": True}
+        resumed_losses = []
+        for model_id in ("e2e", "e2e-resumed", "e2e", "e2e-resumed"):
+            fwd = eng.request("forward_backward", {**fb_args, "model_id": model_id})
+            resumed_losses.append(fwd["result"]["metrics"]["loss:sum"])
+            assert eng.request("optim_step", {"model_id": model_id, "adam": adam(lr=0.05)})["ok"]
+        assert abs(resumed_losses[0] - resumed_losses[1]) <= 1e-6
+        assert abs(resumed_losses[2] - resumed_losses[3]) <= 1e-6
+        assert eng.request("unload_model", {"model_id": "e2e-resumed"})["ok"]
+
         sampler_dir = tmp_path / "sampler"
         assert eng.request("save_sampler", {"model_id": "e2e", "dir": str(sampler_dir)})["ok"]
         sample_args = {"base_model": "tiny", "adapter_dir": str(sampler_dir), "prompt": tokens, "num_samples": 2,

@@ -174,7 +174,8 @@ def _trained_adapter_dir(engine: Engine, tmp_path: Path, model_id: str = "s1", s
     perturb(engine, model_id, seed=seed, scale=0.2)
     live = fb(engine, model_id, "cross_entropy", [datum(PROMPT[:-1], torch.tensor(PROMPT[1:]))], forward_only=True)
     directory = tmp_path / f"sampler-{model_id}"
-    assert engine.call("save_sampler", {"model_id": model_id, "dir": str(directory)}) == {"dir": str(directory)}
+    saved = engine.call("save_sampler", {"model_id": model_id, "dir": str(directory)})
+    assert saved == {"dir": str(directory), "size_bytes": saved["size_bytes"]} and saved["size_bytes"] > 0
     return directory, out_logprobs(live, 0)
 
 

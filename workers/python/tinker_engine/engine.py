@@ -19,6 +19,7 @@ from .models import LoraSpec, Registry
 from .params import get_obj, get_str, is_int
 from .sample import sample
 from .save import save_sampler
+from .state import load_state, save_state
 from .train import forward_backward, optim_step
 
 log = logging.getLogger("tinker_engine")
@@ -39,6 +40,8 @@ class Engine:
             "forward_backward": lambda args: forward_backward(self.registry, args),
             "optim_step": lambda args: optim_step(self.registry, args),
             "save_sampler": lambda args: save_sampler(self.registry, args),
+            "save_state": lambda args: save_state(self.registry, args),
+            "load_state": lambda args: load_state(self.registry, args),
             "sample": lambda args: sample(self.registry, args),
             "unload_model": self.unload_model,
         }

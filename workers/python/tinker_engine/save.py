@@ -34,7 +34,11 @@ def _normalise_config(path: str) -> None:
         f.write("\n")
 
 
-def write_adapter(model: TrainingModel, directory: str) -> None:
+def write_adapter_files(model: TrainingModel, directory: str) -> int:
+    """Write ``ADAPTER_FILES`` straight into the existing ``directory``; returns their total bytes.
+
+    The caller makes this atomic (a temporary directory renamed into place).
+    """
     base = model.base
     assert base.peft is not None
     config = copy.deepcopy(base.peft.peft_config[model.adapter])
@@ -42,21 +46,27 @@ def write_adapter(model: TrainingModel, directory: str) -> None:
     config.inference_mode = True
     state = get_peft_model_state_dict(base.peft, adapter_name=model.adapter, save_embedding_layers=False)
     tensors = {k: v.detach().cpu().contiguous() for k, v in sorted(state.items())}
+    config.save_pretrained(directory)
+    _normalise_config(os.path.join(directory, "adapter_config.json"))
+    save_file(tensors, os.path.join(directory, "adapter_model.safetensors"), metadata={"format": "pt"})
+    return sum(os.path.getsize(os.path.join(directory, fname)) for fname in ADAPTER_FILES)
 
+
+def write_adapter(model: TrainingModel, directory: str) -> int:
+    """Write (or overwrite) the adapter files in ``directory``; returns their total bytes."""
     os.makedirs(directory, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-adapter-", dir=directory)
     try:
-        config.save_pretrained(tmp)
-        _normalise_config(os.path.join(tmp, "adapter_config.json"))
-        save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+        size = write_adapter_files(model, tmp)
         for fname in ADAPTER_FILES:
             os.replace(os.path.join(tmp, fname), os.path.join(directory, fname))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return size
 
 
 def save_sampler(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
     model = registry.model(get_str(args, "model_id"))
     directory = get_str(args, "dir")
-    write_adapter(model, directory)
-    return {"dir": directory}
+    size = write_adapter(model, directory)
+    return {"dir": directory, "size_bytes": size}
