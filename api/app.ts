@@ -17,7 +17,8 @@ import { restRoutes } from './routes/rest.js';
 import { modelRoutes } from './routes/models.js';
 import { samplingRoutes } from './routes/sampling.js';
 import { healthHandler, serviceRoutes } from './routes/service.js';
-import { trainingRoutes } from './routes/training.js';
+import { trainingRoutes, unknownEndpointGuard } from './routes/training.js';
+import { fileDownloadHandler } from './file-urls.js';
 
 /**
  * Builds the Express app of the Tinker HTTP API. Every route lives under `/api/v1` and is
@@ -65,8 +66,10 @@ export function buildApp(config: ApiConfig): BuiltApp {
   v1.use(samplingRoutes(ctx));
   v1.use(futureRoutes(ctx));
   v1.use(restRoutes(ctx));
+  v1.use(unknownEndpointGuard(ctx));
   app.use('/api/v1', v1);
   app.get('/healthz', healthHandler(ctx));
+  app.get('/files/:token', fileDownloadHandler(ctx));
   app.use(notFoundHandler);
   app.use(errorHandler);
 

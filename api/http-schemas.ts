@@ -99,6 +99,22 @@ export const SaveWeightsBody = z.object({
   user_metadata: z.record(z.string(), z.string()).nullable().optional(),
 });
 
+export const SaveWeightsExternalBody = z.object({
+  model_id: id,
+  seq_id: z.number().int().positive(),
+  path: checkpointName,
+  ttl_seconds: z.number().int().positive().nullable().optional(),
+  age_encryption_recipients: z.array(z.string()).nullable().optional(),
+});
+
+export const CopyWeightsBody = z.object({
+  session_id: z.string().nullable().optional(),
+  model_seq_id: nonNegInt.nullable().optional(),
+  destination_project_id: z.string().nullable().optional(),
+  source_path: z.string().startsWith('tinker://', 'source_path must be a tinker:// path'),
+  ttl_seconds: z.number().int().positive().nullable().optional(),
+});
+
 export const LoadWeightsBody = z.object({
   model_id: id,
   seq_id: z.number().int().positive(),
@@ -107,7 +123,29 @@ export const LoadWeightsBody = z.object({
   weights_access_token: z.string().nullable().optional(),
 });
 
+/** load_weights without model_id: create a model from a checkpoint (create_training_client_from_state). */
+export const CreateViaLoadBody = z.object({
+  session_id: id,
+  model_seq_id: nonNegInt,
+  base_model: z.string().nullable().optional(),
+  path: z.string().startsWith('tinker://', 'path must be a tinker:// path'),
+  optimizer: z.boolean(),
+  optimizer_config: z.object({ type: z.string() }).passthrough().nullable().optional(),
+  user_metadata: z.record(z.string(), z.unknown()).nullable().optional(),
+  weights_access_token: z.string().nullable().optional(),
+});
+
+export const JoinSamplingSessionBody = z.object({ sampling_session_id: id });
+
 export const WeightsInfoBody = z.object({ tinker_path: z.string().startsWith('tinker://', 'tinker_path must be a tinker:// path') });
+
+export const SessionSearchBody = z.object({
+  session_id: z.string().nullable().optional(),
+  user_metadata: z.record(z.string(), z.string()).default({}),
+  display_name: z.string().nullable().optional(),
+  statuses: z.array(z.object({ type: z.string() }).passthrough()).nullable().optional(),
+  limit: z.number().int().min(1).max(200).default(50),
+});
 
 export const CheckpointTtlBody = z.object({ ttl_seconds: z.number().int().positive().nullable() });
 
@@ -147,7 +185,8 @@ export const SampleBody = z.object({
   base_model: z.string().nullable().optional(),
   model_path: z.string().nullable().optional(),
   sampling_session_id: z.string().nullable().optional(),
-  seq_id: z.number().int().nonnegative().nullable().optional(),
+  // Clones of a sampling client number from 1e9·k; beyond 2^53 a number is not exact in JSON here.
+  seq_id: z.number().nonnegative().nullable().optional(),
   prompt_logprobs: z.boolean().nullable().optional(),
   topk_prompt_logprobs: z.number().int().nonnegative().max(100).default(0),
   topk_sample_logprobs: z.number().int().nonnegative().default(0),

@@ -61,5 +61,6 @@ export const jobIds = {
   createModel: (modelId: string) => `c-${shortHash(modelId)}`,
   train: (modelId: string, seqId: number) => `t-${shortHash(modelId)}-${seqId}`,
   unload: (modelId: string) => `u-${shortHash(modelId)}`,
+  loadOnCreate: (modelId: string) => `l-${shortHash(modelId)}`,
   sample: (samplingSessionId: string, seqId: number) => `s-${shortHash(samplingSessionId)}-${seqId}`,
 };

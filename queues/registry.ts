@@ -60,9 +60,9 @@ export type SamplingSessionRecord = z.infer<typeof SamplingSessionRecord>;
 export const CheckpointRecord = z.object({
   tinker_path: z.string(),
   model_id: z.string(),
-  /** `weights/<name>` or `sampler_weights/<name>`, as the SDK's REST calls name it. */
+  /** `weights/<name>`, `sampler_weights/<name>` or `external_weights/<name>`, as the SDK's REST calls name it. */
   checkpoint_id: z.string(),
-  checkpoint_type: z.enum(['training', 'sampler']),
+  checkpoint_type: z.enum(['training', 'sampler', 'external']),
   base_model: z.string(),
   lora: LoraConfig,
   dir: z.string(),
@@ -336,5 +336,13 @@ export class Registry {
   }
   async sessionFinished(sessionId: string): Promise<boolean> {
     return (await this.redis.exists(`${this.names.session(sessionId)}:finish`)) === 1;
+  }
+  async sessionFinish(sessionId: string): Promise<Record<string, unknown> | null> {
+    const raw = await this.redis.get(`${this.names.session(sessionId)}:finish`);
+    return raw === null ? null : JSON.parse(raw);
+  }
+  async sessionInfo(sessionId: string): Promise<Record<string, unknown> | null> {
+    const raw = await this.redis.get(this.names.session(sessionId));
+    return raw === null ? null : JSON.parse(raw);
   }
 }

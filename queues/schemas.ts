@@ -108,6 +108,17 @@ export const LoadStateJob = z.object({
   dir: z.string(),
   optimizer: z.boolean(),
 });
+/** save_weights_external: the adapter as plain files (optionally age-encrypted) for download. */
+export const SaveExternalJob = z.object({
+  op: z.literal('save_weights_external'),
+  model_id: z.string(),
+  seq_id: z.number().int(),
+  tinker_path: z.string(),
+  dir: z.string(),
+  ttl_seconds: z.number().int().positive().nullable(),
+  /** age X25519 recipients (`age1…`); every file is then stored as `<name>.age`. */
+  age_recipients: z.array(z.string()),
+});
 export const UnloadModelJob = z.object({
   op: z.literal('unload_model'),
   model_id: z.string(),
@@ -119,6 +130,7 @@ export const TrainJob = z.discriminatedUnion('op', [
   SaveSamplerJob,
   SaveStateJob,
   LoadStateJob,
+  SaveExternalJob,
   UnloadModelJob,
 ]);
 export type TrainJob = z.infer<typeof TrainJob>;
@@ -129,6 +141,7 @@ export type SaveSamplerJob = z.infer<typeof SaveSamplerJob>;
 export type SaveStateJob = z.infer<typeof SaveStateJob>;
 export type LoadStateJob = z.infer<typeof LoadStateJob>;
 export type UnloadModelJob = z.infer<typeof UnloadModelJob>;
+export type SaveExternalJob = z.infer<typeof SaveExternalJob>;
 
 // ---- Sample queue jobs (one queue per base model, concurrent) ----
 
@@ -168,6 +181,7 @@ export const SaveSamplerResult = z.object({
 export const SaveStateResult = z.object({ path: z.string() });
 export const LoadStateResult = z.object({ path: z.string(), model_id: z.string() });
 export const UnloadModelResult = z.object({ model_id: z.string() });
+export const SaveExternalResult = z.object({ path: z.string(), size_bytes: z.number().int() });
 export const SampleResult = z.object({
   sequences: z.array(
     z.object({
@@ -189,5 +203,6 @@ export const ResultSchemas = {
   save_weights: SaveStateResult,
   load_weights: LoadStateResult,
   unload_model: UnloadModelResult,
+  save_weights_external: SaveExternalResult,
   sample: SampleResult,
 } as const satisfies Record<JobOp, z.ZodType>;

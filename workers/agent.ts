@@ -1,5 +1,6 @@
 import { existsSync } from 'node:fs';
-import { rename, rm } from 'node:fs/promises';
+import { readdir, rename, rm, stat } from 'node:fs/promises';
+import path from 'node:path';
 import { UnrecoverableError, Worker, type Job } from 'bullmq';
 import type { Redis } from 'ioredis';
 import { ZodError } from 'zod';
@@ -9,9 +10,10 @@ import { logger as rootLogger, type Logger } from '../queues/logger.js';
 import { Names } from '../queues/names.js';
 import { connect } from '../queues/redis.js';
 import { Registry, type CheckpointRecord, type ServedModel } from '../queues/registry.js';
-import { SampleJob, TrainJob, type AnyJob, type SaveSamplerJob, type SaveStateJob } from '../queues/schemas.js';
+import { SampleJob, TrainJob, type AnyJob, type SaveExternalJob, type SaveSamplerJob, type SaveStateJob } from '../queues/schemas.js';
 import type { EngineAdapter } from './adapters/adapter.js';
 import { TorchAdapter } from './adapters/torch.js';
+import { encryptFileInPlace } from './age.js';
 import { EngineError } from './engine.js';
 
 /**
@@ -157,6 +159,9 @@ export class Agent {
           await this.adapter.loadState(data.model_id, data.dir, data.optimizer);
           return { path: data.tinker_path, model_id: data.model_id };
         }
+        case 'save_weights_external':
+          await this.requireLoaded(data.model_id);
+          return this.saveExternal(data);
         case 'unload_model':
           if (this.loaded.has(data.model_id)) await this.adapter.unloadModel(data.model_id);
           this.loaded.delete(data.model_id);
@@ -209,6 +214,24 @@ export class Agent {
       await this.registry.indexSampler(model.session_id, job.sampling_session_id);
     }
     return { path: job.tinker_path, sampling_session_id: job.sampling_session_id };
+  }
+
+  private async saveExternal(job: SaveExternalJob): Promise<{ path: string; size_bytes: number }> {
+    if (await this.registry.getCheckpoint(job.tinker_path))
+      throw new EngineError('user', `external weights ${job.tinker_path} already exist; save under a new name`);
+    await rm(job.dir, { recursive: true, force: true });
+    await this.adapter.saveSampler({ ...job, op: 'save_weights_for_sampler', sampling_session_id: null, user_metadata: null });
+    let size = 0;
+    for (const f of await readdir(job.dir, { recursive: true, withFileTypes: true })) {
+      if (!f.isFile()) continue;
+      const p = path.join(f.parentPath, f.name);
+      const out = job.age_recipients.length ? await encryptFileInPlace(p, job.age_recipients) : p;
+      size += (await stat(out)).size;
+    }
+    await this.registry.putCheckpoint(
+      await this.checkpointRecord({ ...job, user_metadata: null }, 'external', { size_bytes: size, has_optimizer: false, ephemeral: false }),
+    );
+    return { path: job.tinker_path, size_bytes: size };
   }
 
   private async saveState(job: SaveStateJob): Promise<{ path: string }> {

@@ -3,9 +3,37 @@ import { BrokerError } from '../../queues/errors.js';
 import { encodeRequestId } from '../../queues/futures.js';
 import { jobIds, shortHash } from '../../queues/names.js';
 import type { ModelRecord } from '../../queues/registry.js';
-import type { CreateModelJob } from '../../queues/schemas.js';
+import type { CreateModelJob, LoraConfig } from '../../queues/schemas.js';
 import type { ApiContext } from '../context.js';
 import { CreateModelBody, ModelIdBody, parseBody } from '../http-schemas.js';
+
+/**
+ * Places a new model on a live agent serving its base model (deterministically, so a retried
+ * create lands on the same agent), records it and opens its ordering gate. Idempotent.
+ */
+export async function placeModel(
+  ctx: ApiContext,
+  m: { modelId: string; sessionId: string; baseModel: string; lora: LoraConfig },
+): Promise<ModelRecord> {
+  const { model, agents } = await ctx.registry.resolveBaseModel(m.baseModel);
+  const sorted = [...agents].sort((a, b) => a.agent_id.localeCompare(b.agent_id));
+  const agent = sorted[parseInt(shortHash(m.modelId, 8), 16) % sorted.length]!;
+  const rec = await ctx.registry.putModelIfAbsent({
+    model_id: m.modelId,
+    session_id: m.sessionId,
+    base_model: model.name,
+    arch: model.arch,
+    vocab_size: model.vocab_size,
+    lora: m.lora,
+    agent_id: agent.agent_id,
+    train_queue: agent.train_queue,
+    created_at: new Date().toISOString(),
+    lost_reason: null,
+  });
+  await ctx.registry.indexModel(rec);
+  await ctx.gate.open(m.modelId);
+  return rec;
+}
 
 /** create_model (a future; the model's seq 0) and get_info. */
 export function modelRoutes(ctx: ApiContext): Router {
@@ -19,11 +47,8 @@ export function modelRoutes(ctx: ApiContext): Router {
       throw new BrokerError('INVALID_REQUEST', `optimizer '${body.optimizer_config.type}' is not supported; only adamw`);
     if (!(await ctx.registry.sessionExists(body.session_id)))
       throw new BrokerError('NOT_FOUND', `unknown session '${body.session_id}': call create_session first`);
-    const { model, agents } = await ctx.registry.resolveBaseModel(body.base_model);
+    const { model } = await ctx.registry.resolveBaseModel(body.base_model);
     const modelId = `${body.session_id}:train:${body.model_seq_id}`;
-    // Deterministic placement, so a retried create_model lands on the same agent.
-    const sorted = [...agents].sort((a, b) => a.agent_id.localeCompare(b.agent_id));
-    const agent = sorted[parseInt(shortHash(modelId, 8), 16) % sorted.length]!;
     const lora = {
       rank: body.lora_config.rank,
       seed: body.lora_config.seed ?? null,
@@ -31,20 +56,7 @@ export function modelRoutes(ctx: ApiContext): Router {
       train_mlp: body.lora_config.train_mlp,
       train_attn: body.lora_config.train_attn,
     };
-    const rec: ModelRecord = await ctx.registry.putModelIfAbsent({
-      model_id: modelId,
-      session_id: body.session_id,
-      base_model: model.name,
-      arch: model.arch,
-      vocab_size: model.vocab_size,
-      lora,
-      agent_id: agent.agent_id,
-      train_queue: agent.train_queue,
-      created_at: new Date().toISOString(),
-      lost_reason: null,
-    });
-    await ctx.registry.indexModel(rec);
-    await ctx.gate.open(modelId);
+    const rec = await placeModel(ctx, { modelId, sessionId: body.session_id, baseModel: model.name, lora });
     const job: CreateModelJob = { op: 'create_model', model_id: modelId, base_model: rec.base_model, lora: rec.lora };
     const jobId = jobIds.createModel(modelId);
     await ctx.queues.add(rec.train_queue, jobId, job);

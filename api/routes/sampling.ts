@@ -7,7 +7,7 @@ import { jobIds } from '../../queues/names.js';
 import type { SamplingSessionRecord } from '../../queues/registry.js';
 import type { SampleJob, SamplingParams } from '../../queues/schemas.js';
 import type { ApiContext } from '../context.js';
-import { CreateSamplingSessionBody, parseBody, SampleBody, SamplingParamsBody } from '../http-schemas.js';
+import { CreateSamplingSessionBody, JoinSamplingSessionBody, parseBody, SampleBody, SamplingParamsBody } from '../http-schemas.js';
 import { parseTinkerPath } from '../paths.js';
 
 /** Sampling sessions (pinned to a base model or one immutable sampler version) and asample. */
@@ -65,6 +65,15 @@ export function samplingRoutes(ctx: ApiContext): Router {
     res.json({ type: 'create_sampling_session', sampling_session_id: id });
   });
 
+  // An unpickled SamplingClient asks for its clone number; its seq_ids then start at 1e9·n.
+  r.post('/join_sampling_session', async (req, res) => {
+    const body = parseBody(JoinSamplingSessionBody, req.body, 'join_sampling_session');
+    if (!(await ctx.registry.getSamplingSession(body.sampling_session_id)))
+      throw new BrokerError('NOT_FOUND', `unknown sampling_session_id '${body.sampling_session_id}'`);
+    const n = await ctx.redis.incr(`${ctx.names.samplingSession(body.sampling_session_id)}:clones`);
+    res.json({ type: 'join_sampling_session', client_counter: n });
+  });
+
   r.get('/samplers/:id', async (req, res) => {
     const s = await ctx.registry.getSamplingSession(req.params.id);
     if (!s) throw new BrokerError('NOT_FOUND', `unknown sampler '${req.params.id}'`);
@@ -106,7 +115,8 @@ export function samplingRoutes(ctx: ApiContext): Router {
       throw invalid(`prompt (${tokens.length} tokens) + max_tokens (${params.max_tokens}) exceeds the model's context of ${model.max_context_length}`);
 
     const queue = ctx.names.sampleQueue(session.base_model);
-    const seqId = body.seq_id ?? null;
+    // A seq_id JSON cannot carry exactly (past 2^53) cannot de-duplicate: such a request gets a fresh job.
+    const seqId = body.seq_id != null && Number.isSafeInteger(body.seq_id) ? body.seq_id : null;
     const jobId = body.sampling_session_id && seqId !== null ? jobIds.sample(sessionId, seqId) : `s-${randomUUID()}`;
     const requestId = encodeRequestId({ queue, jobId });
     const reply = () => res.json({ request_id: requestId, sample_sequence_ids: Array.from({ length: body.num_samples }, (_, i) => `${requestId}#${i}`) });

@@ -19,7 +19,7 @@ export function serviceRoutes(ctx: ApiContext): Router {
       parallel_fwdbwd_chunks: true,
       create_model_via_load_weights: false,
       sample_use_retrieve_futures: false,
-      sample_join_sampling_session: false,
+      sample_join_sampling_session: true,
       custom_loss_server_side: false,
     });
   });

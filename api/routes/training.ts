@@ -1,11 +1,25 @@
-import express, { Router } from 'express';
+import express, { Router, type RequestHandler } from 'express';
 import { BrokerError } from '../../queues/errors.js';
 import { encodeRequestId } from '../../queues/futures.js';
 import { jobIds } from '../../queues/names.js';
 import type { ModelRecord } from '../../queues/registry.js';
 import type { Datum, TrainJob } from '../../queues/schemas.js';
 import type { ApiContext } from '../context.js';
-import { LoadWeightsBody, ModelIdBody, OptimStepBody, parseBody, SaveWeightsBody, SaveWeightsForSamplerBody } from '../http-schemas.js';
+import { parseRecipient } from '../../workers/age.js';
+import type { z } from 'zod';
+import type { CheckpointRecord } from '../../queues/registry.js';
+import type { LoraConfig } from '../../queues/schemas.js';
+import { placeModel } from './models.js';
+import {
+  CreateViaLoadBody,
+  LoadWeightsBody,
+  ModelIdBody,
+  OptimStepBody,
+  parseBody,
+  SaveWeightsBody,
+  SaveWeightsExternalBody,
+  SaveWeightsForSamplerBody,
+} from '../http-schemas.js';
 import { formatTinkerPath, parseTinkerPath, storageDirFor } from '../paths.js';
 import { decodeForwardBackwardRequest } from '../wire/proto.js';
 
@@ -54,6 +68,18 @@ export function validateBatch(lossFn: string, data: Datum[], vocabSize: number):
 }
 
 /**
+ * Any other POST under /api/v1 is an endpoint this server lacks. If it carries a model_id and a
+ * seq_id, the SDK has used up that seq_id: skip it, so the model's next op is not stuck.
+ */
+export function unknownEndpointGuard(ctx: ApiContext): RequestHandler {
+  return async (req, _res, next) => {
+    await guardSeq(ctx, req.body?.model_id, req.body?.seq_id, async () => {
+      throw new BrokerError('NOT_FOUND', `no such endpoint: ${req.method} ${req.path} (not supported by this server)`);
+    }).catch(next);
+  };
+}
+
+/**
  * Runs a route's checks. The SDK has used up a `seq_id` even when the server refuses the request
  * (it does not resend a 400), so once model_id and seq_id are known a refusal skips that seq_id
  * in the gate: later ops of the model must not wait behind it.
@@ -85,6 +111,53 @@ async function submitTrainOp(ctx: ApiContext, model: ModelRecord, seqId: number,
   await ctx.gate.submit(model.model_id, seqId, model.train_queue, jobId, job);
   await ctx.registry.touchModel(model.model_id);
   return requestId;
+}
+
+/** The training checkpoint at `path`, checked for loading into a model of `base` with `lora`. */
+async function loadableCheckpoint(ctx: ApiContext, path: string, target?: { model_id: string; base_model: string; lora: LoraConfig }): Promise<CheckpointRecord> {
+  const tp = parseTinkerPath(path);
+  if (tp.kind !== 'weights') throw invalid(`${path} is not a training checkpoint (weights/<name>); load one saved with save_state`);
+  const c = await ctx.registry.getCheckpoint(path);
+  if (!c) throw new BrokerError('NOT_FOUND', `checkpoint ${path} does not exist (never saved, deleted or expired)`);
+  if (target) {
+    if (c.base_model !== target.base_model)
+      throw invalid(`checkpoint ${path} is of base model ${c.base_model}; model ${target.model_id} is of ${target.base_model}`);
+    const key = (l: LoraConfig) => `rank ${l.rank}, train_attn ${l.train_attn}, train_mlp ${l.train_mlp}, train_unembed ${l.train_unembed}`;
+    if (key(c.lora) !== key(target.lora)) throw invalid(`checkpoint ${path} has LoRA (${key(c.lora)}); model ${target.model_id} has (${key(target.lora)})`);
+  }
+  return c;
+}
+
+/**
+ * create_training_client_from_state[_with_optimizer]: one load_weights request without a model_id
+ * creates model `<session_id>:train:<model_seq_id>` with the checkpoint's base and LoRA config
+ * (its seq 0) and loads the checkpoint into it. Both jobs go onto the agent's queue in order; the
+ * load's job is the future.
+ */
+async function createViaLoad(ctx: ApiContext, body: z.output<typeof CreateViaLoadBody>): Promise<{ request_id: string; model_id: string }> {
+  if (!(await ctx.registry.sessionExists(body.session_id)))
+    throw new BrokerError('NOT_FOUND', `unknown session '${body.session_id}': call create_session first`);
+  if (body.optimizer_config && body.optimizer_config.type !== 'adamw')
+    throw invalid(`optimizer '${body.optimizer_config.type}' is not supported; only adamw`);
+  const c = await loadableCheckpoint(ctx, body.path);
+  if (body.base_model) {
+    const { model } = await ctx.registry.resolveBaseModel(body.base_model);
+    if (model.name !== c.base_model) throw invalid(`checkpoint ${body.path} is of base model ${c.base_model}, not ${body.base_model}`);
+  }
+  const modelId = `${body.session_id}:train:${body.model_seq_id}`;
+  const rec = await placeModel(ctx, { modelId, sessionId: body.session_id, baseModel: c.base_model, lora: c.lora });
+  const jobId = jobIds.createModel(modelId);
+  await ctx.queues.add(rec.train_queue, jobId, { op: 'create_model', model_id: modelId, base_model: rec.base_model, lora: rec.lora });
+  const loadId = jobIds.loadOnCreate(modelId);
+  await ctx.queues.add(rec.train_queue, loadId, {
+    op: 'load_weights',
+    model_id: modelId,
+    seq_id: 0,
+    tinker_path: c.tinker_path,
+    dir: c.dir,
+    optimizer: body.optimizer,
+  });
+  return { request_id: encodeRequestId({ queue: rec.train_queue, jobId: loadId }), model_id: modelId };
 }
 
 export function trainingRoutes(ctx: ApiContext): Router {
@@ -157,23 +230,13 @@ export function trainingRoutes(ctx: ApiContext): Router {
 
   // load_state / load_state_with_optimizer, and the load behind create_training_client_from_state.
   r.post('/load_weights', async (req, res) => {
-    if (req.body && req.body.model_id === undefined && req.body.session_id !== undefined)
-      throw invalid('load_weights without model_id (create_model_via_load_weights) is not enabled on this server');
+    if (req.body && req.body.model_id === undefined && req.body.session_id !== undefined) {
+      res.json(await createViaLoad(ctx, parseBody(CreateViaLoadBody, req.body, 'load_weights')));
+      return;
+    }
     const body = await guardSeq(ctx, req.body?.model_id, req.body?.seq_id, async () => parseBody(LoadWeightsBody, req.body, 'load_weights'));
     const model = await ctx.registry.requireModel(body.model_id);
-    const ckpt = await guardSeq(ctx, body.model_id, body.seq_id, async () => {
-      const tp = parseTinkerPath(body.path);
-      if (tp.kind !== 'weights')
-        throw invalid(`${body.path} is a sampler checkpoint (weights only); load a training checkpoint saved with save_state`);
-      const c = await ctx.registry.getCheckpoint(body.path);
-      if (!c) throw new BrokerError('NOT_FOUND', `checkpoint ${body.path} does not exist (never saved, deleted or expired)`);
-      if (c.base_model !== model.base_model)
-        throw invalid(`checkpoint ${body.path} is of base model ${c.base_model}; model ${model.model_id} is of ${model.base_model}`);
-      const key = (l: typeof c.lora) => `rank ${l.rank}, train_attn ${l.train_attn}, train_mlp ${l.train_mlp}, train_unembed ${l.train_unembed}`;
-      if (key(c.lora) !== key(model.lora))
-        throw invalid(`checkpoint ${body.path} has LoRA (${key(c.lora)}); model ${model.model_id} has (${key(model.lora)})`);
-      return c;
-    });
+    const ckpt = await guardSeq(ctx, body.model_id, body.seq_id, () => loadableCheckpoint(ctx, body.path, model));
     const requestId = await submitTrainOp(ctx, model, body.seq_id, {
       op: 'load_weights',
       model_id: model.model_id,
@@ -181,6 +244,37 @@ export function trainingRoutes(ctx: ApiContext): Router {
       tinker_path: ckpt.tinker_path,
       dir: ckpt.dir,
       optimizer: body.optimizer,
+    });
+    res.json({ request_id: requestId, model_id: body.model_id });
+  });
+
+  // save_weights_external: the adapter as plain (or age-encrypted) files, downloadable through signed URLs.
+  r.post('/save_weights_external', async (req, res) => {
+    const body = await guardSeq(ctx, req.body?.model_id, req.body?.seq_id, async () => {
+      const b = parseBody(SaveWeightsExternalBody, req.body, 'save_weights_external');
+      for (const rcp of b.age_encryption_recipients ?? []) {
+        try {
+          parseRecipient(rcp);
+        } catch (e) {
+          throw invalid(`age_encryption_recipients: ${(e as Error).message}`);
+        }
+      }
+      return b;
+    });
+    const model = await ctx.registry.requireModel(body.model_id);
+    const tp = { modelId: model.model_id, kind: 'external_weights' as const, name: body.path };
+    const tinkerPath = formatTinkerPath(tp);
+    await guardSeq(ctx, body.model_id, body.seq_id, async () => {
+      if (await ctx.registry.getCheckpoint(tinkerPath)) throw invalid(`external weights ${tinkerPath} already exist; save under a new name`);
+    });
+    const requestId = await submitTrainOp(ctx, model, body.seq_id, {
+      op: 'save_weights_external',
+      model_id: model.model_id,
+      seq_id: body.seq_id,
+      tinker_path: tinkerPath,
+      dir: storageDirFor(ctx.config.storageDir, tp),
+      ttl_seconds: body.ttl_seconds ?? null,
+      age_recipients: body.age_encryption_recipients ?? [],
     });
     res.json({ request_id: requestId, model_id: body.model_id });
   });
