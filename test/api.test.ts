@@ -1,6 +1,7 @@
-import { mkdirSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdirSync, writeFileSync } from 'node:fs';
 import path from 'node:path';
 import { expect } from 'chai';
+import { sweepExpiredCheckpoints } from '../api/checkpoints.js';
 import { TINY_MODEL_ALIAS, TINY_MODEL_DIR } from '../scripts/stack.js';
 import { awaitFuture, call, startStack, type HttpReply, type TestStack } from './helpers/stack.js';
 import { decodeForwardBackwardOutput, decodeSampleResponse, encodeForwardBackward, type TestDatum } from './helpers/wire.js';
@@ -256,5 +257,50 @@ describe('API with a worker agent and the tiny model', function () {
     const badOptim = await call(s.baseUrl, 'POST', '/optim_step', { model_id: id, seq_id: 3, adam_params: { learning_rate: -1 } });
     expectTinkerError(badOptim, 400, 'user', /adam_params\.learning_rate/);
     expect((await result((await submitOptim(id, 4)).json.request_id)).json.type).to.equal('optim_step');
+  });
+});
+
+describe('checkpoints over HTTP', function () {
+  this.timeout(120_000);
+  let s: TestStack;
+  let sessionId: string;
+  before(async () => {
+    s = await startStack({ longPollMs: 1_000 });
+    sessionId = (await call(s.baseUrl, 'POST', '/create_session', { tags: [] })).json.session_id;
+  });
+  after(async () => s?.stop());
+  const result = (requestId: string) => awaitFuture(s.baseUrl, requestId);
+
+  it('lists, expires (TTL) and deletes checkpoints, with their files', async () => {
+    const cm = await call(s.baseUrl, 'POST', '/create_model', { session_id: sessionId, model_seq_id: 0, base_model: TINY_MODEL_ALIAS, lora_config: { rank: 2 } });
+    const id = (await result(cm.json.request_id)).json.model_id as string;
+    const save = (seq: number, name: string, ttl?: number) =>
+      call(s.baseUrl, 'POST', '/save_weights', { model_id: id, seq_id: seq, path: name, ...(ttl ? { ttl_seconds: ttl } : {}) });
+    expect((await result((await save(1, 'keep')).json.request_id)).json).to.deep.equal({ type: 'save_weights', path: `tinker://${id}/weights/keep` });
+    expect((await result((await save(2, 'short', 1)).json.request_id)).json.path).to.equal(`tinker://${id}/weights/short`);
+    const sampler = await call(s.baseUrl, 'POST', '/save_weights_for_sampler', { model_id: id, seq_id: 3, path: 'samp' });
+    await result(sampler.json.request_id);
+
+    const list = async () =>
+      (await call(s.baseUrl, 'GET', `/training_runs/${id}/checkpoints`)).json.checkpoints.map((c: { checkpoint_id: string }) => c.checkpoint_id).sort();
+    expect(await list()).to.deep.equal(['sampler_weights/samp', 'weights/keep', 'weights/short']);
+    const run = await call(s.baseUrl, 'GET', `/training_runs/${id}`);
+    expect(run.json).to.include({ training_run_id: id, is_lora: true, lora_rank: 2 });
+    expect(run.json.last_checkpoint.tinker_path).to.match(/weights\/(keep|short)$/);
+
+    const dir = (name: string) => path.join(s.storageDir, id.replace(/[^A-Za-z0-9._-]/g, '_'), 'weights', name);
+    expect(existsSync(path.join(dir('short'), 'adapter_model.safetensors'))).to.equal(true);
+    await new Promise((r) => setTimeout(r, 1_100));
+    // Expired: gone from listings and lookups at once; the sweeper removes the files.
+    expect(await list()).to.deep.equal(['sampler_weights/samp', 'weights/keep']);
+    expect((await call(s.baseUrl, 'POST', '/weights_info', { tinker_path: `tinker://${id}/weights/short` })).status).to.equal(404);
+    expect(await sweepExpiredCheckpoints(s.built.ctx)).to.equal(1);
+    expect(existsSync(dir('short'))).to.equal(false);
+
+    const del = await call(s.baseUrl, 'DELETE', `/training_runs/${id}/checkpoints/weights/keep`);
+    expect(del.status).to.equal(200);
+    expect(existsSync(dir('keep'))).to.equal(false);
+    expect(await list()).to.deep.equal(['sampler_weights/samp']);
+    expect((await call(s.baseUrl, 'DELETE', `/training_runs/${id}/checkpoints/weights/keep`)).status).to.equal(404);
   });
 });

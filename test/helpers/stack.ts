@@ -84,7 +84,7 @@ export type HttpReply = { status: number; headers: Headers; json: any; body: Buf
 /** One HTTP call as the SDK makes it. */
 export async function call(
   baseUrl: string,
-  method: 'GET' | 'POST',
+  method: 'GET' | 'POST' | 'PUT' | 'DELETE',
   route: string,
   body?: unknown,
   opts: { key?: string | null; raw?: Buffer; contentType?: string; accept?: string } = {},
