@@ -18,5 +18,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install --quiet --disable-pip-version-check "$(grep '^torch==' workers/python/requirements.txt)"
 fi
 .venv/bin/pip install --quiet --disable-pip-version-check -r workers/python/requirements.txt -r test/e2e/requirements.txt
+# See test/e2e/requirements.txt for why the cookbook comes without its declared dependencies.
+.venv/bin/pip install --quiet --disable-pip-version-check --no-deps tinker-cookbook==0.6.1
 
 .venv/bin/python scripts/make_tiny_model.py --out models/tiny-qwen3
