@@ -1,11 +1,13 @@
 import type { Server } from 'node:http';
-import { loadApiConfig } from '../queues/config.js';
+import { loadApiConfig, type ApiConfig } from '../queues/config.js';
 import { logger } from '../queues/logger.js';
 import { buildApp } from './app.js';
 
-/** The API process: `tsx api/main.ts`. Configuration from the environment (queues/config.ts). */
-export async function startApi(env: NodeJS.ProcessEnv = process.env): Promise<{ server: Server; port: number; stop: () => Promise<void> }> {
-  const config = loadApiConfig(env);
+/** The API process: `tsx api/main.ts`. Configuration from the environment (queues/config.ts) or a preset's plan. */
+export async function startApi(
+  from: { config: ApiConfig } | { env: NodeJS.ProcessEnv } = { env: process.env },
+): Promise<{ server: Server; port: number; stop: () => Promise<void> }> {
+  const config = 'config' in from ? from.config : loadApiConfig(from.env);
   const { app, close } = buildApp(config);
   const server = await new Promise<Server>((resolve, reject) => {
     const s = app.listen(config.port, config.host, (err?: Error) => (err ? reject(err) : resolve(s)));

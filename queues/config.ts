@@ -67,7 +67,23 @@ export type ApiConfig = {
   maxQueuedSamples: number;
 };
 
-export type BaseModelSpec = { name: string; path: string; aliases: string[] };
+export type BaseModelSpec = {
+  /** Canonical name: the absolute path of the model directory. */
+  name: string;
+  path: string;
+  /** Other names clients may use as `base_model`. */
+  aliases: string[];
+  /** Whether LoRA models may be trained on it (role `actor`); teachers and references are frozen. */
+  trainable: boolean;
+  /** Largest LoRA rank accepted. */
+  loraMaxRank: number;
+  /** Largest K of top-K prompt logprobs. */
+  topkMax: number;
+  /** Weight dtype, when the preset sets one. */
+  dtype?: string | undefined;
+};
+
+export const MODEL_DEFAULTS = { trainable: true, loraMaxRank: 64, topkMax: 20 } as const;
 
 export type AgentConfig = {
   redisUrl: string;
@@ -111,7 +127,7 @@ export function loadApiConfig(env: NodeJS.ProcessEnv = process.env): ApiConfig {
 export function parseModelSpec(spec: string): BaseModelSpec {
   const [p, ...aliases] = spec.split('=');
   const abs = path.resolve(p ?? '');
-  return { name: abs, path: abs, aliases: aliases.filter(Boolean) };
+  return { name: abs, path: abs, aliases: aliases.filter(Boolean), ...MODEL_DEFAULTS };
 }
 
 export function loadAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentConfig {

@@ -16,6 +16,9 @@ export const ServedModel = z.object({
   arch: z.string(),
   vocab_size: z.number().int(),
   max_context_length: z.number().int(),
+  trainable: z.boolean().default(true),
+  lora_max_rank: z.number().int().default(64),
+  topk_max: z.number().int().default(20),
 });
 export type ServedModel = z.infer<typeof ServedModel>;
 

@@ -51,10 +51,10 @@ export async function ensureRedis(url: string, dataDir = 'var/redis'): Promise<C
   throw new Error('redis-server did not answer within 10 s');
 }
 
-/** Generates the tiny model (deterministic, a few seconds) unless it is already there. */
-export function ensureTinyModel(python: string, dir = TINY_MODEL_DIR): void {
+/** Generates a tiny model (deterministic, a few seconds) unless it is already there; seed 1 makes the tiny teacher. */
+export function ensureTinyModel(python: string, dir = TINY_MODEL_DIR, seed = 0): void {
   if (existsSync(path.join(dir, '.complete'))) return;
-  const r = spawnSync(python, ['scripts/make_tiny_model.py', '--out', dir], { stdio: 'inherit' });
+  const r = spawnSync(python, ['scripts/make_tiny_model.py', '--out', dir, '--seed', String(seed)], { stdio: 'inherit' });
   if (r.status !== 0) throw new Error(`scripts/make_tiny_model.py failed (exit ${r.status})`);
 }
 

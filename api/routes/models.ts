@@ -48,6 +48,10 @@ export function modelRoutes(ctx: ApiContext): Router {
     if (!(await ctx.registry.sessionExists(body.session_id)))
       throw new BrokerError('NOT_FOUND', `unknown session '${body.session_id}': call create_session first`);
     const { model } = await ctx.registry.resolveBaseModel(body.base_model);
+    if (!model.trainable)
+      throw new BrokerError('INVALID_REQUEST', `base model '${body.base_model}' is frozen here (a teacher or reference); it can be sampled but not trained`);
+    if (body.lora_config.rank > model.lora_max_rank)
+      throw new BrokerError('INVALID_REQUEST', `LoRA rank ${body.lora_config.rank} exceeds the largest rank served for '${body.base_model}' (${model.lora_max_rank})`);
     const modelId = `${body.session_id}:train:${body.model_seq_id}`;
     const lora = {
       rank: body.lora_config.rank,

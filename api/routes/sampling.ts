@@ -106,8 +106,9 @@ export function samplingRoutes(ctx: ApiContext): Router {
       for (const t of c.tokens as number[]) tokens.push(t);
     }
     if (tokens.length === 0) throw invalid('prompt is empty');
-    const { model, agents } = await ctx.registry.resolveBaseModel(session.base_model);
-    void agents;
+    const { model } = await ctx.registry.resolveBaseModel(session.base_model);
+    if (body.topk_prompt_logprobs > model.topk_max)
+      throw invalid(`topk_prompt_logprobs ${body.topk_prompt_logprobs} exceeds the bound for this model (${model.topk_max})`);
     for (const t of tokens) if (t < 0 || t >= model.vocab_size) throw invalid(`prompt token id ${t} is outside the vocabulary [0, ${model.vocab_size})`);
     const params = toEngineParams(body.sampling_params);
     for (const t of params.stop_tokens) if (t >= model.vocab_size) throw invalid(`stop token id ${t} is outside the vocabulary [0, ${model.vocab_size})`);

@@ -7,7 +7,7 @@ import path from 'node:path';
 import { deletePrefix, REDIS_URL } from '../helpers/stack.js';
 
 /**
- * The server as a user starts it (`scripts/start.ts`, what `npm start` runs), isolated by a
+ * The server as a user starts it (`tinker-broker start`, what `npm start` runs), isolated by a
  * fresh key prefix, port and storage directory; and a runner for the SDK scripts in test/e2e.
  */
 export const PYTHON = path.resolve('.venv/bin/python');
@@ -31,13 +31,17 @@ export class E2EServer {
   private child: ChildProcess | null = null;
   private port = 0;
 
-  constructor(private readonly extraEnv: NodeJS.ProcessEnv = {}) {}
+  /** `extraEnv` overrides the preset (e.g. TB_AGENT_MODELS); `args` go to `tinker-broker start` (e.g. ['--preset', file]). */
+  constructor(
+    private readonly extraEnv: NodeJS.ProcessEnv = {},
+    private readonly args: string[] = [],
+  ) {}
 
   /** Starts the stack (or restarts it on the same port, prefix and storage) and waits for /healthz ready. */
   async start(timeoutMs = 170_000): Promise<void> {
     if (!this.port) this.port = await freePort();
     this.baseUrl = `http://127.0.0.1:${this.port}`;
-    const child = spawn(process.execPath, ['--import', 'tsx', 'scripts/start.ts'], {
+    const child = spawn(process.execPath, ['--import', 'tsx', 'scripts/tinker-broker.ts', 'start', ...this.args], {
       env: {
         ...process.env,
         TB_LOG_LEVEL: process.env.TB_LOG_LEVEL ?? 'warn',

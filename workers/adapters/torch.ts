@@ -65,8 +65,18 @@ export class TorchAdapter implements EngineAdapter {
     const r = await this.engine.call<{ vocab_size: number; arch: string; max_context_length: number }>('load_base', {
       name: spec.name,
       path: spec.path,
+      ...(spec.dtype ? { dtype: spec.dtype } : {}),
     });
-    return { name: spec.name, aliases: spec.aliases, arch: r.arch, vocab_size: r.vocab_size, max_context_length: r.max_context_length };
+    return {
+      name: spec.name,
+      aliases: spec.aliases,
+      arch: r.arch,
+      vocab_size: r.vocab_size,
+      max_context_length: r.max_context_length,
+      trainable: spec.trainable,
+      lora_max_rank: spec.loraMaxRank,
+      topk_max: spec.topkMax,
+    };
   }
 
   async createModel(job: CreateModelJob): Promise<{ model_id: string }> {

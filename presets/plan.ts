@@ -1,0 +1,126 @@
+import { existsSync } from 'node:fs';
+import path from 'node:path';
+import type { AgentConfig, ApiConfig, BaseModelSpec } from '../queues/config.js';
+import type { Engine, ModelRole, Preset } from './schema.js';
+
+/**
+ * A preset resolved for one node: where Redis is (and whether to start it), the API's
+ * configuration if the API runs on this node, and the configuration of each agent placed here.
+ * `start --dry-run` prints it.
+ */
+export type Plan = {
+  preset: string;
+  node: string;
+  redis: { url: string; embedded: boolean; prefix: string };
+  api: ApiConfig | null;
+  agents: (AgentConfig & { engine: Engine; device: string; roles: Record<string, ModelRole[]> })[];
+  /** Every model of the preset: name → resolved path, role, engine. */
+  models: { name: string; path: string; role: ModelRole; engine: Engine; served_by: string[] }[];
+};
+
+export type PlanOptions = {
+  node?: string;
+  /** Only these agents (by id), e.g. one compose service per GPU. */
+  agentIds?: string[];
+  apiOnly?: boolean;
+  agentsOnly?: boolean;
+  python: string;
+  /** Environment overrides (REDIS_URL, TB_PREFIX, TB_HOST, TB_PORT, TB_API_KEYS, TB_STORAGE_DIR, TB_LONG_POLL_MS, TB_AGENT_ID). */
+  env?: NodeJS.ProcessEnv;
+};
+
+/** A model path relative to the preset's directory when it exists there, else to the working directory; hub ids stay as they are. */
+function resolveModelPath(p: string, presetDir: string): string {
+  if (path.isAbsolute(p)) return p;
+  const fromPreset = path.resolve(presetDir, p);
+  if (existsSync(fromPreset)) return fromPreset;
+  const fromCwd = path.resolve(p);
+  if (existsSync(fromCwd) || p.startsWith('.') || p.startsWith('models/')) return fromCwd;
+  return p;
+}
+
+export function planPreset(preset: Preset, presetDir: string, name: string, opts: PlanOptions): Plan {
+  const env = opts.env ?? {};
+  const node = opts.node ?? preset.api.node;
+  const prefix = env.TB_PREFIX ?? preset.redis.prefix;
+  const redisUrl = env.REDIS_URL ?? preset.redis.url;
+  const storageDir = path.resolve(env.TB_STORAGE_DIR ?? preset.storage.dir);
+  const retentionS = Math.round(preset.storage.retention_hours * 3600);
+  const models = preset.models.map((m) => ({ ...m, path: resolveModelPath(m.path, presetDir) }));
+  const byName = new Map(models.map((m) => [m.name, m]));
+
+  const api: ApiConfig | null =
+    opts.agentsOnly || preset.api.node !== node
+      ? null
+      : {
+          redisUrl,
+          prefix,
+          storageDir,
+          retentionS,
+          host: env.TB_HOST ?? preset.api.host,
+          port: env.TB_PORT !== undefined ? Number(env.TB_PORT) : preset.api.port,
+          apiKeys: env.TB_API_KEYS ? env.TB_API_KEYS.split(',').map((k) => k.trim()).filter(Boolean) : preset.api.keys,
+          longPollMs: env.TB_LONG_POLL_MS ? Number(env.TB_LONG_POLL_MS) : 25_000,
+          requiredModels: preset.models.map((m) => m.name),
+          maxQueuedSamples: 2000,
+        };
+
+  const chosen = preset.agents.filter((a) => (opts.agentIds?.length ? opts.agentIds.includes(a.id) : a.node === node));
+  if (opts.agentIds) for (const id of opts.agentIds) if (!preset.agents.some((a) => a.id === id)) throw new Error(`preset ${name} has no agent '${id}'`);
+  const agents = opts.apiOnly
+    ? []
+    : chosen.map((a) => {
+        // Models of one path are loaded once: their names become aliases, their roles merge.
+        const byPath = new Map<string, BaseModelSpec & { roles: ModelRole[] }>();
+        for (const n of a.models) {
+          const m = byName.get(n)!;
+          const e = byPath.get(m.path) ?? {
+            name: path.isAbsolute(m.path) ? m.path : m.path,
+            path: m.path,
+            aliases: [],
+            trainable: false,
+            loraMaxRank: m.lora_max_rank,
+            topkMax: m.topk_max,
+            dtype: m.dtype,
+            roles: [],
+          };
+          e.aliases.push(m.name);
+          e.roles.push(m.role);
+          e.trainable ||= m.role === 'actor';
+          e.loraMaxRank = Math.max(e.loraMaxRank, m.lora_max_rank);
+          e.topkMax = Math.max(e.topkMax, m.topk_max);
+          byPath.set(m.path, e);
+        }
+        const specs = [...byPath.values()];
+        return {
+          redisUrl,
+          prefix,
+          storageDir,
+          retentionS,
+          agentId: chosen.length === 1 && env.TB_AGENT_ID ? env.TB_AGENT_ID : a.id,
+          models: specs.map(({ roles: _roles, ...s }) => s),
+          python: opts.python,
+          engineDevice: a.device,
+          sampleConcurrency: a.sample_concurrency,
+          engineRestart: true,
+          engine: byName.get(a.models[0]!)!.engine,
+          device: a.device,
+          roles: Object.fromEntries(specs.map((s) => [s.aliases.join('|'), s.roles])),
+        };
+      });
+
+  return {
+    preset: name,
+    node,
+    redis: { url: redisUrl, embedded: preset.redis.embedded, prefix },
+    api,
+    agents,
+    models: models.map((m) => ({
+      name: m.name,
+      path: m.path,
+      role: m.role,
+      engine: m.engine,
+      served_by: preset.agents.filter((a) => a.models.includes(m.name)).map((a) => `${a.id}@${a.node}(${a.device})`),
+    })),
+  };
+}

@@ -1,0 +1,160 @@
+import { readFileSync } from 'node:fs';
+import path from 'node:path';
+import YAML from 'yaml';
+import { z } from 'zod';
+
+/**
+ * Launch presets: one YAML file describes a whole setup (models and their roles, engines, the
+ * agents that serve them on which node and devices, Redis, the API, storage). Parsed once by
+ * this schema; an invalid preset stops before anything starts, with the path of the bad field.
+ */
+
+export const ModelRole = z.enum(['actor', 'rollout', 'reference', 'teacher']);
+export type ModelRole = z.infer<typeof ModelRole>;
+
+export const Engine = z.enum(['torch', 'vllm', 'verl']);
+export type Engine = z.infer<typeof Engine>;
+
+const Device = z
+  .string()
+  .regex(/^(cpu|cuda(:\d+(,\d+)*)?)$/, 'a device is cpu, cuda, cuda:N or cuda:N,M,… (the GPUs of one agent)');
+
+export const ModelSpec = z
+  .object({
+    /** The name clients pass as `base_model` (an alias of the path). */
+    name: z.string().min(1),
+    /** A local directory (relative paths are resolved against the preset's directory, then the working directory). */
+    path: z.string().min(1),
+    role: ModelRole,
+    /** @defaultValue `torch` */
+    engine: Engine.default('torch'),
+    /** How the engine splits the model over the agent's GPUs. */
+    parallelism: z
+      .object({
+        tensor: z.number().int().positive().default(1),
+        pipeline: z.number().int().positive().default(1),
+        data: z.number().int().positive().default(1),
+        expert: z.number().int().positive().default(1),
+        /** Training strategy of the verl engine. */
+        strategy: z.enum(['fsdp', 'fsdp2', 'megatron', 'veomni']).optional(),
+      })
+      .strict()
+      .default({ tensor: 1, pipeline: 1, data: 1, expert: 1 }),
+    /** Largest LoRA rank a client may ask for (actors). @defaultValue 64 */
+    lora_max_rank: z.number().int().positive().default(64),
+    /** Largest K of top-K prompt logprobs (teachers, reference). @defaultValue 20 */
+    topk_max: z.number().int().positive().default(20),
+    /** Keep idle weights in CPU memory. @defaultValue false */
+    offload: z.boolean().default(false),
+    /** Weight dtype on the device. @defaultValue engine's choice (float32 on CPU, bfloat16 on GPU) */
+    dtype: z.enum(['float32', 'bfloat16', 'float16']).optional(),
+  })
+  .strict();
+export type ModelSpec = z.infer<typeof ModelSpec>;
+
+export const AgentSpec = z
+  .object({
+    /** Stable agent id (its training queue is `train-<id>`). */
+    id: z.string().regex(/^[a-zA-Z0-9_.-]+$/, 'agent ids use letters, digits, _ . -'),
+    /** The node (host) the agent runs on; `start --node` starts that node's agents. @defaultValue `local` */
+    node: z.string().default('local'),
+    device: Device.default('cpu'),
+    /** Names of the models (above) this agent serves. */
+    models: z.array(z.string()).min(1),
+    /** Sample jobs this agent runs at once. @defaultValue 8 */
+    sample_concurrency: z.number().int().positive().default(8),
+  })
+  .strict();
+export type AgentSpec = z.infer<typeof AgentSpec>;
+
+export const Preset = z
+  .object({
+    name: z.string().min(1),
+    description: z.string().optional(),
+    redis: z
+      .object({
+        /** Start a local redis-server when nothing answers at `url`. @defaultValue true */
+        embedded: z.boolean().default(true),
+        url: z.string().url().default('redis://127.0.0.1:6379'),
+        /** Key prefix of this deployment. @defaultValue `tb` */
+        prefix: z.string().regex(/^[a-zA-Z0-9_-]+$/).default('tb'),
+      })
+      .strict()
+      .default({ embedded: true, url: 'redis://127.0.0.1:6379', prefix: 'tb' }),
+    api: z
+      .object({
+        node: z.string().default('local'),
+        host: z.string().default('127.0.0.1'),
+        port: z.number().int().min(0).max(65535).default(8000),
+        keys: z.array(z.string().min(1)).min(1).default(['tml-local']),
+      })
+      .strict()
+      .default({ node: 'local', host: '127.0.0.1', port: 8000, keys: ['tml-local'] }),
+    storage: z
+      .object({
+        /** Checkpoint directory; shared storage when agents run on several nodes. */
+        dir: z.string().default('var/storage'),
+        /** How long finished futures, sessions and unnamed sampler weights are kept. @defaultValue 24 */
+        retention_hours: z.number().positive().default(24),
+      })
+      .strict()
+      .default({ dir: 'var/storage', retention_hours: 24 }),
+    models: z.array(ModelSpec).min(1),
+    agents: z.array(AgentSpec).min(1),
+  })
+  .strict()
+  .superRefine((p, ctx) => {
+    const names = new Map<string, number>();
+    p.models.forEach((m, i) => {
+      if (names.has(m.name)) ctx.addIssue({ code: 'custom', path: ['models', i, 'name'], message: `duplicate model name '${m.name}'` });
+      names.set(m.name, i);
+    });
+    const served = new Set<string>();
+    const ids = new Set<string>();
+    const gpusByNode = new Map<string, Map<number, string>>();
+    p.agents.forEach((a, i) => {
+      if (ids.has(a.id)) ctx.addIssue({ code: 'custom', path: ['agents', i, 'id'], message: `duplicate agent id '${a.id}'` });
+      ids.add(a.id);
+      a.models.forEach((n, j) => {
+        if (!names.has(n))
+          ctx.addIssue({ code: 'custom', path: ['agents', i, 'models', j], message: `unknown model '${n}'; models: ${[...names.keys()].join(', ')}` });
+        served.add(n);
+      });
+      const engines = new Set(a.models.map((n) => p.models[names.get(n) ?? -1]?.engine).filter(Boolean));
+      if (engines.size > 1) ctx.addIssue({ code: 'custom', path: ['agents', i, 'models'], message: `one agent runs one engine; got ${[...engines].join(' and ')}` });
+      const m = /^cuda(?::([\d,]+))?$/.exec(a.device);
+      if (m) {
+        const used = gpusByNode.get(a.node) ?? new Map<number, string>();
+        for (const g of (m[1] ?? '0').split(',').map(Number)) {
+          const other = used.get(g);
+          if (other) ctx.addIssue({ code: 'custom', path: ['agents', i, 'device'], message: `GPU ${g} of node '${a.node}' is already used by agent '${other}'` });
+          used.set(g, a.id);
+        }
+        gpusByNode.set(a.node, used);
+      }
+    });
+    p.models.forEach((m, i) => {
+      if (!served.has(m.name)) ctx.addIssue({ code: 'custom', path: ['models', i, 'name'], message: `model '${m.name}' is served by no agent` });
+    });
+  });
+export type Preset = z.infer<typeof Preset>;
+
+export class PresetError extends Error {
+  override readonly name = 'PresetError';
+}
+
+/** Reads and validates a preset file; every problem is reported with its field path. */
+export function loadPreset(file: string): { preset: Preset; dir: string } {
+  let raw: unknown;
+  try {
+    raw = YAML.parse(readFileSync(file, 'utf8'));
+  } catch (e) {
+    throw new PresetError(`cannot read preset ${file}: ${(e as Error).message}`);
+  }
+  const res = Preset.safeParse(raw);
+  if (!res.success) {
+    const lines = res.error.issues.map((i) => `  ${i.path.map((p) => (typeof p === 'number' ? `[${p}]` : `.${String(p)}`)).join('').replace(/^\./, '') || '(top level)'}: ${i.message}`);
+    throw new PresetError(`invalid preset ${file}:\n${lines.join('\n')}`);
+  }
+  return { preset: res.data, dir: path.dirname(path.resolve(file)) };
+}

@@ -1,0 +1,118 @@
+import type { ChildProcess } from 'node:child_process';
+import { existsSync } from 'node:fs';
+import path from 'node:path';
+import { parseArgs } from 'node:util';
+import { startApi } from '../api/main.js';
+import { parseModelSpec } from '../queues/config.js';
+import { logger } from '../queues/logger.js';
+import { loadPreset, PresetError } from '../presets/schema.js';
+import { planPreset, type Plan } from '../presets/plan.js';
+import { Agent } from '../workers/agent.js';
+import { defaultPython, ensureRedis, ensureTinyModel, TINY_MODEL_DIR } from './stack.js';
+
+/**
+ * The command line: `tinker-broker start [--preset FILE] [--node NAME] [--agent ID]… [--api-only]
+ * [--agents-only] [--dry-run]` and `tinker-broker validate FILE…`. With no preset, the embedded
+ * default presets/cpu/tiny.yaml. Environment variables (REDIS_URL, TB_PREFIX, TB_HOST, TB_PORT,
+ * TB_API_KEYS, TB_STORAGE_DIR, TB_LONG_POLL_MS, TB_AGENT_ID, TB_AGENT_MODELS) override the preset.
+ */
+export const DEFAULT_PRESET = 'presets/cpu/tiny.yaml';
+
+const USAGE = `usage:
+  tinker-broker start [--preset FILE] [--node NAME] [--agent ID]... [--api-only | --agents-only] [--dry-run]
+  tinker-broker validate FILE...`;
+
+function plan(argv: string[]): Plan {
+  const { values } = parseArgs({
+    args: argv,
+    options: {
+      preset: { type: 'string', default: DEFAULT_PRESET },
+      node: { type: 'string' },
+      agent: { type: 'string', multiple: true },
+      'api-only': { type: 'boolean', default: false },
+      'agents-only': { type: 'boolean', default: false },
+      'dry-run': { type: 'boolean', default: false },
+    },
+  });
+  const { preset, dir } = loadPreset(values.preset!);
+  const p = planPreset(preset, dir, values.preset!, {
+    node: values.node,
+    agentIds: values.agent,
+    apiOnly: values['api-only'],
+    agentsOnly: values['agents-only'],
+    python: process.env.TB_PYTHON ?? defaultPython(),
+    env: process.env,
+  });
+  // A one-agent plan may have its models replaced from the environment (tests, quick experiments).
+  if (process.env.TB_AGENT_MODELS && p.agents.length === 1) {
+    const specs = process.env.TB_AGENT_MODELS.split(',').map((s) => parseModelSpec(s.trim()));
+    p.agents[0]!.models = specs;
+    if (p.api) p.api.requiredModels = specs.map((m) => m.aliases[0] ?? m.name);
+  }
+  return p;
+}
+
+async function start(argv: string[]): Promise<void> {
+  const dryRun = argv.includes('--dry-run');
+  const p = plan(argv);
+  if (dryRun) {
+    process.stdout.write(`${JSON.stringify(p, null, 2)}\n`);
+    return;
+  }
+  if (p.agents.length === 0 && !p.api) throw new Error(`nothing to start on node '${p.node}' (no API and no agent placed there)`);
+  for (const a of p.agents) {
+    if (a.engine !== 'torch')
+      throw new Error(`agent ${a.agentId}: engine '${a.engine}' is not available in this version; use engine: torch (see README, Engines)`);
+    for (const m of a.models) {
+      if (m.path === TINY_MODEL_DIR || m.path.startsWith(`${TINY_MODEL_DIR}-`)) ensureTinyModel(a.python, m.path, m.path === TINY_MODEL_DIR ? 0 : 1);
+      else if (!existsSync(path.join(m.path, 'config.json')))
+        throw new Error(`agent ${a.agentId}: model ${m.aliases.join('|') || m.name} has no model directory at ${m.path}`);
+    }
+  }
+  let redis: ChildProcess | null = null;
+  if (p.redis.embedded && (p.api || p.agents.length)) redis = await ensureRedis(p.redis.url);
+
+  const agents = p.agents.map((a) => new Agent(a));
+  const api = p.api ? await startApi({ config: p.api }) : null;
+  let stopping = false;
+  const shutdown = async (sig: string) => {
+    if (stopping) return;
+    stopping = true;
+    logger.info('stopping', { signal: sig });
+    const force = setTimeout(() => process.exit(1), 30_000);
+    force.unref();
+    await api?.stop().catch(() => undefined);
+    await Promise.all(agents.map((a) => a.stop().catch(() => undefined)));
+    redis?.kill('SIGTERM');
+    process.exit(process.exitCode ?? 0);
+  };
+  process.on('SIGTERM', () => void shutdown('SIGTERM'));
+  process.on('SIGINT', () => void shutdown('SIGINT'));
+  await Promise.all(agents.map((a) => a.start()));
+  logger.info('tinker-broker ready', {
+    preset: p.preset,
+    node: p.node,
+    ...(api ? { base_url: `http://${p.api!.host}:${api.port}` } : {}),
+    agents: p.agents.map((a) => a.agentId),
+  });
+}
+
+async function main(): Promise<void> {
+  const [cmd, ...rest] = process.argv.slice(2);
+  if (cmd === 'start') return start(rest);
+  if (cmd === 'validate') {
+    if (rest.length === 0) throw new PresetError(USAGE);
+    for (const f of rest) {
+      loadPreset(f);
+      process.stdout.write(`${f}: ok\n`);
+    }
+    return;
+  }
+  throw new PresetError(USAGE);
+}
+
+main().catch((err) => {
+  if (err instanceof PresetError) process.stderr.write(`${err.message}\n`);
+  else logger.error('tinker-broker failed', { error: String(err?.stack ?? err) });
+  process.exit(err instanceof PresetError ? 2 : 1);
+});

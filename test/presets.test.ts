@@ -1,0 +1,107 @@
+import { spawnSync } from 'node:child_process';
+import { mkdtempSync, readdirSync, writeFileSync } from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import { expect } from 'chai';
+import { loadPreset } from '../presets/schema.js';
+
+/** Presets: every shipped preset validates and plans (--dry-run); a bad one stops before anything starts. */
+function cli(...args: string[]) {
+  return spawnSync(process.execPath, ['--import', 'tsx', 'scripts/tinker-broker.ts', ...args], { encoding: 'utf8', env: { ...process.env, TB_LOG_LEVEL: 'warn' } });
+}
+
+const shipped = readdirSync('presets', { withFileTypes: true })
+  .filter((d) => d.isDirectory())
+  .flatMap((d) => readdirSync(path.join('presets', d.name)).filter((f) => f.endsWith('.yaml')).map((f) => path.join('presets', d.name, f)));
+
+describe('presets', function () {
+  this.timeout(60_000);
+  const tmp = mkdtempSync(path.join(os.tmpdir(), 'tb-presets-'));
+  const write = (name: string, text: string) => {
+    const f = path.join(tmp, name);
+    writeFileSync(f, text);
+    return f;
+  };
+
+  it('ships the quick_start, distill and cpu presets', () => {
+    expect(shipped).to.include.members([
+      'presets/quick_start/actor.yaml',
+      'presets/quick_start/actor_rollout.yaml',
+      'presets/quick_start/actor_rollout_ref.yaml',
+      'presets/distill/single_teacher.yaml',
+      'presets/distill/multi_teacher.yaml',
+      'presets/cpu/tiny.yaml',
+    ]);
+  });
+
+  it('plans every preset on every node with --dry-run', () => {
+    for (const file of shipped) {
+      const { preset } = loadPreset(file);
+      const nodes = [...new Set([preset.api.node, ...preset.agents.map((a) => a.node)])];
+      const placed = new Set<string>();
+      for (const node of nodes) {
+        const r = cli('start', '--preset', file, '--node', node, '--dry-run');
+        expect(r.status, `${file} --node ${node}: ${r.stderr}`).to.equal(0);
+        const plan = JSON.parse(r.stdout);
+        expect(plan.node).to.equal(node);
+        for (const a of plan.agents) placed.add(a.agentId);
+        if (node === preset.api.node) expect(plan.api.requiredModels).to.deep.equal(preset.models.map((m) => m.name));
+      }
+      // Each agent starts on exactly its node.
+      expect([...placed].sort(), file).to.deep.equal(preset.agents.map((a) => a.id).sort());
+    }
+  });
+
+  it('merges models of one path into one loaded model with aliases and the roles of each', () => {
+    const plan = JSON.parse(cli('start', '--preset', 'presets/quick_start/actor_rollout_ref.yaml', '--agent', 'gpu3', '--dry-run').stdout);
+    expect(plan.api.requiredModels).to.include('Qwen/Qwen3-1.7B-ref');
+    expect(plan.agents).to.have.length(1);
+    expect(plan.agents[0].models[0]).to.include({ trainable: false, topkMax: 20 });
+  });
+
+  it('rejects an invalid preset before starting anything, naming each bad field', () => {
+    const bad = write(
+      'bad.yaml',
+      `name: bad
+models:
+  - { name: a, path: /m/a, role: student }
+  - { name: b, path: /m/b, role: teacher, engine: tensorflow }
+agents:
+  - { id: g0, device: "cuda:0", models: [a, c] }
+  - { id: g1, device: "cuda:0,1", models: [b] }
+`,
+    );
+    const r = cli('start', '--preset', bad);
+    expect(r.status).to.equal(2);
+    expect(r.stderr).to.include(`invalid preset ${bad}`);
+    expect(r.stderr).to.match(/models\[0\]\.role: Invalid option/);
+    expect(r.stderr).to.match(/models\[1\]\.engine: Invalid option/);
+    expect(r.stdout).to.equal('');
+    // Cross-references are checked once every field is well formed.
+    const refs = write(
+      'refs.yaml',
+      `name: refs\nmodels:\n  - { name: a, path: /m/a, role: actor }\n  - { name: b, path: /m/b, role: teacher }\nagents:\n  - { id: g0, device: "cuda:0", models: [a, c] }\n  - { id: g1, device: "cuda:0,1", models: [b] }\n`,
+    );
+    const r2 = cli('start', '--preset', refs, '--dry-run');
+    expect(r2.status).to.equal(2);
+    expect(r2.stderr).to.match(/agents\[0\]\.models\[1\]: unknown model 'c'/);
+    expect(r2.stderr).to.match(/agents\[1\]\.device: GPU 0 of node 'local' is already used by agent 'g0'/);
+    expect(r2.stdout).to.equal('');
+  });
+
+  it('rejects unknown keys and unserved models', () => {
+    const r = cli(
+      'validate',
+      write('typo.yaml', `name: t\nmodels:\n  - { name: a, path: /m/a, role: actor, lora_rank_max: 8 }\n  - { name: b, path: /m/b, role: teacher }\nagents:\n  - { id: g0, models: [a] }\n`),
+    );
+    expect(r.status).to.equal(2);
+    expect(r.stderr).to.match(/models\[0\]: Unrecognized key: "lora_rank_max"/);
+    expect(r.stderr).to.match(/models\[1\]\.name: model 'b' is served by no agent/);
+  });
+
+  it('refuses to start an agent whose engine is not available, before anything starts', () => {
+    const r = cli('start', '--preset', 'presets/distill/single_teacher.yaml', '--agent', 'teacher');
+    expect(r.status).to.equal(1);
+    expect(r.stderr).to.match(/engine 'vllm' is not available in this version/);
+  });
+});
