@@ -58,7 +58,7 @@ export function serviceRoutes(ctx: ApiContext): Router {
       supported_models: [...served.values()].map(({ model }) => ({
         model_name: model.name,
         max_context_length: model.max_context_length,
-        trainable: true,
+        trainable: model.trainable,
         sampleable: true,
       })),
     });
