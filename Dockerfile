@@ -20,4 +20,5 @@ COPY . .
 
 ENV NODE_ENV=production TB_LOG_FORMAT=json TB_PYTHON=/app/.venv/bin/python TB_HOST=0.0.0.0
 ENTRYPOINT ["/usr/bin/tini", "--"]
-CMD ["node", "--import", "tsx", "api/main.ts"]
+# docker-compose.yml gives each service its own `start --preset … --api-only | --agent ID` command.
+CMD ["node", "--import", "tsx", "scripts/tinker-broker.ts", "start"]

@@ -25,7 +25,7 @@ export type PlanOptions = {
   apiOnly?: boolean;
   agentsOnly?: boolean;
   python: string;
-  /** Environment overrides (REDIS_URL, TB_PREFIX, TB_HOST, TB_PORT, TB_API_KEYS, TB_STORAGE_DIR, TB_LONG_POLL_MS, TB_AGENT_ID). */
+  /** Environment overrides (REDIS_URL, TB_PREFIX, TB_HOST, TB_PORT, TB_API_KEYS, TB_STORAGE_DIR, TB_LONG_POLL_MS; for a single agent TB_AGENT_ID, TB_ENGINE_DEVICE). */
   env?: NodeJS.ProcessEnv;
 };
 
@@ -100,7 +100,8 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
           agentId: chosen.length === 1 && env.TB_AGENT_ID ? env.TB_AGENT_ID : a.id,
           models: specs.map(({ roles: _roles, ...s }) => s),
           python: opts.python,
-          engineDevice: a.device,
+          // In a container that sees only its own GPU, TB_ENGINE_DEVICE=cuda replaces the host numbering.
+          engineDevice: chosen.length === 1 && env.TB_ENGINE_DEVICE ? env.TB_ENGINE_DEVICE : a.device,
           sampleConcurrency: a.sample_concurrency,
           engineRestart: true,
           engine: byName.get(a.models[0]!)!.engine,
