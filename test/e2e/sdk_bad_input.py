@@ -10,6 +10,8 @@ import numpy as np
 import tinker
 from tinker import types
 
+from sdk_common import error_of
+
 
 def datum(tokens: list[int]) -> types.Datum:
     return types.Datum(
@@ -18,12 +20,6 @@ def datum(tokens: list[int]) -> types.Datum:
     )
 
 
-def error_of(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - we report whatever the SDK raised
-        return f"{type(e).__name__}: {e}"
-    return ""
 
 
 def main() -> None:

@@ -16,6 +16,8 @@ import numpy as np
 import tinker
 from tinker import types
 
+from sdk_common import error_of
+
 PROMPT = [7, 42, 99, 5, 300, 12, 8, 77]
 
 
@@ -52,12 +54,6 @@ def score(svc, path: str) -> list:
     return sc.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()
 
 
-def error_of(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - report what the SDK raised
-        return f"{type(e).__name__}: {e}"
-    return ""
 
 
 def main() -> None:

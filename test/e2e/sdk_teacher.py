@@ -10,15 +10,11 @@ import numpy as np
 import tinker
 from tinker import types
 
+from sdk_common import error_of
+
 PROMPT = [5, 17, 42, 99, 7, 300, 12]
 
 
-def error_of(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - report what the SDK raised
-        return f"{type(e).__name__}: {e}"
-    return ""
 
 
 def main() -> None:
