@@ -36,14 +36,28 @@ BPE_VOCAB_SIZE = 1024  # byte alphabet + merges; the special tokens come on top
 # "<|im_start|>{role}\n{content}<|im_end|>\n"; the generation prompt opens an assistant turn and,
 # with enable_thinking=false, an empty think block as Qwen3 does.
 CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last_query_index=-1) %}"
+    "{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set ns.last_query_index = loop.index0 %}{%- endif %}{%- endfor %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- set content = message['content'] if message['content'] is string else '' %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{%- set reasoning = '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning) %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif %}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
     "{%- endif %}"
 )
 
@@ -62,6 +76,10 @@ class TinySpec:
     max_positions: int = 2048
     corpus_lines: int = 4000
     bpe_vocab: int = BPE_VOCAB_SIZE
+    # 2: <think>/</think> are added tokens that are not special, as in Qwen3, and the chat
+    # template writes Qwen3's think block on the last assistant turn (a marker of version 1
+    # no longer matches, so existing directories are rebuilt).
+    tokenizer_rev: int = 2
 
 
 _SUBJECTS = ["the cat", "a dog", "my friend", "the teacher", "our team", "the robot", "a student",
@@ -117,13 +135,22 @@ def build_tokenizer(spec: TinySpec):  # -> transformers.PreTrainedTokenizerFast
     )
     tok.train_from_iterator(corpus(spec.corpus_lines), trainer=trainer)
     # Special tokens after the learned vocabulary, as in Qwen's tokenizer.
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    # As in Qwen3's tokenizer: the ChatML markers are special tokens, <think> and </think> are
+    # added tokens that are not special (special=False), so decoding with
+    # skip_special_tokens keeps them and renderers that split special-token text in content
+    # (encode_special_tokens=True) still encode them as one token each.
+    from tokenizers import AddedToken
+    for t in SPECIAL_TOKENS:
+        if t in ("<think>", "</think>"):
+            tok.add_tokens([AddedToken(t, special=False, normalized=False)])
+        else:
+            tok.add_special_tokens([AddedToken(t, special=True, normalized=False)])
 
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=list(SPECIAL_TOKENS[1:2]) + list(SPECIAL_TOKENS[3:]),
+        additional_special_tokens=["<|im_start|>"],
         chat_template=CHAT_TEMPLATE,
         model_max_length=spec.max_positions,
         clean_up_tokenization_spaces=False,

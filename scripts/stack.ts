@@ -51,9 +51,11 @@ export async function ensureRedis(url: string, dataDir = 'var/redis'): Promise<C
   throw new Error('redis-server did not answer within 10 s');
 }
 
-/** Generates a tiny model (deterministic, a few seconds) unless it is already there; seed 1 makes the tiny teacher. */
+/**
+ * Generates a tiny model (deterministic, a few seconds); seed 1 makes the tiny teacher. The
+ * script returns at once when the directory is complete for the current generator version.
+ */
 export function ensureTinyModel(python: string, dir = TINY_MODEL_DIR, seed = 0): void {
-  if (existsSync(path.join(dir, '.complete'))) return;
   const r = spawnSync(python, ['scripts/make_tiny_model.py', '--out', dir, '--seed', String(seed)], { stdio: 'inherit' });
   if (r.status !== 0) throw new Error(`scripts/make_tiny_model.py failed (exit ${r.status})`);
 }

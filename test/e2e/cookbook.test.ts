@@ -1,0 +1,164 @@
+import { mkdtempSync, rmSync } from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import { expect } from 'chai';
+import { TINY_MODEL_DIR } from '../../scripts/stack.js';
+import { E2EServer } from './server.js';
+
+/**
+ * Tinker Cookbook (0.6.1) recipes run unchanged against the server: each test runs a recipe's
+ * own entry point through test/e2e/cookbook/run.py (local data, the tiny model, a few steps) and
+ * checks numbers from the metrics.jsonl the recipe writes itself.
+ *
+ * The server serves the tiny model (also under the hub name `Qwen/Qwen3-8B-Base`, which sl_loop
+ * needs for the cookbook's model table) and a second tiny model as the teacher, by name.
+ */
+type Row = Record<string, number | string | undefined>;
+type Run = { recipe: string; rc: number; seconds: number; log_path: string; metrics: Row[]; checkpoints: { state_path: string }[] };
+
+const num = (row: Row, key: string): number => {
+  const v = row[key];
+  expect(v, `${key} in step ${row.step}`).to.be.a('number');
+  expect(Number.isFinite(v as number), `${key}=${v} in step ${row.step} is finite`).to.equal(true);
+  return v as number;
+};
+/** The rows of steps 0..n-1 (RL loops log a last row of token counts only, at step n). */
+const steps = (run: Run, n: number): Row[] => {
+  const rows = run.metrics.filter((r) => typeof r.step === 'number' && (r.step as number) < n);
+  expect(rows.map((r) => r.step)).to.deep.equal([...Array(n).keys()]);
+  return rows;
+};
+const mean = (xs: number[]) => xs.reduce((a, b) => a + b, 0) / xs.length;
+
+describe('Tinker Cookbook recipes, unchanged, against the server', function () {
+  this.timeout(600_000);
+  const server = new E2EServer({}, ['--preset', 'presets/cpu/cookbook.yaml']);
+  const workdir = mkdtempSync(path.join(os.tmpdir(), 'tb-cookbook-'));
+  const cookbook = (recipe: string, ...args: string[]): any =>
+    server.runPython(['test/e2e/cookbook/run.py', recipe, '--workdir', workdir, ...args]);
+
+  before(async function () {
+    this.timeout(240_000);
+    await server.start();
+  });
+  after(async () => {
+    await server.destroy();
+    rmSync(workdir, { recursive: true, force: true });
+  });
+
+  it('renders with role_colon and the qwen3 family from the tiny tokenizer loaded by path', () => {
+    const out = server.runPython(['test/e2e/cookbook/renderers_check.py', TINY_MODEL_DIR]);
+    for (const name of ['role_colon', 'qwen3', 'qwen3_disable_thinking', 'qwen3_instruct']) {
+      const checks = out[name];
+      for (const [check, ok] of Object.entries(checks)) expect(ok, `${name}: ${check} (${checks.error ?? ''})`).to.equal(true);
+    }
+    expect(out.qwen3).to.include({ prompt_matches_template: true, example_matches_template: true, think_tokens_single: true });
+  });
+
+  // The recipe runs with a Qwen3 renderer; that it tokenizes as the chat template does (one
+  // token for <think>) is the renderer check's part above.
+  it('chat_sl with the qwen3_disable_thinking renderer: the NLL falls', () => {
+    const nll = steps(cookbook('chat_sl', 'renderer_name=qwen3_disable_thinking'), 12).map((r) => num(r, 'train_mean_nll'));
+    expect(mean(nll.slice(-3))).to.be.below(nll[0]! - 1.5);
+  });
+
+  it('chat_sl on a local JSONL: the NLL falls over the steps', () => {
+    const run: Run = cookbook('chat_sl');
+    const nll = steps(run, 12).map((r) => num(r, 'train_mean_nll'));
+    expect(nll[0]).to.be.closeTo(Math.log(1029), 0.5); // a random model: about uniform over the vocabulary
+    expect(mean(nll.slice(-3))).to.be.below(nll[0]! - 1.5);
+    expect(run.checkpoints.at(-1)!.state_path).to.match(/^tinker:\/\/.+\/weights\/final$/);
+  });
+
+  it('sl_loop (hub dataset id and model name resolved locally): the NLL falls', () => {
+    const run: Run = cookbook('sl_loop');
+    const nll = steps(run, 8).map((r) => num(r, 'train_mean_nll'));
+    expect(mean(nll.slice(-2))).to.be.below(nll[0]! - 0.5);
+  });
+
+  it('rl_loop (GSM8K layout, local): every step completes with a finite reward', () => {
+    for (const row of steps(cookbook('rl_loop'), 3)) expect(num(row, 'reward/total')).to.be.within(0, 1);
+  });
+
+  const checkRl = (run: Run, n: number) => {
+    for (const row of steps(run, n)) {
+      num(row, 'env/all/reward/total');
+      num(row, 'optim/kl_sample_train_v1');
+      num(row, 'optim/kl_sample_train_v2');
+      num(row, 'optim/entropy');
+      num(row, 'grad_norm');
+      // Sampler and trainer score the sampled tokens alike (same weights, temperature 1).
+      expect(Math.abs(num(row, 'optim/kl_sample_train_v1'))).to.be.below(0.05);
+    }
+  };
+
+  it('math_rl env=arithmetic (importance_sampling): every step completes with finite reward and KL', () => {
+    checkRl(cookbook('math_rl'), 3);
+  });
+
+  it('math_rl with loss_fn=ppo (and compute_post_kl): every step completes with finite reward and KL', () => {
+    const run: Run = cookbook('math_rl_ppo');
+    checkRl(run, 3);
+    for (const row of steps(run, 3)) num(row, 'kl_pre_post_v1');
+  });
+
+  it('DPO on local comparisons (forward_backward_custom, compute_logprobs): the loss falls from ln 2', () => {
+    const rows = steps(cookbook('dpo'), 4);
+    const loss = rows.map((r) => num(r, 'dpo_loss'));
+    expect(loss[0]).to.be.closeTo(Math.LN2, 1e-4); // policy == reference at step 0
+    expect(loss[3]).to.be.below(loss[0]! - 0.1);
+    expect(num(rows[3]!, 'accuracy')).to.be.above(0.5);
+    expect(num(rows[3]!, 'chosen_reward')).to.be.above(num(rows[3]!, 'rejected_reward'));
+  });
+
+  it('on-policy distillation from a teacher served by name: teacher_kl every step', () => {
+    for (const row of steps(cookbook('distill_on_policy'), 3)) {
+      num(row, 'teacher_kl');
+      num(row, 'teacher_kl/dataset_0');
+      num(row, 'optim/kl_sample_train_v1');
+    }
+  });
+
+  it('multi-teacher on-policy distillation: one teacher_kl per teacher; the base model as teacher starts at 0', () => {
+    const rows = steps(cookbook('distill_multi_teacher'), 3);
+    for (const row of rows) {
+      num(row, 'teacher_kl');
+      num(row, 'teacher_kl/dataset_0');
+      num(row, 'teacher_kl/dataset_1');
+    }
+    // Dataset 1's teacher is the student's own base model: before any update the student (a
+    // zero LoRA) and that teacher give the same logprobs, so the KL estimate is ~0.
+    expect(Math.abs(num(rows[0]!, 'teacher_kl/dataset_1'))).to.be.below(1e-3);
+    // The other teacher is another model.
+    expect(num(rows[0]!, 'teacher_kl/dataset_0')).to.not.equal(num(rows[0]!, 'teacher_kl/dataset_1'));
+  });
+
+  it('off-policy top-K distillation (2-D cross_entropy on the teacher top-K prompt logprobs): the loss falls', () => {
+    const loss = steps(cookbook('distill_off_policy_topk'), 8).map((r) => num(r, 'train/loss:sum'));
+    expect(mean(loss.slice(-2))).to.be.below(0.95 * loss[0]!);
+  });
+
+  it('SFT, then RL from the SFT state', () => {
+    const out = cookbook('sft_then_rl');
+    const sft = steps(out.sft as Run, 12).map((r) => num(r, 'train_mean_nll'));
+    expect(sft.at(-1)).to.be.below(sft[0]! - 1.5);
+    const rl = out.rl as Run;
+    checkRl(rl, 4);
+    // The RL policy starts from the SFT weights: far more certain than the random base model
+    // (whose entropy is about ln 1029 = 6.9, as in the plain math_rl run).
+    expect(num(steps(rl, 4)[0]!, 'optim/entropy')).to.be.below(5.5);
+  });
+
+  it('a recipe naming a model the server does not serve fails at once, naming the model and the served ones', () => {
+    const unserved = path.join(workdir, 'Qwen/Qwen3-8B-Base'); // the tiny tokenizer, under a path not served
+    const t0 = Date.now();
+    let message = '';
+    try {
+      cookbook('chat_sl', `model_name=${unserved}`);
+    } catch (e) {
+      message = String(e);
+    }
+    expect(message).to.match(/NotFoundError.*base model '.*Qwen3-8B-Base' is not served here; served models: .*tiny-qwen3/);
+    expect(Date.now() - t0).to.be.below(60_000);
+  });
+});

@@ -1,0 +1,168 @@
+"""Local data for running Tinker Cookbook recipes offline against tinker-broker.
+
+Nothing here touches a hub. The cookbook recipes load their data in two ways, and both are
+served from files written here:
+
+- an explicit file argument (``chat_sl dataset=<file>.jsonl``): ``chat.jsonl``;
+- ``datasets.load_dataset("<org>/<name>")`` with a hard-coded hub id (``sl_loop``'s
+  ``HuggingFaceH4/no_robots``, ``rl_loop``'s ``openai/gsm8k`` (config ``main``), DPO's
+  ``Anthropic/hh-rlhf``, distillation's ``zwhe99/DeepMath-103K`` and
+  ``allenai/tulu-3-sft-mixture``): ``datasets`` resolves an id that names an existing local
+  directory to that directory before it asks any hub, so a recipe run with this working
+  directory reads ``<workdir>/<org>/<name>/{train,test}.jsonl``. The records have the fields the
+  recipes read, in the hub datasets' shapes.
+
+``sl_loop`` and ``rl_loop`` also look their model up in the cookbook's model table
+(``model_info``), which knows only hub names; ``Qwen/Qwen3-8B-Base`` (a Qwen3 base model: renderer
+``role_colon``) is made a link to the tiny model, so ``get_tokenizer("Qwen/Qwen3-8B-Base")`` loads
+the tiny tokenizer from the working directory. The server must then serve the tiny model under
+that name too (an alias).
+
+All content is small arithmetic chat, which the tiny model's tokenizer was trained on.
+
+    python test/e2e/cookbook/data.py <workdir> [--model models/tiny-qwen3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from pathlib import Path
+
+# The hub name sl_loop is run with; model_info maps it to the role_colon renderer.
+SL_LOOP_MODEL_ALIAS = "Qwen/Qwen3-8B-Base"
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def _addition(rng: random.Random, hi: int = 99) -> tuple[int, int]:
+    return rng.randint(0, hi), rng.randint(0, hi)
+
+
+def chat_rows(n: int, seed: int) -> list[dict]:
+    """Conversations in the arithmetic environment's own format ("What is a + b?" -> "c")."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = _addition(rng)
+        rows.append({"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
+                                  {"role": "assistant", "content": f"{a + b}"}]})
+    return rows
+
+
+def no_robots_rows(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b = _addition(rng, 50)
+        q = f"What is {a} + {b}?"
+        rows.append({"prompt": q, "prompt_id": f"local-{seed}-{i}", "category": "Math",
+                     "messages": [{"role": "user", "content": q},
+                                  {"role": "assistant", "content": f"The answer is {a + b}."}]})
+    return rows
+
+
+def hh_rlhf_rows(n: int, seed: int) -> list[dict]:
+    """Anthropic/hh-rlhf shape: two transcripts sharing the prompt, differing in the last turn."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = _addition(rng, 50)
+        prompt = f"\n\nHuman: What is {a} + {b}?\n\nAssistant:"
+        wrong = a + b + rng.choice([-3, -2, -1, 1, 2, 3])
+        rows.append({"chosen": f"{prompt} The answer is {a + b}.",
+                     "rejected": f"{prompt} I think it is {wrong}, or I do not know."})
+    return rows
+
+
+def deepmath_rows(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = _addition(rng)
+        rows.append({"question": f"What is {a} + {b}?", "final_answer": str(a + b), "difficulty": 1.0,
+                     "topic": "Mathematics -> Arithmetic"})
+    return rows
+
+
+def tulu3_rows(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b = _addition(rng)
+        rows.append({"id": f"local-{i}", "source": "local",
+                     "messages": [{"role": "user", "content": f"Please add {a} and {b}."},
+                                  {"role": "assistant", "content": f"{a} + {b} = {a + b}"}]})
+    return rows
+
+
+def gsm8k_rows(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = _addition(rng)
+        rows.append({"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"})
+    return rows
+
+
+# openai/gsm8k is loaded with a config name ("main"); a local directory declares it in its card.
+GSM8K_CARD = """---
+configs:
+- config_name: main
+  data_files:
+  - split: train
+    path: main/train.jsonl
+  - split: test
+    path: main/test.jsonl
+---
+Local arithmetic problems in the openai/gsm8k layout (tinker-broker's cookbook tests).
+"""
+
+
+def prepare(workdir: str | os.PathLike[str], model_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """Writes every local data set into ``workdir``; returns what was written, by use."""
+    w = Path(workdir).resolve()
+    w.mkdir(parents=True, exist_ok=True)
+    _write_jsonl(w / "chat.jsonl", chat_rows(512, seed=3))
+    _write_jsonl(w / "HuggingFaceH4/no_robots/train.jsonl", no_robots_rows(128, seed=4))
+    _write_jsonl(w / "HuggingFaceH4/no_robots/test.jsonl", no_robots_rows(8, seed=5))
+    _write_jsonl(w / "Anthropic/hh-rlhf/train.jsonl", hh_rlhf_rows(128, seed=6))
+    _write_jsonl(w / "Anthropic/hh-rlhf/test.jsonl", hh_rlhf_rows(8, seed=7))
+    _write_jsonl(w / "zwhe99/DeepMath-103K/train.jsonl", deepmath_rows(64, seed=8))
+    _write_jsonl(w / "allenai/tulu-3-sft-mixture/train.jsonl", tulu3_rows(64, seed=9))
+    _write_jsonl(w / "openai/gsm8k/main/train.jsonl", gsm8k_rows(64, seed=10))
+    _write_jsonl(w / "openai/gsm8k/main/test.jsonl", gsm8k_rows(8, seed=11))
+    (w / "openai/gsm8k/README.md").write_text(GSM8K_CARD)
+    link = w / SL_LOOP_MODEL_ALIAS
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(Path(model_dir).resolve(), target_is_directory=True)
+    return {
+        "chat_jsonl": str(w / "chat.jsonl"),
+        "no_robots": str(w / "HuggingFaceH4/no_robots"),
+        "hh_rlhf": str(w / "Anthropic/hh-rlhf"),
+        "deepmath": str(w / "zwhe99/DeepMath-103K"),
+        "tulu3": str(w / "allenai/tulu-3-sft-mixture"),
+        "gsm8k": str(w / "openai/gsm8k"),
+        "sl_loop_model": str(link),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("workdir")
+    ap.add_argument("--model", default="models/tiny-qwen3", help="model directory linked as " + SL_LOOP_MODEL_ALIAS)
+    args = ap.parse_args()
+    print(json.dumps(prepare(args.workdir, args.model)))
+
+
+if __name__ == "__main__":
+    main()
