@@ -25,7 +25,7 @@ export type PlanOptions = {
   apiOnly?: boolean;
   agentsOnly?: boolean;
   python: string;
-  /** Environment overrides (REDIS_URL, TB_PREFIX, TB_HOST, TB_PORT, TB_API_KEYS, TB_STORAGE_DIR, TB_LONG_POLL_MS; for a single agent TB_AGENT_ID, TB_ENGINE_DEVICE). */
+  /** Environment overrides (REDIS_URL, TB_PREFIX, TB_HOST, TB_PORT, TB_API_KEYS, TB_STORAGE_DIR, TB_LONG_POLL_MS; for a single agent TB_AGENT_ID, TB_ENGINE_DEVICE, TB_VLLM_URL). */
   env?: NodeJS.ProcessEnv;
 };
 
@@ -82,6 +82,7 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
             loraMaxRank: m.lora_max_rank,
             topkMax: m.topk_max,
             dtype: m.dtype,
+            tensorParallel: m.parallelism.tensor,
             roles: [],
           };
           e.aliases.push(m.name);
@@ -89,6 +90,7 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
           e.trainable ||= m.role === 'actor';
           e.loraMaxRank = Math.max(e.loraMaxRank, m.lora_max_rank);
           e.topkMax = Math.max(e.topkMax, m.topk_max);
+          e.tensorParallel = Math.max(e.tensorParallel ?? 1, m.parallelism.tensor);
           byPath.set(m.path, e);
         }
         const specs = [...byPath.values()];
@@ -104,7 +106,10 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
           engineDevice: chosen.length === 1 && env.TB_ENGINE_DEVICE ? env.TB_ENGINE_DEVICE : a.device,
           sampleConcurrency: a.sample_concurrency,
           engineRestart: true,
+          // The engine of the agent's models (the schema allows one engine per agent): the agent picks its adapter by it.
           engine: byName.get(a.models[0]!)!.engine,
+          // A single vLLM agent may attach to running servers instead of starting its own.
+          vllmUrls: chosen.length === 1 && env.TB_VLLM_URL ? env.TB_VLLM_URL.split(',').map((u) => u.trim()).filter(Boolean) : undefined,
           device: a.device,
           roles: Object.fromEntries(specs.map((s) => [s.aliases.join('|'), s.roles])),
         };

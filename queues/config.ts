@@ -52,6 +52,10 @@ const AgentEnv = CommonEnv.extend({
   TB_SAMPLE_CONCURRENCY: z.coerce.number().int().positive().default(8),
   /** Restart the engine process when it dies. @defaultValue true */
   TB_ENGINE_RESTART: bool.default(true),
+  /** Engine of the models served: `torch` (trains and samples) or `vllm` (samples only). @defaultValue `torch` */
+  TB_ENGINE: z.enum(['torch', 'vllm']).default('torch'),
+  /** vLLM engine: attach to running OpenAI-compatible servers (one URL per model, comma separated) instead of starting `vllm serve`. */
+  TB_VLLM_URL: csv.optional(),
 });
 
 export type ApiConfig = {
@@ -81,9 +85,14 @@ export type BaseModelSpec = {
   topkMax: number;
   /** Weight dtype, when the preset sets one. */
   dtype?: string | undefined;
+  /** GPUs the engine splits the model over (the preset's `parallelism.tensor`; vLLM `--tensor-parallel-size`). @defaultValue 1 */
+  tensorParallel?: number | undefined;
 };
 
 export const MODEL_DEFAULTS = { trainable: true, loraMaxRank: 64, topkMax: 20 } as const;
+
+/** The engine an agent drives: `torch` (workers/adapters/torch.ts), `vllm` (workers/adapters/vllm.ts, sampling only); `verl` is not available yet. */
+export type EngineKind = 'torch' | 'vllm' | 'verl';
 
 export type AgentConfig = {
   redisUrl: string;
@@ -96,6 +105,10 @@ export type AgentConfig = {
   engineDevice: string | undefined;
   sampleConcurrency: number;
   engineRestart: boolean;
+  /** @defaultValue `torch` */
+  engine?: EngineKind | undefined;
+  /** vLLM engine: URLs of running servers to attach to, one per model in `models` order (none: the agent starts `vllm serve`). */
+  vllmUrls?: string[] | undefined;
 };
 
 function parseEnv<S extends z.ZodType>(schema: S, env: NodeJS.ProcessEnv): z.output<S> {
@@ -144,5 +157,7 @@ export function loadAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentConf
     engineDevice: e.TB_ENGINE_DEVICE || undefined,
     sampleConcurrency: e.TB_SAMPLE_CONCURRENCY,
     engineRestart: e.TB_ENGINE_RESTART,
+    engine: e.TB_ENGINE,
+    vllmUrls: e.TB_VLLM_URL?.length ? e.TB_VLLM_URL : undefined,
   };
 }

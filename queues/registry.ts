@@ -126,20 +126,33 @@ export class Registry {
   async isAgentAlive(agentId: string): Promise<boolean> {
     return (await this.redis.exists(this.names.agentAlive(agentId))) === 1;
   }
-  /** Every base model served by a live agent, by canonical name. */
-  async servedModels(): Promise<Map<string, { model: ServedModel; agents: AgentRecord[] }>> {
-    const out = new Map<string, { model: ServedModel; agents: AgentRecord[] }>();
+  /**
+   * Every base model served by a live agent, by canonical name. Agents serving one model directory
+   * under different names (an actor and its rollout agents) merge: every alias resolves, the model is
+   * trainable if any agent trains it (`trainers`), and the bounds are those every agent honours.
+   */
+  async servedModels(): Promise<Map<string, { model: ServedModel; agents: AgentRecord[]; trainers: AgentRecord[] }>> {
+    const out = new Map<string, { model: ServedModel; agents: AgentRecord[]; trainers: AgentRecord[] }>();
     for (const a of await this.liveAgents()) {
       for (const m of a.models) {
-        const e = out.get(m.name) ?? { model: m, agents: [] };
+        const e = out.get(m.name);
+        if (!e) {
+          out.set(m.name, { model: { ...m, aliases: [...m.aliases] }, agents: [a], trainers: m.trainable ? [a] : [] });
+          continue;
+        }
         e.agents.push(a);
-        out.set(m.name, e);
+        if (m.trainable) e.trainers.push(a);
+        for (const alias of m.aliases) if (!e.model.aliases.includes(alias)) e.model.aliases.push(alias);
+        e.model.trainable ||= m.trainable;
+        e.model.max_context_length = Math.min(e.model.max_context_length, m.max_context_length);
+        e.model.topk_max = Math.min(e.model.topk_max, m.topk_max);
+        if (m.trainable) e.model.lora_max_rank = e.trainers.length === 1 ? m.lora_max_rank : Math.min(e.model.lora_max_rank, m.lora_max_rank);
       }
     }
     return out;
   }
   /** Resolve a `base_model` given by a client (canonical path or alias); a user error lists what is served. */
-  async resolveBaseModel(requested: string): Promise<{ model: ServedModel; agents: AgentRecord[] }> {
+  async resolveBaseModel(requested: string): Promise<{ model: ServedModel; agents: AgentRecord[]; trainers: AgentRecord[] }> {
     const served = await this.servedModels();
     for (const e of served.values()) {
       if (e.model.name === requested || e.model.aliases.includes(requested)) return e;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: starts Redis if none answers on 127.0.0.1:6379,
-# installs what the tests need (scripts/setup.sh), then runs type checking, the engine's
+# installs what the tests need (scripts/setup.sh, scripts/setup-vllm.sh), then runs type checking, the engine's
 # pytest tests, the mocha tests against real Redis and the real engine, and the end-to-end
 # tests with the real Tinker SDK. Ends with one summary line: "tests: N passed, M failed".
 set -uo pipefail
@@ -20,6 +20,8 @@ if ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev
 fi
 
 bash scripts/setup.sh || { echo "tests: 0 passed, 1 failed"; exit 1; }
+# vLLM for the CPU (about 2 minutes the first time): test/e2e/vllm.test.ts drives it for real.
+bash scripts/setup-vllm.sh || { echo "tests: 0 passed, 1 failed"; exit 1; }
 
 export TB_LOG_LEVEL="${TB_LOG_LEVEL:-warn}"
 log=$(mktemp)

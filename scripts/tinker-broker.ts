@@ -14,7 +14,7 @@ import { defaultPython, ensureRedis, ensureTinyModel, TINY_MODEL_DIR } from './s
  * The command line: `tinker-broker start [--preset FILE] [--node NAME] [--agent ID]… [--api-only]
  * [--agents-only] [--dry-run]` and `tinker-broker validate FILE…`. With no preset, the embedded
  * default presets/cpu/tiny.yaml. Environment variables (REDIS_URL, TB_PREFIX, TB_HOST, TB_PORT,
- * TB_API_KEYS, TB_STORAGE_DIR, TB_LONG_POLL_MS, TB_AGENT_ID, TB_AGENT_MODELS) override the preset.
+ * TB_API_KEYS, TB_STORAGE_DIR, TB_LONG_POLL_MS, TB_AGENT_ID, TB_AGENT_MODELS, TB_VLLM_URL) override the preset.
  */
 export const DEFAULT_PRESET = 'presets/cpu/tiny.yaml';
 
@@ -45,7 +45,8 @@ function plan(argv: string[]): Plan {
   });
   // A one-agent plan may have its models replaced from the environment (tests, quick experiments).
   if (process.env.TB_AGENT_MODELS && p.agents.length === 1) {
-    const specs = process.env.TB_AGENT_MODELS.split(',').map((s) => parseModelSpec(s.trim()));
+    const samplingOnly = p.agents[0]!.engine === 'vllm';
+    const specs = process.env.TB_AGENT_MODELS.split(',').map((s) => ({ ...parseModelSpec(s.trim()), ...(samplingOnly ? { trainable: false } : {}) }));
     p.agents[0]!.models = specs;
     if (p.api) p.api.requiredModels = specs.map((m) => m.aliases[0] ?? m.name);
   }
@@ -61,8 +62,13 @@ async function start(argv: string[]): Promise<void> {
   }
   if (p.agents.length === 0 && !p.api) throw new Error(`nothing to start on node '${p.node}' (no API and no agent placed there)`);
   for (const a of p.agents) {
-    if (a.engine !== 'torch')
-      throw new Error(`agent ${a.agentId}: engine '${a.engine}' is not available in this version; use engine: torch (see README, Engines)`);
+    if (a.engine === 'verl')
+      throw new Error(`agent ${a.agentId}: engine 'verl' is not available in this version; use engine: torch (see README, Engines)`);
+    if (a.engine === 'vllm') {
+      const trainable = a.models.filter((m) => m.trainable);
+      if (trainable.length)
+        throw new Error(`agent ${a.agentId}: engine 'vllm' samples only; model ${trainable.map((m) => m.aliases.join('|') || m.name).join(', ')} has role actor (train it on a torch agent)`);
+    }
     for (const m of a.models) {
       if (m.path === TINY_MODEL_DIR || m.path.startsWith(`${TINY_MODEL_DIR}-`)) ensureTinyModel(a.python, m.path, m.path === TINY_MODEL_DIR ? 0 : 1);
       else if (!existsSync(path.join(m.path, 'config.json')))

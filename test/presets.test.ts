@@ -100,8 +100,8 @@ agents:
   });
 
   it('refuses to start an agent whose engine is not available, before anything starts', () => {
-    const r = cli('start', '--preset', 'presets/distill/single_teacher.yaml', '--agent', 'teacher');
+    const r = cli('start', '--preset', 'presets/distill/multi_teacher.yaml', '--agent', 'n0-actor');
     expect(r.status).to.equal(1);
-    expect(r.stderr).to.match(/engine 'vllm' is not available in this version/);
+    expect(r.stderr).to.match(/engine 'verl' is not available in this version/);
   });
 });

@@ -13,6 +13,7 @@ import { Registry, type CheckpointRecord, type ServedModel } from '../queues/reg
 import { SampleJob, TrainJob, type AnyJob, type SaveExternalJob, type SaveSamplerJob, type SaveStateJob } from '../queues/schemas.js';
 import type { EngineAdapter } from './adapters/adapter.js';
 import { TorchAdapter } from './adapters/torch.js';
+import { VllmAdapter } from './adapters/vllm.js';
 import { encryptFileInPlace } from './age.js';
 import { EngineError } from './engine.js';
 
@@ -44,7 +45,15 @@ export class Agent {
   ) {
     this.names = new Names(config.prefix);
     this.log = rootLogger.child({ agentId: config.agentId });
-    this.adapter = adapter ?? new TorchAdapter({ python: config.python, device: config.engineDevice, log: this.log });
+    this.adapter = adapter ?? Agent.adapterFor(config, this.log);
+  }
+
+  /** The engine adapter of the agent's models: torch (trains and samples) or vLLM (samples only). */
+  static adapterFor(config: AgentConfig, log: Logger): EngineAdapter {
+    const engine = config.engine ?? 'torch';
+    if (engine === 'torch') return new TorchAdapter({ python: config.python, device: config.engineDevice, log });
+    if (engine === 'vllm') return new VllmAdapter({ device: config.engineDevice, urls: config.vllmUrls, log });
+    throw new Error(`agent ${config.agentId}: engine '${engine}' is not available in this version (torch and vllm are)`);
   }
 
   get trainQueue(): string {
@@ -201,7 +210,7 @@ export class Agent {
     // A named sampler version is immutable: a second save under its name is refused.
     if (!ephemeral && (await this.registry.getCheckpoint(job.tinker_path)))
       throw new EngineError('user', `sampler weights ${job.tinker_path} already exist; save under a new name`);
-    await rm(job.dir, { recursive: true, force: true }); // leftovers of an expired or deleted checkpoint
+    if (existsSync(job.dir)) await rm(job.dir, { recursive: true, force: true }); // leftovers of an expired or deleted checkpoint
     const { size_bytes } = await this.adapter.saveSampler(job);
     const rec = await this.checkpointRecord(job, 'sampler', { size_bytes, has_optimizer: false, ephemeral });
     await this.registry.putCheckpoint(rec);
@@ -219,7 +228,7 @@ export class Agent {
   private async saveExternal(job: SaveExternalJob): Promise<{ path: string; size_bytes: number }> {
     if (await this.registry.getCheckpoint(job.tinker_path))
       throw new EngineError('user', `external weights ${job.tinker_path} already exist; save under a new name`);
-    await rm(job.dir, { recursive: true, force: true });
+    if (existsSync(job.dir)) await rm(job.dir, { recursive: true, force: true });
     await this.adapter.saveSampler({ ...job, op: 'save_weights_for_sampler', sampling_session_id: null, user_metadata: null });
     let size = 0;
     for (const f of await readdir(job.dir, { recursive: true, withFileTypes: true })) {

@@ -15,8 +15,10 @@ export async function placeModel(
   ctx: ApiContext,
   m: { modelId: string; sessionId: string; baseModel: string; lora: LoraConfig },
 ): Promise<ModelRecord> {
-  const { model, agents } = await ctx.registry.resolveBaseModel(m.baseModel);
-  const sorted = [...agents].sort((a, b) => a.agent_id.localeCompare(b.agent_id));
+  const { model, trainers } = await ctx.registry.resolveBaseModel(m.baseModel);
+  // Only agents that train this model (an actor), never a sampling-only one (vLLM, frozen roles).
+  if (trainers.length === 0) throw new BrokerError('INVALID_REQUEST', `base model '${m.baseModel}' is frozen here (a teacher or reference); it can be sampled but not trained`);
+  const sorted = [...trainers].sort((a, b) => a.agent_id.localeCompare(b.agent_id));
   const agent = sorted[parseInt(shortHash(m.modelId, 8), 16) % sorted.length]!;
   const rec = await ctx.registry.putModelIfAbsent({
     model_id: m.modelId,
