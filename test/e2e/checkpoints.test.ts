@@ -17,6 +17,8 @@ describe('checkpoints through the SDK', function () {
     // Loaded weights are identical.
     expect(Math.abs(a1! - a0!)).to.be.below(1e-6);
     expect(Math.abs(a2! - a0!)).to.be.below(1e-6);
+    // The step's own loss is computed before the update: the same on all three.
+    expect(Math.abs(without! - orig!)).to.be.below(1e-6);
     // One identical step: with the optimizer state the result is the original's, to 1e-6 ...
     expect(Math.abs(withOpt! - orig!)).to.be.below(1e-6);
     const [o, w, wo] = out.after_loss as number[];
