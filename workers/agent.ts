@@ -9,7 +9,7 @@ import { encodeJobFailure, isBrokerError, type ErrorCategory } from '../queues/e
 import { logger as rootLogger, type Logger } from '../queues/logger.js';
 import { Names } from '../queues/names.js';
 import { connect } from '../queues/redis.js';
-import { Registry, type CheckpointRecord, type ServedModel } from '../queues/registry.js';
+import { Registry, type CheckpointRecord, type ModelRecord, type ServedModel } from '../queues/registry.js';
 import { SampleJob, TrainJob, type AnyJob, type SaveExternalJob, type SaveSamplerJob, type SaveStateJob } from '../queues/schemas.js';
 import type { EngineAdapter } from './adapters/adapter.js';
 import { TorchAdapter } from './adapters/torch.js';
@@ -180,18 +180,23 @@ export class Agent {
     });
   }
 
-  private async checkpointRecord(
-    job: { model_id: string; tinker_path: string; dir: string; ttl_seconds: number | null; user_metadata: Record<string, string> | null },
+  /** The model a checkpoint job saves (it exists: create_model ran before any op of the model). */
+  private async modelOf(job: { model_id: string }): Promise<ModelRecord> {
+    return (await this.registry.getModel(job.model_id))!;
+  }
+
+  private checkpointRecord(
+    model: ModelRecord,
+    job: { tinker_path: string; dir: string; ttl_seconds: number | null; user_metadata: Record<string, string> | null },
     type: CheckpointRecord['checkpoint_type'],
     extra: { size_bytes: number; has_optimizer: boolean; ephemeral: boolean },
-  ): Promise<CheckpointRecord> {
-    const model = (await this.registry.getModel(job.model_id))!;
+  ): CheckpointRecord {
     const now = Date.now();
     // Unnamed sampler saves live as long as futures do.
     const ttl = job.ttl_seconds ?? (extra.ephemeral ? this.config.retentionS : null);
     return {
       tinker_path: job.tinker_path,
-      model_id: job.model_id,
+      model_id: model.model_id,
       checkpoint_id: job.tinker_path.split('/').slice(-2).join('/'),
       checkpoint_type: type,
       base_model: model.base_model,
@@ -212,10 +217,9 @@ export class Agent {
       throw new EngineError('user', `sampler weights ${job.tinker_path} already exist; save under a new name`);
     if (existsSync(job.dir)) await rm(job.dir, { recursive: true, force: true }); // leftovers of an expired or deleted checkpoint
     const { size_bytes } = await this.adapter.saveSampler(job);
-    const rec = await this.checkpointRecord(job, 'sampler', { size_bytes, has_optimizer: false, ephemeral });
-    await this.registry.putCheckpoint(rec);
+    const model = await this.modelOf(job);
+    await this.registry.putCheckpoint(this.checkpointRecord(model, job, 'sampler', { size_bytes, has_optimizer: false, ephemeral }));
     if (job.sampling_session_id) {
-      const model = (await this.registry.getModel(job.model_id))!;
       await this.registry.putSamplingSession(
         { sampling_session_id: job.sampling_session_id, session_id: model.session_id, base_model: model.base_model, model_path: job.tinker_path, adapter_dir: job.dir },
         this.config.retentionS,
@@ -238,7 +242,7 @@ export class Agent {
       size += (await stat(out)).size;
     }
     await this.registry.putCheckpoint(
-      await this.checkpointRecord({ ...job, user_metadata: null }, 'external', { size_bytes: size, has_optimizer: false, ephemeral: false }),
+      this.checkpointRecord(await this.modelOf(job), { ...job, user_metadata: null }, 'external', { size_bytes: size, has_optimizer: false, ephemeral: false }),
     );
     return { path: job.tinker_path, size_bytes: size };
   }
@@ -253,7 +257,7 @@ export class Agent {
     if (hadDir) await rename(job.dir, old);
     try {
       const { size_bytes } = await this.adapter.saveState(job.model_id, job.dir, true);
-      await this.registry.putCheckpoint(await this.checkpointRecord(job, 'training', { size_bytes, has_optimizer: true, ephemeral: false }));
+      await this.registry.putCheckpoint(this.checkpointRecord(await this.modelOf(job), job, 'training', { size_bytes, has_optimizer: true, ephemeral: false }));
     } catch (e) {
       if (hadDir) {
         await rm(job.dir, { recursive: true, force: true });
