@@ -78,3 +78,22 @@ def sample(engine: Engine, prompt: list[int], params: dict[str, Any], num_sample
     return engine.call("sample", {"base_model": BASE, "adapter_dir": adapter_dir, "prompt": prompt,
                                   "num_samples": num_samples, "sampling_params": params,
                                   "prompt_logprobs": prompt_logprobs, "topk_prompt_logprobs": topk})
+
+
+# Unit roundoff of float32 (2**-24).
+FP32_U = 2.0**-24
+# Two float32 computations of the same quantity that differ only in summation order (split vs
+# joint batches, micro-batches, the thread count of a blocked matmul) each carry a rounding error
+# of up to gamma_n * sum|terms| ~ n*u*sum|terms| for a reduction of length n, and typically
+# ~sqrt(n)*u. A LoRA gradient here chains reductions over the hidden size (<= 128) and the tokens
+# (~14) through two layers, so the error scales with the tensor's magnitude, not with the element's:
+# a near-cancelling element can be off by far more than 1e-6 in absolute terms. We allow 256*u
+# (~1.5e-5) of the tensor's largest magnitude (observed: ~20*u with 2-4 threads); a real mistake
+# (a datum dropped, doubled or mis-weighted) moves gradients by O(1) relative, far above this.
+ORDER_SLACK = 256 * FP32_U
+
+
+def assert_close_up_to_summation_order(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    scale = float(expected.abs().max()) if expected.numel() else 0.0
+    torch.testing.assert_close(actual, expected, rtol=ORDER_SLACK, atol=ORDER_SLACK * scale,
+                               msg=lambda m: f"{what}: {m}" if what else m)

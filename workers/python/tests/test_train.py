@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from helpers import adam, create, datum, fb, grads, lora, params, perturb
+from helpers import adam, assert_close_up_to_summation_order, create, datum, fb, grads, lora, params, perturb
 from tinker_engine.engine import Engine
 from tinker_engine.errors import UserError
 from tinker_engine.tensors import tensor_to_json
@@ -95,14 +95,14 @@ def test_gradient_accumulation_equals_one_batch(engine: Engine) -> None:
     assert rj["metrics"]["loss:sum"] == pytest.approx(r1["metrics"]["loss:sum"] + r2["metrics"]["loss:sum"], rel=1e-6)
     gs, gj = grads(engine, "split"), grads(engine, "joint")
     for (n, a), b in zip(gs.items(), gj.values()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert_close_up_to_summation_order(a, b, n)
     hp = adam(lr=0.05, eps=1e-3, weight_decay=0.01)  # eps keeps step 1 from being sign(g)
     before = params(engine, "split")
     ns = engine.call("optim_step", {"model_id": "split", "adam": hp})["metrics"]["grad_norm"]
     nj = engine.call("optim_step", {"model_id": "joint", "adam": hp})["metrics"]["grad_norm"]
     assert ns == pytest.approx(nj, rel=1e-5)
-    for a, b in zip(params(engine, "split").values(), params(engine, "joint").values()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for (n, a), b in zip(params(engine, "split").items(), params(engine, "joint").values()):
+        assert_close_up_to_summation_order(a, b, n)
     # The step actually moved the weights.
     assert all(not torch.equal(before[n], p) for n, p in params(engine, "split").items())
     assert grads(engine, "split") == {n: None for n in gs}
@@ -118,8 +118,8 @@ def test_micro_batching_matches_one_batch(engine: Engine, monkeypatch: pytest.Mo
     monkeypatch.setenv("TB_ENGINE_MAX_BATCH_TOKENS", "12")  # forces one datum per micro-batch
     small = fb(engine, "small", "cross_entropy", data)
     assert big["metrics"]["loss:sum"] == pytest.approx(small["metrics"]["loss:sum"], rel=1e-6)
-    for a, b in zip(grads(engine, "big").values(), grads(engine, "small").values()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for (n, a), b in zip(grads(engine, "big").items(), grads(engine, "small").values()):
+        assert_close_up_to_summation_order(a, b, n)
 
 
 def test_forward_only_accumulates_nothing(engine: Engine) -> None:
