@@ -7,7 +7,7 @@ import logging
 import os
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ from .device import Placement
 from .errors import UserError
 from .models import LoraSpec, Registry
 from .params import get_obj, get_str, is_int
-from .sample import sample
+from .sample import run_to_end, sample_batch_steps, sample_steps
 from .save import save_sampler
 from .state import load_state, save_state
 from .train import forward_backward, optim_step
@@ -25,6 +25,39 @@ from .train import forward_backward, optim_step
 log = logging.getLogger("tinker_engine")
 
 Op = Callable[[dict[str, Any]], dict[str, Any]]
+Steps = Generator[None, None, dict[str, Any]]
+SteppedOp = Callable[[dict[str, Any]], Steps]
+
+
+class Task:
+    """One request in progress: ``step()`` advances it and returns its reply once it is done.
+
+    Ops that generate tokens advance one decode step per ``step()``; every other op finishes in
+    its first step.
+    """
+
+    def __init__(self, engine: Engine, request_id: Any, op: str, subject: str, start: float,
+                 steps: Steps | None, reply: dict[str, Any] | None) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self.op = op
+        self.subject = subject
+        self.start = start
+        self._steps = steps
+        self._reply = reply
+
+    def step(self) -> dict[str, Any] | None:
+        if self._reply is not None:
+            return self._reply
+        assert self._steps is not None
+        try:
+            next(self._steps)
+            return None
+        except StopIteration as done:
+            self._reply = self._engine._ok(self.request_id, self.op, self.subject, self.start, done.value)
+        except Exception as exc:  # noqa: BLE001
+            self._reply = self._engine._failed(self.request_id, self.op, self.subject, self.start, exc)
+        return self._reply
 
 
 class Engine:
@@ -42,8 +75,14 @@ class Engine:
             "save_sampler": lambda args: save_sampler(self.registry, args),
             "save_state": lambda args: save_state(self.registry, args),
             "load_state": lambda args: load_state(self.registry, args),
-            "sample": lambda args: sample(self.registry, args),
+            "sample": lambda args: run_to_end(sample_steps(self.registry, args)),
+            "sample_batch": lambda args: run_to_end(sample_batch_steps(self.registry, args)),
             "unload_model": self.unload_model,
+        }
+        # Ops that can run a step at a time (the request loop interleaves other ops between steps).
+        self.stepped_ops: dict[str, SteppedOp] = {
+            "sample": lambda args: sample_steps(self.registry, args),
+            "sample_batch": lambda args: sample_batch_steps(self.registry, args),
         }
 
     # --- ops that only touch the registry -------------------------------------------------------
@@ -76,7 +115,11 @@ class Engine:
         return handler(args)
 
     def reply(self, body: bytes) -> dict[str, Any]:
-        """The reply to one request frame; never raises for a bad request or a failing op."""
+        """The reply to one request frame, run to the end; never raises for a bad request or a failing op."""
+        return self.start(body, stepped=False).step() or {}
+
+    def start(self, body: bytes, stepped: bool = True) -> Task:
+        """Parse one request frame and begin it; ``Task.step`` runs it (never raises)."""
         request_id: Any = None
         op = "?"
         subject = ""
@@ -100,20 +143,28 @@ class Engine:
                 subject = f"model_id={args['model_id']}"
             elif args.get("base_model") or args.get("name"):
                 subject = f"base={args.get('base_model') or args.get('name')}"
+            if stepped and op in self.stepped_ops:
+                return Task(self, request_id, op, subject, start, self.stepped_ops[op](args), None)
             result = self.call(op, args)
-            self._log(op, subject, start, "ok")
-            return {"id": request_id, "ok": True, "result": result}
-        except UserError as exc:
+            return Task(self, request_id, op, subject, start, None, self._ok(request_id, op, subject, start, result))
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a reply; the engine keeps serving
+            return Task(self, request_id, op, subject, start, None, self._failed(request_id, op, subject, start, exc))
+
+    def _ok(self, request_id: Any, op: str, subject: str, start: float, result: dict[str, Any]) -> dict[str, Any]:
+        self._log(op, subject, start, "ok")
+        return {"id": request_id, "ok": True, "result": result}
+
+    def _failed(self, request_id: Any, op: str, subject: str, start: float, exc: Exception) -> dict[str, Any]:
+        if isinstance(exc, UserError):
             self._log(op, subject, start, f"user_error: {exc}")
             return {"id": request_id, "ok": False, "error": {"category": "user", "message": str(exc)}}
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a reply; the engine keeps serving
-            log.error("op=%s failed:\n%s", op, traceback.format_exc().rstrip())
-            self._log(op, subject, start, "server_error")
-            if isinstance(exc, torch.OutOfMemoryError) and torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
-            return {"id": request_id, "ok": False,
-                    "error": {"category": "server", "message": f"{type(exc).__name__}: {message}"}}
+        log.error("op=%s failed:\n%s", op, "".join(traceback.format_exception(exc)).rstrip())
+        self._log(op, subject, start, "server_error")
+        if isinstance(exc, torch.OutOfMemoryError) and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+        return {"id": request_id, "ok": False,
+                "error": {"category": "server", "message": f"{type(exc).__name__}: {message}"}}
 
     @staticmethod
     def _log(op: str, subject: str, start: float, outcome: str) -> None:

@@ -16,6 +16,7 @@ each ``lora_B`` is zero, so a fresh adapter leaves the base model's outputs unch
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import math
 import os
@@ -119,11 +120,16 @@ class BaseModel:
         self.hf: PreTrainedModel = model.to(placement.device).eval()
         self.hf.requires_grad_(False)
         self.peft: PeftModel | None = None
+        # (adapter, trainable) of the last ``activate``; None: unknown (PEFT changed it).
+        self._active: tuple[str | None, bool] | None = None
         config = self.hf.config
         self.vocab_size: int = int(self.hf.get_output_embeddings().weight.shape[0])
         self.input_vocab_size: int = int(self.hf.get_input_embeddings().weight.shape[0])
         self.arch: str = (config.architectures or [config.model_type])[0]
         self.max_context_length: int = int(getattr(config, "max_position_embeddings", 0) or 0)
+        # The forward's KV-cache argument: ``cache`` in newer transformers, ``past_key_values`` before.
+        params = inspect.signature(self.hf.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         eos = self.tokenizer.eos_token_id
         self.eos_token_id: int | None = int(eos) if eos is not None else None
 
@@ -141,12 +147,14 @@ class BaseModel:
         }
 
     def add_adapter(self, adapter: str, config: LoraConfig) -> None:
+        self._active = None
         if self.peft is None:
             self.peft = get_peft_model(self.hf, config, adapter_name=adapter)
         else:
             self.peft.add_adapter(adapter, config)
 
     def load_adapter(self, adapter: str, directory: str) -> None:
+        self._active = None
         if self.peft is None:
             self.peft = PeftModel.from_pretrained(self.hf, directory, adapter_name=adapter, is_trainable=False)
         else:
@@ -154,6 +162,7 @@ class BaseModel:
         self.hf.eval()
 
     def delete_adapter(self, adapter: str) -> None:
+        self._active = None
         if self.peft is not None and adapter in self.peft.peft_config:
             self.peft.delete_adapter(adapter)
 
@@ -161,19 +170,24 @@ class BaseModel:
         """Make ``adapter`` the only active adapter (None: the frozen base model alone).
 
         Forward passes go through ``self.hf`` (the module tree PEFT injected into); with
-        ``trainable`` only this adapter's parameters require grad.
+        ``trainable`` only this adapter's parameters require grad. Repeating the last activation
+        is free (it runs before every decode step).
         """
+        if self._active == (adapter, trainable):
+            return
         if self.peft is None:
             if adapter is not None:
                 raise RuntimeError(f"adapter {adapter} is not loaded")
             return
         if adapter is None:
             self.peft.base_model.disable_adapter_layers()
+            self._active = (adapter, trainable)
             return
         if adapter not in self.peft.peft_config:
             raise RuntimeError(f"adapter {adapter} is not loaded")
         self.peft.base_model.enable_adapter_layers()
         self.peft.set_adapter(adapter, inference_mode=not trainable)
+        self._active = (adapter, trainable)
 
     def adapter_parameters(self, adapter: str) -> list[tuple[str, torch.nn.Parameter]]:
         """The adapter's LoRA parameters, in name order."""
@@ -206,6 +220,18 @@ class Registry:
     models: dict[str, TrainingModel] = field(default_factory=dict)
     # Per base name: (adapter dir, mtime, size) key -> adapter name, least recently used first.
     samplers: dict[str, OrderedDict[str, str]] = field(default_factory=dict)
+    # Sampler adapters in use by a generating batch (count per adapter name): never evicted.
+    pinned: dict[str, int] = field(default_factory=dict)
+
+    def pin(self, adapter: str) -> None:
+        self.pinned[adapter] = self.pinned.get(adapter, 0) + 1
+
+    def unpin(self, adapter: str) -> None:
+        left = self.pinned.get(adapter, 0) - 1
+        if left > 0:
+            self.pinned[adapter] = left
+        else:
+            self.pinned.pop(adapter, None)
 
     def load_base(self, name: str, path: str) -> BaseModel:
         full = os.path.abspath(path)
@@ -282,8 +308,11 @@ class Registry:
             base.delete_adapter(adapter)
             raise
         cache[key] = adapter
-        while len(cache) > self.sampler_cache_size:
-            _, evicted = cache.popitem(last=False)
+        # Least recently used first; adapters a generating batch uses stay (the cache may overfill).
+        for old_key in [k for k, name in cache.items() if name not in self.pinned and name != adapter]:
+            if len(cache) <= self.sampler_cache_size:
+                break
+            evicted = cache.pop(old_key)
             base.delete_adapter(evicted)
             log.info("evicted sampler adapter %s", evicted)
         return adapter
