@@ -1,23 +1,47 @@
 import { performance } from 'node:perf_hooks';
 import { logger } from '../queues/logger.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
-import { awaitFuture, call, startStack } from '../test/helpers/stack.js';
+import { awaitFuture, call, startStack, type TestStack } from '../test/helpers/stack.js';
 
 /**
- * Sampling throughput through the whole stack: `requests` asample calls kept `concurrency` at a
- * time in flight against the tiny model's base, each `num_samples` × `max_tokens` tokens.
+ * Sampling throughput through the whole stack (HTTP → BullMQ → agent → torch engine on the CPU).
  *
  *   node --import tsx bench/sampling.ts [requests=64] [concurrency=8] [num_samples=4] [max_tokens=32]
+ *     `requests` asample calls kept `concurrency` at a time in flight, each num_samples × max_tokens.
+ *   node --import tsx bench/sampling.ts ratio [n=32] [max_tokens=64] [prompt_len=16] [rounds=3]
+ *     n concurrent one-sample requests with distinct prompts against one request for n samples
+ *     (prompts of the same length, same max_tokens); prints both tokens/s and their ratio.
  */
-const arg = (i: number, d: number) => Number(process.argv[2 + i] ?? d);
-const [requests, concurrency, numSamples, maxTokens] = [arg(0, 64), arg(1, 8), arg(2, 4), arg(3, 32)];
-logger.level = 'warn';
+logger.level = (process.env.BENCH_LOG_LEVEL as typeof logger.level | undefined) ?? 'warn';
 
-async function main(): Promise<void> {
-  const s = await startStack({ longPollMs: 25_000 });
+type Stack = { s: TestStack; samplingSessionId: string };
+
+async function open(concurrency: number): Promise<Stack> {
+  const s = await startStack({ longPollMs: 25_000, env: { TB_SAMPLE_CONCURRENCY: String(Math.max(concurrency, 4)) } });
+  const session = (await call(s.baseUrl, 'POST', '/create_session', { tags: [] })).json.session_id;
+  const sc = await call(s.baseUrl, 'POST', '/create_sampling_session', { session_id: session, sampling_session_seq_id: 0, base_model: TINY_MODEL_ALIAS });
+  return { s, samplingSessionId: sc.json.sampling_session_id };
+}
+
+let seq = 0;
+/** One asample call awaited to its end; returns the number of tokens sampled. */
+async function sampleOnce(st: Stack, prompt: number[], numSamples: number, maxTokens: number, seed: number): Promise<number> {
+  const i = seq++;
+  const sub = await call(st.s.baseUrl, 'POST', '/asample', {
+    prompt: { chunks: [{ type: 'encoded_text', tokens: prompt }] },
+    num_samples: numSamples,
+    sampling_params: { max_tokens: maxTokens, temperature: 1, seed, stop: [] },
+    sampling_session_id: st.samplingSessionId,
+    seq_id: i,
+  });
+  const r = await awaitFuture(st.s.baseUrl, sub.json.request_id, 'application/json', 1000);
+  if (r.status !== 200 || !r.json?.sequences) throw new Error(`sample ${i} failed: ${r.body.toString().slice(0, 300)}`);
+  return (r.json.sequences as { tokens: number[] }[]).reduce((n, s) => n + s.tokens.length, 0);
+}
+
+async function throughput(requests: number, concurrency: number, numSamples: number, maxTokens: number): Promise<void> {
+  const st = await open(concurrency);
   try {
-    const session = (await call(s.baseUrl, 'POST', '/create_session', { tags: [] })).json.session_id;
-    const sc = await call(s.baseUrl, 'POST', '/create_sampling_session', { session_id: session, sampling_session_seq_id: 0, base_model: TINY_MODEL_ALIAS });
     const latencies: number[] = [];
     let next = 0;
     let tokens = 0;
@@ -26,16 +50,7 @@ async function main(): Promise<void> {
       while (next < requests) {
         const i = next++;
         const t = performance.now();
-        const sub = await call(s.baseUrl, 'POST', '/asample', {
-          prompt: { chunks: [{ type: 'encoded_text', tokens: [5 + (i % 50), 17, 42, 99] }] },
-          num_samples: numSamples,
-          sampling_params: { max_tokens: maxTokens, temperature: 1, seed: i, stop: [] },
-          sampling_session_id: sc.json.sampling_session_id,
-          seq_id: i,
-        });
-        const r = await awaitFuture(s.baseUrl, sub.json.request_id, 'application/x-protobuf');
-        if (r.status !== 200) throw new Error(`sample ${i} failed: ${r.body.toString()}`);
-        tokens += numSamples * maxTokens;
+        tokens += await sampleOnce(st, [5 + (i % 50), 17, 42, 99], numSamples, maxTokens, i);
         latencies.push(performance.now() - t);
       }
     };
@@ -47,11 +62,41 @@ async function main(): Promise<void> {
     console.log(`throughput: ${(requests / secs).toFixed(1)} requests/s, ${(tokens / secs).toFixed(0)} sampled tokens/s`);
     console.log(`latency per request: p50 ${q(0.5)} ms, p90 ${q(0.9)} ms`);
   } finally {
-    await s.stop();
+    await st.s.stop();
   }
 }
 
-main().then(
+async function ratio(n: number, maxTokens: number, promptLen: number, rounds: number): Promise<void> {
+  const st = await open(n);
+  const prompt = (k: number) => Array.from({ length: promptLen }, (_, j) => 5 + ((k * 31 + j * 7) % 1000));
+  try {
+    await sampleOnce(st, prompt(0), 2, 4, 0); // warm-up
+    const single: number[] = [];
+    const concurrent: number[] = [];
+    for (let r = 0; r < rounds; r++) {
+      let t = performance.now();
+      let tokens = await sampleOnce(st, prompt(r), n, maxTokens, r);
+      single.push(tokens / ((performance.now() - t) / 1000));
+      t = performance.now();
+      const counts = await Promise.all(Array.from({ length: n }, (_, k) => sampleOnce(st, prompt(1 + r * n + k), 1, maxTokens, k)));
+      tokens = counts.reduce((a, b) => a + b, 0);
+      concurrent.push(tokens / ((performance.now() - t) / 1000));
+    }
+    const median = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]!;
+    const [one, many] = [median(single), median(concurrent)];
+    console.log(`tiny model, prompts of ${promptLen} tokens, ${maxTokens} new tokens, median of ${rounds} rounds`);
+    console.log(`1 request x ${n} samples        : ${one.toFixed(0)} sampled tokens/s  (rounds: ${single.map((x) => x.toFixed(0)).join(', ')})`);
+    console.log(`${n} concurrent requests x 1 sample: ${many.toFixed(0)} sampled tokens/s  (rounds: ${concurrent.map((x) => x.toFixed(0)).join(', ')})`);
+    console.log(`ratio concurrent / single: ${(many / one).toFixed(2)}`);
+  } finally {
+    await st.s.stop();
+  }
+}
+
+const args = process.argv.slice(2);
+const num = (i: number, d: number) => Number(args[i] ?? d);
+const run = args[0] === 'ratio' ? ratio(num(1, 32), num(2, 64), num(3, 16), num(4, 3)) : throughput(num(0, 64), num(1, 8), num(2, 4), num(3, 32));
+run.then(
   () => process.exit(0),
   (e) => {
     console.error(e);

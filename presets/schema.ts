@@ -62,7 +62,7 @@ export const AgentSpec = z
     /** Names of the models (above) this agent serves. */
     models: z.array(z.string()).min(1),
     /** Sample jobs this agent runs at once. @defaultValue 8 */
-    sample_concurrency: z.number().int().positive().default(8),
+    sample_concurrency: z.number().int().positive().default(64),
   })
   .strict();
 export type AgentSpec = z.infer<typeof AgentSpec>;

@@ -48,8 +48,12 @@ const AgentEnv = CommonEnv.extend({
   TB_PYTHON: z.string().optional(),
   /** Device for the engine (`cpu`, `cuda`, `cuda:1`); empty lets the engine choose. */
   TB_ENGINE_DEVICE: z.string().optional(),
-  /** Sample jobs one agent runs at once. @defaultValue 8 */
-  TB_SAMPLE_CONCURRENCY: z.coerce.number().int().positive().default(8),
+  /** Sample jobs one agent holds at once (per base model); the torch engine generates them as batches. @defaultValue 64 */
+  TB_SAMPLE_CONCURRENCY: z.coerce.number().int().positive().default(64),
+  /** Torch engine: a sample batch stays open this long after its last arrival while jobs wait (0: no gathering). @defaultValue 10 */
+  TB_SAMPLE_GATHER_MS: z.coerce.number().int().nonnegative().default(10),
+  /** Torch engine: a sample batch holds at most this many tokens (num_samples × (prompt + max_tokens), summed). @defaultValue 131072 */
+  TB_SAMPLE_BATCH_TOKENS: z.coerce.number().int().positive().default(131072),
   /** Restart the engine process when it dies. @defaultValue true */
   TB_ENGINE_RESTART: bool.default(true),
   /** Engine of the models served: `torch` (trains and samples) or `vllm` (samples only). @defaultValue `torch` */
@@ -104,6 +108,10 @@ export type AgentConfig = {
   python: string;
   engineDevice: string | undefined;
   sampleConcurrency: number;
+  /** Sample gathering window in ms (torch engine). @defaultValue 10 */
+  sampleGatherMs?: number | undefined;
+  /** Token budget of one sample batch (torch engine). @defaultValue 131072 */
+  sampleBatchTokens?: number | undefined;
   engineRestart: boolean;
   /** @defaultValue `torch` */
   engine?: EngineKind | undefined;
@@ -156,6 +164,8 @@ export function loadAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentConf
     python: e.TB_PYTHON ?? (existsSync(venvPython) ? venvPython : 'python3'),
     engineDevice: e.TB_ENGINE_DEVICE || undefined,
     sampleConcurrency: e.TB_SAMPLE_CONCURRENCY,
+    sampleGatherMs: e.TB_SAMPLE_GATHER_MS,
+    sampleBatchTokens: e.TB_SAMPLE_BATCH_TOKENS,
     engineRestart: e.TB_ENGINE_RESTART,
     engine: e.TB_ENGINE,
     vllmUrls: e.TB_VLLM_URL?.length ? e.TB_VLLM_URL : undefined,

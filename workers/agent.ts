@@ -1,7 +1,7 @@
 import { existsSync } from 'node:fs';
 import { readdir, rename, rm, stat } from 'node:fs/promises';
 import path from 'node:path';
-import { UnrecoverableError, Worker, type Job } from 'bullmq';
+import { Queue, UnrecoverableError, Worker, type Job } from 'bullmq';
 import type { Redis } from 'ioredis';
 import { ZodError } from 'zod';
 import type { AgentConfig } from '../queues/config.js';
@@ -16,12 +16,14 @@ import { TorchAdapter } from './adapters/torch.js';
 import { VllmAdapter } from './adapters/vllm.js';
 import { encryptFileInPlace } from './age.js';
 import { EngineError } from './engine.js';
+import { SampleGatherer } from './sample-gather.js';
 
 /**
  * A worker agent: registers in Redis, supervises its engine, and consumes
  * - its training queue (`train-<agentId>`): the ordered ops of the models placed here, one at
  *   a time, never retried (`maxStalledCount: 0`: a crash fails the op instead of re-running it);
- * - the sample queue of each base model it serves, concurrently.
+ * - the sample queue of each base model it serves, concurrently; with an engine that batches
+ *   (torch), the jobs held for one base model are gathered into one engine call (sample-gather.ts).
  */
 const HEARTBEAT_MS = 5_000;
 
@@ -36,6 +38,9 @@ export class Agent {
   private heartbeat: NodeJS.Timeout | undefined;
   private stopping = false;
   private restarting: Promise<void> | null = null;
+  /** Per served base model: its sample gatherer (engines with sampleBatch) and queue handle. */
+  private readonly gatherers = new Map<string, SampleGatherer>();
+  private readonly sampleQueues: Queue[] = [];
   /** Models whose adapters live in the current engine process. */
   private readonly loaded = new Set<string>();
 
@@ -80,6 +85,7 @@ export class Agent {
           }),
       ),
     );
+    if (this.adapter.sampleBatch) for (const m of this.served) this.gatherers.set(m.name, this.makeGatherer(m.name));
     for (const w of this.workers) {
       w.on('error', (err) => this.log.error('worker error', { queue: w.name, error: String(err) }));
       w.on('failed', (job, err) => this.log.warn('job failed', { queue: w.name, jobId: job?.id, op: job?.name, error: err.message }));
@@ -269,10 +275,28 @@ export class Agent {
     return { path: job.tinker_path };
   }
 
+  private makeGatherer(base: string): SampleGatherer {
+    const queue = new Queue(this.names.sampleQueue(base), { connection: this.redis, prefix: this.names.bull });
+    this.sampleQueues.push(queue);
+    const windowMs = this.config.sampleGatherMs ?? 10;
+    return new SampleGatherer({
+      windowMs,
+      maxWaitMs: windowMs * 5,
+      tokenBudget: this.config.sampleBatchTokens ?? 131072,
+      waiting: () => queue.getWaitingCount(),
+      run: async (jobs) => {
+        await this.ensureEngine();
+        return this.adapter.sampleBatch!(jobs);
+      },
+    });
+  }
+
   private async runSample(job: Job<AnyJob>): Promise<unknown> {
     return this.guard(job, async () => {
       await this.ensureEngine();
-      return this.adapter.sample(SampleJob.parse(job.data));
+      const data = SampleJob.parse(job.data);
+      const gatherer = this.gatherers.get(data.base_model);
+      return gatherer ? gatherer.submit(data) : this.adapter.sample(data);
     });
   }
 
@@ -299,6 +323,7 @@ export class Agent {
     this.stopping = true;
     clearInterval(this.heartbeat);
     await Promise.all(this.workers.map((w) => w.close()));
+    await Promise.all(this.sampleQueues.map((q) => q.close().catch(() => undefined)));
     await this.registry?.removeAgent(this.config.agentId).catch(() => undefined);
     await this.adapter.stop().catch(() => undefined);
     await this.redis?.quit().catch(() => undefined);

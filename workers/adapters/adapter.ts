@@ -31,6 +31,11 @@ export interface EngineAdapter {
   loadState(modelId: string, dir: string, optimizer: boolean): Promise<void>;
   unloadModel(modelId: string): Promise<void>;
   sample(job: SampleJob): Promise<SampleResult>;
+  /**
+   * Samples several jobs of one base model in one engine call (engines that batch); one result
+   * or one error per job, in order. Without it the agent sends jobs one at a time to `sample`.
+   */
+  sampleBatch?(jobs: SampleJob[]): Promise<(SampleResult | Error)[]>;
   /** Called when the engine died: every model it held is gone. */
   onExit(listener: (reason: string) => void): void;
 }

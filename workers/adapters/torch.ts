@@ -23,6 +23,18 @@ function parseResult<S extends z.ZodType>(schema: S, r: unknown, op: string): z.
   throw new EngineError('server', `the engine returned an invalid ${op} result (non-finite values?): ${where}`);
 }
 
+/** The per-request fields of `sample` and of each `sample_batch` request (docs/engine-protocol.md). */
+function sampleRequest(job: SampleJob): Record<string, unknown> {
+  return {
+    adapter_dir: job.adapter_dir,
+    prompt: job.prompt,
+    num_samples: job.num_samples,
+    sampling_params: job.sampling_params,
+    prompt_logprobs: job.prompt_logprobs,
+    topk_prompt_logprobs: job.topk_prompt_logprobs,
+  };
+}
+
 /**
  * The torch engine (transformers + PEFT; CPU or one GPU): the one place where Tinker jobs
  * become engine requests (docs/engine-protocol.md). Results are parsed before they leave.
@@ -118,15 +130,27 @@ export class TorchAdapter implements EngineAdapter {
   }
 
   async sample(job: SampleJob): Promise<SampleResult> {
-    const r = await this.engine.call('sample', {
-      base_model: job.base_model,
-      adapter_dir: job.adapter_dir,
-      prompt: job.prompt,
-      num_samples: job.num_samples,
-      sampling_params: job.sampling_params,
-      prompt_logprobs: job.prompt_logprobs,
-      topk_prompt_logprobs: job.topk_prompt_logprobs,
-    });
+    const r = await this.engine.call('sample', { base_model: job.base_model, ...sampleRequest(job) });
     return parseResult(SampleResult, r, 'sample');
+  }
+
+  /** One `sample_batch` call for jobs of one base model; a bad job fails alone with its own error. */
+  async sampleBatch(jobs: SampleJob[]): Promise<(SampleResult | Error)[]> {
+    const base = jobs[0]!.base_model;
+    if (jobs.some((j) => j.base_model !== base)) throw new EngineError('server', 'a sample batch must share one base model');
+    const r = await this.engine.call<{ results: { ok: boolean; result?: unknown; error?: { category?: string; message?: string } }[] }>(
+      'sample_batch',
+      { base_model: base, requests: jobs.map(sampleRequest) },
+    );
+    if (!Array.isArray(r?.results) || r.results.length !== jobs.length)
+      throw new EngineError('server', `the engine returned an invalid sample_batch result for ${jobs.length} requests`);
+    return r.results.map((entry) => {
+      if (!entry.ok) return new EngineError(entry.error?.category === 'user' ? 'user' : 'server', entry.error?.message ?? 'engine error');
+      try {
+        return parseResult(SampleResult, entry.result, 'sample');
+      } catch (e) {
+        return e as Error;
+      }
+    });
   }
 }

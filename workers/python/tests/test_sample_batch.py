@@ -125,3 +125,57 @@ def test_a_bad_request_fails_alone(engine: Engine, tmp_path: Path) -> None:
     messages = ["outside the vocabulary", "not a PEFT adapter directory", "top_p", "must be an object"]
     for res, message in zip(results[1:], messages):
         assert res["ok"] is False and res["error"]["category"] == "user" and message in res["error"]["message"]
+
+
+def _drive(engine: Engine, *steps: Any) -> list[Any]:
+    """Advance the engine until every stepped op is done; their results in order."""
+    results: list[Any] = [None] * len(steps)
+    live = dict(enumerate(steps))
+    while live:
+        for i, s in list(live.items()):
+            try:
+                next(s)
+            except StopIteration as done:
+                results[i] = done.value
+                del live[i]
+        engine.advance()
+    return results
+
+
+def test_requests_join_a_generating_batch(engine: Engine) -> None:
+    first = engine.sampler.sample_batch_steps({"base_model": BASE, "requests": [
+        request(PROMPTS[1], sampling(max_tokens=16, seed=1), num_samples=2)]})
+    next(first)
+    for _ in range(5):
+        engine.advance()  # the first request is 4-5 tokens in
+    late = [request(PROMPTS[0], sampling(max_tokens=6, seed=2)),
+            request(PROMPTS[2], sampling(max_tokens=9, temperature=0.0), prompt_logprobs=True)]
+    second = engine.sampler.sample_batch_steps({"base_model": BASE, "requests": late})
+    gen = engine.sampler.generations["tiny"]
+    (a,), (b, c) = [r["results"] for r in _drive(engine, first, second)]
+    assert not gen.busy
+    for req, res in ((request(PROMPTS[1], sampling(max_tokens=16, seed=1), num_samples=2), a), (late[0], b), (late[1], c)):
+        assert res["ok"], res
+        alone = sample(engine, req["prompt"], req["sampling_params"], num_samples=req["num_samples"])
+        assert [s["tokens"] for s in res["result"]["sequences"]] == [s["tokens"] for s in alone["sequences"]]
+        for seq in res["result"]["sequences"]:
+            logp = full_logp(engine, req["prompt"] + seq["tokens"])
+            expected = [float(logp[len(req["prompt"]) - 1 + i, t]) for i, t in enumerate(seq["tokens"])]
+            torch.testing.assert_close(torch.tensor(seq["logprobs"]), torch.tensor(expected), rtol=1e-5, atol=1e-5)
+    assert c["result"]["prompt_logprobs"][0] is None and len(c["result"]["prompt_logprobs"]) == len(PROMPTS[2])
+
+
+def test_token_budget_holds_requests_back(engine: Engine) -> None:
+    engine.sampler.max_tokens = 40  # one request of 2 x (2 + 16) fits, a second does not
+    first = engine.sampler.sample_batch_steps({"base_model": BASE, "requests": [
+        request(PROMPTS[1], sampling(max_tokens=16, seed=1), num_samples=2)]})
+    next(first)
+    engine.advance()
+    second = engine.sampler.sample_batch_steps({"base_model": BASE, "requests": [
+        request(PROMPTS[1], sampling(max_tokens=16, seed=1), num_samples=2)]})
+    next(second)
+    engine.advance()
+    gen = engine.sampler.generations["tiny"]
+    assert len(gen.row_seq) == 2 and len(gen.waiting) == 1
+    a, b = _drive(engine, first, second)
+    assert a == b  # same seed, same tokens, whenever it ran

@@ -17,7 +17,7 @@ from .device import Placement
 from .errors import UserError
 from .models import LoraSpec, Registry
 from .params import get_obj, get_str, is_int
-from .sample import run_to_end, sample_batch_steps, sample_steps
+from .sample import Sampler
 from .save import save_sampler
 from .state import load_state, save_state
 from .train import forward_backward, optim_step
@@ -32,8 +32,9 @@ SteppedOp = Callable[[dict[str, Any]], Steps]
 class Task:
     """One request in progress: ``step()`` advances it and returns its reply once it is done.
 
-    Ops that generate tokens advance one decode step per ``step()``; every other op finishes in
-    its first step.
+    Sample ops add their requests to the base model's generating batch and are done when those
+    requests are (``Engine.advance`` runs the decode steps); every other op finishes in its first
+    step.
     """
 
     def __init__(self, engine: Engine, request_id: Any, op: str, subject: str, start: float,
@@ -66,6 +67,7 @@ class Engine:
             sampler_cache_size = int(os.environ.get("TB_ENGINE_SAMPLER_CACHE", "4"))
         self.placement = placement
         self.registry = Registry(placement=placement, sampler_cache_size=max(1, sampler_cache_size))
+        self.sampler = Sampler(self.registry)
         self.ops: dict[str, Op] = {
             "hello": self.hello,
             "load_base": self.load_base,
@@ -75,14 +77,14 @@ class Engine:
             "save_sampler": lambda args: save_sampler(self.registry, args),
             "save_state": lambda args: save_state(self.registry, args),
             "load_state": lambda args: load_state(self.registry, args),
-            "sample": lambda args: run_to_end(sample_steps(self.registry, args)),
-            "sample_batch": lambda args: run_to_end(sample_batch_steps(self.registry, args)),
+            "sample": lambda args: self.sampler.run_to_end(self.sampler.sample_steps(args)),
+            "sample_batch": lambda args: self.sampler.run_to_end(self.sampler.sample_batch_steps(args)),
             "unload_model": self.unload_model,
         }
         # Ops that can run a step at a time (the request loop interleaves other ops between steps).
         self.stepped_ops: dict[str, SteppedOp] = {
-            "sample": lambda args: sample_steps(self.registry, args),
-            "sample_batch": lambda args: sample_batch_steps(self.registry, args),
+            "sample": self.sampler.sample_steps,
+            "sample_batch": self.sampler.sample_batch_steps,
         }
 
     # --- ops that only touch the registry -------------------------------------------------------
@@ -114,6 +116,15 @@ class Engine:
             raise KeyError(f"unknown op '{op}'; known: {', '.join(self.ops)}")
         return handler(args)
 
+    @property
+    def busy(self) -> bool:
+        """Some sample batch has decode steps to run."""
+        return self.sampler.busy
+
+    def advance(self) -> None:
+        """One decode step of every generating batch (failures reach the requests' replies)."""
+        self.sampler.advance()
+
     def reply(self, body: bytes) -> dict[str, Any]:
         """The reply to one request frame, run to the end; never raises for a bad request or a failing op."""
         return self.start(body, stepped=False).step() or {}
@@ -143,6 +154,8 @@ class Engine:
                 subject = f"model_id={args['model_id']}"
             elif args.get("base_model") or args.get("name"):
                 subject = f"base={args.get('base_model') or args.get('name')}"
+            if op == "sample_batch" and isinstance(args.get("requests"), list):
+                subject += f" requests={len(args['requests'])}"
             if stepped and op in self.stepped_ops:
                 return Task(self, request_id, op, subject, start, self.stepped_ops[op](args), None)
             result = self.call(op, args)

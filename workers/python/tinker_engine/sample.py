@@ -23,18 +23,27 @@ can run other operations (training) in between (server.py).
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+import logging
+import os
+import traceback
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from .errors import UserError
 from .models import BaseModel, Registry
 from .params import (check_token_ids, get_bool, get_float, get_int, get_int_list, get_obj, get_opt_int,
                      get_opt_str, get_str, get_str_list)
 
+log = logging.getLogger("tinker_engine")
+
+# Most cache slots (rows x padded length at its longest) one generating batch may hold; requests
+# beyond it wait for rows to finish (TB_ENGINE_SAMPLE_TOKENS).
+DEFAULT_SAMPLE_TOKENS = 262144
 # Positions of prompt logits turned into log-softmax at a time (bounds a float32 (chunk, V) buffer).
 PROMPT_LOGPROB_CHUNK = 512
 
@@ -120,8 +129,19 @@ class RowParams:
         return RowParams(self.temperature[keep], self.greedy[keep], self.top_k[keep], self.top_p[keep],
                          self.uniforms[keep], self.any_filter, self.any_greedy, self.all_greedy)
 
+    def concat(self, other: RowParams) -> RowParams:
+        width = max(self.uniforms.shape[1], other.uniforms.shape[1])
+        pad = torch.nn.functional.pad
+        return RowParams(
+            torch.cat([self.temperature, other.temperature]), torch.cat([self.greedy, other.greedy]),
+            torch.cat([self.top_k, other.top_k]), torch.cat([self.top_p, other.top_p]),
+            torch.cat([pad(self.uniforms, (0, width - self.uniforms.shape[1])),
+                       pad(other.uniforms, (0, width - other.uniforms.shape[1]))]),
+            self.any_filter or other.any_filter, self.any_greedy or other.any_greedy,
+            self.all_greedy and other.all_greedy)
 
-def choose_tokens(logits: torch.Tensor, rows: RowParams, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+
+def choose_tokens(logits: torch.Tensor, rows: RowParams, ntok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token (B,) and its logprob (B,) for each row of ``logits`` (B, V), on their device."""
     logits = logits.float()
     if rows.all_greedy:
@@ -134,7 +154,8 @@ def choose_tokens(logits: torch.Tensor, rows: RowParams, step: int) -> tuple[tor
     logp = torch.log_softmax(scaled, dim=-1)
     cdf = logp.exp().cumsum(dim=-1)
     # (1 - u) in (0, 1]: the first index whose cumulative mass reaches it has non-zero probability.
-    target = (1.0 - rows.uniforms[:, step : step + 1]) * cdf[:, -1:]
+    # Each row's uniform for its next token (``ntok``: tokens it sampled so far).
+    target = (1.0 - rows.uniforms.gather(-1, ntok.unsqueeze(-1))) * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
     if rows.any_greedy:
         tokens = torch.where(rows.greedy, logits.argmax(dim=-1), tokens)
@@ -163,6 +184,8 @@ class SampleRequest:
     topk: int
     adapter: str | None = None  # the loaded PEFT adapter name, None: the base model alone
     sequences: list[Sequence] = field(default_factory=list)
+    rows_left: int = 0  # sequences still generating
+    error: Exception | None = None  # the generation failed
     prompt_logprobs: list[Any] | None = None
     topk_prompt_logprobs: list[Any] | None = None
 
@@ -223,147 +246,246 @@ def prompt_logprob_lists(prompt: list[int], logits: torch.Tensor, topk: int) -> 
     return lps, tops
 
 
-class Batch:
-    """The model state of one generating batch: which adapter(s) its forwards use."""
+def _forward(base: BaseModel, names: list[str | None], **kwargs: Any) -> Any:
+    """One forward with each row's adapter (None: the base model alone).
 
-    def __init__(self, base: BaseModel, adapters: list[str | None]) -> None:
-        self.base = base
-        distinct = set(adapters)
-        self.mixed = len(distinct) > 1
-        self.single = next(iter(distinct)) if not self.mixed else None
-        self.enable = next((a for a in adapters if a is not None), None)
-        self.row_names = ["__base__" if a is None else a for a in adapters]
-
-    def forward(self, rows: list[int] | None, **kwargs: Any) -> Any:
-        """One forward of the batch (``rows``: which of the batch's rows are present, None: all)."""
-        if not self.mixed:
-            self.base.activate(self.single, trainable=False)
-            return self.base.hf(**kwargs)
-        self.base.activate(self.enable, trainable=False)  # adapter layers on; rows pick their adapter
-        assert self.base.peft is not None
-        names = self.row_names if rows is None else [self.row_names[r] for r in rows]
-        return self.base.peft(adapter_names=names, **kwargs)
+    One adapter for all rows: activate it and run the module tree directly. Several: PEFT's
+    mixed-batch LoRA forward (``adapter_names``, ``"__base__"`` for the base model).
+    """
+    distinct = set(names)
+    if len(distinct) == 1:
+        base.activate(next(iter(distinct)), trainable=False)
+        return base.hf(**kwargs)
+    base.activate(next(a for a in names if a is not None), trainable=False)  # adapter layers on
+    assert base.peft is not None
+    return base.peft(adapter_names=["__base__" if a is None else a for a in names], **kwargs)
 
 
 def _compute_prompt_logprobs(base: BaseModel, req: SampleRequest) -> None:
-    batch = Batch(base, [req.adapter])
-    with torch.inference_mode():
-        out = batch.forward(None, input_ids=torch.tensor([req.prompt], device=base.device), use_cache=False)
-        lps, tops = prompt_logprob_lists(req.prompt, out.logits[0], req.topk)
+    out = _forward(base, [req.adapter], input_ids=torch.tensor([req.prompt], device=base.device), use_cache=False)
+    lps, tops = prompt_logprob_lists(req.prompt, out.logits[0], req.topk)
     req.prompt_logprobs = lps
     req.topk_prompt_logprobs = tops
 
 
-def generate(base: BaseModel, reqs: list[SampleRequest]) -> Iterator[None]:
-    """Fill every request's ``sequences`` (and prompt logprobs); yields between decode steps."""
-    device = base.device
-    for req in reqs:
-        if req.want_prompt_logprobs or req.topk > 0:
-            _compute_prompt_logprobs(base, req)
-            yield
-    n_req = len(reqs)
-    longest = max(len(r.prompt) for r in reqs)
-    ids = torch.zeros((n_req, longest), dtype=torch.int64)
-    mask = torch.zeros((n_req, longest), dtype=torch.int64)
-    for i, r in enumerate(reqs):
-        ids[i, longest - len(r.prompt):] = torch.tensor(r.prompt, dtype=torch.int64)
-        mask[i, longest - len(r.prompt):] = 1
-    positions = (mask.cumsum(-1) - 1).clamp_(min=0)
+def _joinable(cache: DynamicCache) -> bool:
+    """Rows of two caches can be merged: every layer a plain growing key/value layer."""
+    return all(isinstance(layer, DynamicLayer) for layer in cache.layers)
 
-    # Sequence rows: request index, params, seeded uniforms.
-    row_req: list[int] = []
+
+def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    missing = length - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _merge_caches(a: DynamicCache, b: DynamicCache) -> None:
+    """Append ``b``'s rows to ``a``, left-padding the shorter sequence dimension with zeros."""
+    for la, lb in zip(a.layers, b.layers):
+        length = max(la.keys.shape[-2], lb.keys.shape[-2])
+        la.keys = torch.cat([_left_pad(la.keys, length, -2), _left_pad(lb.keys, length, -2)])
+        la.values = torch.cat([_left_pad(la.values, length, -2), _left_pad(lb.values, length, -2)])
+
+
+class Generation:
+    """The generating batch of one base model. Requests join between decode steps.
+
+    Invariant between steps: every active row has its next-token ``logits``; the cache, the
+    attention mask ``attn`` (rows x cached length, 0 on left padding) and the last position
+    ``pos`` line up with the rows.
+    """
+
+    def __init__(self, base: BaseModel, max_tokens: int) -> None:
+        self.base = base
+        self.max_tokens = max_tokens
+        self.waiting: list[SampleRequest] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        """No active rows (waiting requests stay)."""
+        self.admitting: list[SampleRequest] = []
+        self.row_seq: list[Sequence] = []
+        self.row_req: list[SampleRequest] = []
+        self.row_window: list[int] = []
+        self.cache: DynamicCache | None = None
+        self.attn = torch.zeros((0, 0), dtype=torch.int64)
+        self.pos = torch.zeros((0,), dtype=torch.int64)
+        self.logits = torch.zeros((0, 0))
+        self.rows: RowParams | None = None
+        self.ntok = torch.zeros((0,), dtype=torch.int64)  # tokens sampled so far per row
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.row_seq or self.waiting)
+
+    def add(self, reqs: list[SampleRequest]) -> None:
+        for r in reqs:
+            r.sequences = [Sequence() for _ in range(r.num_samples)]
+            r.rows_left = r.num_samples
+        self.waiting.extend(reqs)
+
+    def step(self) -> None:
+        """One decode step of the active rows, then admit waiting requests that fit."""
+        try:
+            with torch.inference_mode():
+                if self.row_seq:
+                    self._decode()
+                if self.waiting:
+                    self._admit()
+        except Exception as exc:
+            for r in {id(r): r for r in self.row_req + self.admitting + self.waiting}.values():
+                r.error = exc
+            self.waiting = []
+            self._reset()
+            raise
+
+    # --- decoding -------------------------------------------------------------------------------
+
+    def _decode(self) -> None:
+        assert self.rows is not None and self.cache is not None
+        tokens, logprobs = choose_tokens(self.logits, self.rows, self.ntok)
+        host = torch.stack([tokens.double(), logprobs.double()], dim=-1).cpu().tolist()
+        still: list[int] = []
+        for row, (tok_f, lp) in enumerate(host):
+            seq, req, tok = self.row_seq[row], self.row_req[row], int(tok_f)
+            seq.tokens.append(tok)
+            seq.logprobs.append(lp)
+            if _stops(seq, tok, req.params, self.base, self.row_window[row]):
+                seq.stop_reason = "stop"
+            elif len(seq.tokens) < req.params.max_tokens:
+                still.append(row)
+                continue
+            req.rows_left -= 1
+        if len(still) < len(host):
+            if not still:
+                self._reset()
+                return
+            self._select(still)
+            tokens = tokens[torch.tensor(still, device=tokens.device)]
+        self.pos = self.pos + 1
+        self.ntok = self.ntok + 1
+        self.attn = torch.cat([self.attn, self.attn.new_ones((self.attn.shape[0], 1))], dim=-1)
+        out = _forward(self.base, [r.adapter for r in self.row_req], input_ids=tokens.unsqueeze(-1),
+                       attention_mask=self.attn, position_ids=self.pos.unsqueeze(-1), use_cache=True,
+                       logits_to_keep=1, **{self.base.cache_kwarg: self.cache})
+        self.logits = out.logits[:, -1]
+
+    def _select(self, keep_rows: list[int]) -> None:
+        assert self.rows is not None and self.cache is not None
+        keep = torch.tensor(keep_rows, device=self.base.device)
+        self.cache.batch_select_indices(keep)
+        self.attn, self.pos, self.logits, self.ntok = self.attn[keep], self.pos[keep], self.logits[keep], self.ntok[keep]
+        self.rows = self.rows.select(keep)
+        self.row_seq = [self.row_seq[i] for i in keep_rows]
+        self.row_req = [self.row_req[i] for i in keep_rows]
+        self.row_window = [self.row_window[i] for i in keep_rows]
+
+    # --- admission ------------------------------------------------------------------------------
+
+    def _padded_tokens(self, reqs: list[SampleRequest]) -> int:
+        """Cache slots the batch would hold at its longest with ``reqs`` admitted (padding included)."""
+        cached = self.attn.shape[1] if self.row_seq else 0
+        longest = max([cached] + [len(r.prompt) for r in reqs])
+        rest = [r.params.max_tokens - len(s.tokens) for s, r in zip(self.row_seq, self.row_req)]
+        rest += [r.params.max_tokens for r in reqs]
+        return (len(self.row_seq) + sum(r.num_samples for r in reqs)) * (longest + max(rest, default=0))
+
+    def _admit(self) -> None:
+        if self.row_seq and self.cache is not None and not _joinable(self.cache):
+            return  # joins need plain key/value layers; wait until the batch drains
+        admit: list[SampleRequest] = []
+        for r in self.waiting:
+            if (admit or self.row_seq) and self._padded_tokens(admit + [r]) > self.max_tokens:
+                break
+            admit.append(r)
+        if not admit:
+            return
+        self.waiting = self.waiting[len(admit):]
+        self.admitting = admit
+        base, device = self.base, self.base.device
+        for r in admit:
+            if r.want_prompt_logprobs or r.topk > 0:
+                _compute_prompt_logprobs(base, r)
+        n_req = len(admit)
+        longest = max(len(r.prompt) for r in admit)
+        ids = torch.zeros((n_req, longest), dtype=torch.int64)
+        mask = torch.zeros((n_req, longest), dtype=torch.int64)
+        for i, r in enumerate(admit):
+            ids[i, longest - len(r.prompt):] = torch.tensor(r.prompt, dtype=torch.int64)
+            mask[i, longest - len(r.prompt):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp_(min=0)
+        cache = DynamicCache(config=base.hf.config)
+        out = _forward(base, [r.adapter for r in admit], input_ids=ids.to(device), attention_mask=mask.to(device),
+                       position_ids=positions.to(device), use_cache=True, logits_to_keep=1,
+                       **{base.cache_kwarg: cache})
+        row_of = [i for i, r in enumerate(admit) for _ in range(r.num_samples)]
+        index = torch.tensor(row_of, device=device)
+        if len(row_of) != n_req:
+            cache.batch_select_indices(index)
+        logits = out.logits[:, -1][index]
+        attn = mask.to(device)[index]
+        pos = positions[:, -1].to(device)[index]
+        rows = _row_params(base, admit, device)
+        seqs = [s for r in admit for s in r.sequences]
+        reqs = [admit[i] for i in row_of]
+        windows = [max((len(s) for s in r.params.stop_strings), default=0) + 8 for r in reqs]
+        if not self.row_seq:
+            self.cache, self.attn, self.pos, self.logits, self.rows = cache, attn, pos, logits, rows
+            self.ntok = torch.zeros((len(seqs),), dtype=torch.int64, device=device)
+            self.row_seq, self.row_req, self.row_window = seqs, reqs, windows
+            self.admitting = []
+            return
+        assert self.cache is not None and self.rows is not None
+        _merge_caches(self.cache, cache)
+        length = max(self.attn.shape[1], attn.shape[1])
+        self.attn = torch.cat([_left_pad(self.attn, length, 1), _left_pad(attn, length, 1)])
+        self.pos = torch.cat([self.pos, pos])
+        self.logits = torch.cat([self.logits, logits.to(self.logits.dtype)])
+        self.ntok = torch.cat([self.ntok, torch.zeros((len(seqs),), dtype=torch.int64, device=device)])
+        self.rows = self.rows.concat(rows)
+        self.row_seq += seqs
+        self.row_req += reqs
+        self.row_window += windows
+        self.admitting = []
+
+
+def _row_params(base: BaseModel, reqs: list[SampleRequest], device: torch.device) -> RowParams:
+    """Sampling settings of every sequence row of ``reqs``, with each request's seeded uniforms."""
     uniforms: list[torch.Tensor] = []
-    steps = max(r.params.max_tokens for r in reqs)
-    for i, r in enumerate(reqs):
+    greedy: list[bool] = []
+    temperature: list[list[float]] = []
+    top_k: list[int] = []
+    top_p: list[float] = []
+    width = max(r.params.max_tokens for r in reqs)
+    for r in reqs:
         gen = torch.Generator(device="cpu")
         if r.params.seed is None:
             gen.seed()
         else:
             gen.manual_seed(r.params.seed)
         u = torch.rand((r.num_samples, r.params.max_tokens), generator=gen, dtype=torch.float32)
-        uniforms.append(torch.nn.functional.pad(u, (0, steps - r.params.max_tokens)))
-        row_req.extend([i] * r.num_samples)
-        r.sequences = [Sequence() for _ in range(r.num_samples)]
-    seqs = [s for r in reqs for s in r.sequences]
-    greedy = [reqs[i].params.temperature == 0.0 for i in row_req]
-    vocab = base.vocab_size
-    top_k = [0 if g else reqs[i].params.top_k for i, g in zip(row_req, greedy)]
-    top_p = [1.0 if g else reqs[i].params.top_p for i, g in zip(row_req, greedy)]
-    rows = RowParams(
-        temperature=torch.tensor([[1.0 if g else reqs[i].params.temperature] for i, g in zip(row_req, greedy)],
-                                 dtype=torch.float32, device=device),
+        uniforms.append(torch.nn.functional.pad(u, (0, width - r.params.max_tokens)))
+        g = r.params.temperature == 0.0
+        greedy += [g] * r.num_samples
+        temperature += [[1.0 if g else r.params.temperature]] * r.num_samples
+        top_k += [0 if g else r.params.top_k] * r.num_samples
+        top_p += [1.0 if g else r.params.top_p] * r.num_samples
+    return RowParams(
+        temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
         greedy=torch.tensor(greedy, device=device),
         top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
         top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
         uniforms=torch.cat(uniforms).to(device),
-        any_filter=any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p),
+        any_filter=any(0 < k < base.vocab_size for k in top_k) or any(p < 1.0 for p in top_p),
         any_greedy=any(greedy),
         all_greedy=all(greedy),
     )
-    windows = [max((len(s) for s in reqs[i].params.stop_strings), default=0) + 8 for i in row_req]
-    batch = Batch(base, [reqs[i].adapter for i in row_req])
-
-    # Prefill each distinct prompt once, then repeat its cache rows for its samples. The model
-    # fills the cache object in place (transformers names the argument ``cache`` from 5.2x on,
-    # ``past_key_values`` before: BaseModel.cache_kwarg).
-    cache = DynamicCache(config=base.hf.config)
-    with torch.inference_mode():
-        out = batch.forward(_req_rows(reqs), input_ids=ids.to(device), attention_mask=mask.to(device),
-                            position_ids=positions.to(device), use_cache=True, logits_to_keep=1,
-                            **{base.cache_kwarg: cache})
-        index = torch.tensor(row_req, device=device)
-        if len(row_req) != n_req:
-            cache.batch_select_indices(index)
-        logits = out.logits[:, -1][index]
-        attn = mask.to(device)[index]
-        pos = positions[:, -1].to(device)[index]
-        del out
-    active = list(range(len(seqs)))  # batch row -> sequence index
-    for step in range(steps):
-        with torch.inference_mode():
-            tokens, logprobs = choose_tokens(logits, rows, step)
-            host = torch.stack([tokens.double(), logprobs.double()], dim=-1).cpu().tolist()
-        still: list[int] = []
-        for row, idx in enumerate(active):
-            seq, (tok_f, lp) = seqs[idx], host[row]
-            tok = int(tok_f)
-            seq.tokens.append(tok)
-            seq.logprobs.append(lp)
-            params = reqs[row_req[idx]].params
-            if _stops(seq, tok, params, base, windows[idx]):
-                seq.stop_reason = "stop"
-            elif len(seq.tokens) < params.max_tokens:
-                still.append(row)
-        if not still:
-            break
-        yield
-        with torch.inference_mode():
-            if len(still) < len(active):
-                keep = torch.tensor(still, device=device)
-                cache.batch_select_indices(keep)
-                tokens, attn, pos = tokens[keep], attn[keep], pos[keep]
-                rows = rows.select(keep)
-                active = [active[row] for row in still]
-            pos = pos + 1
-            attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=-1)
-            out = batch.forward(active, input_ids=tokens.unsqueeze(-1), attention_mask=attn,
-                                position_ids=pos.unsqueeze(-1), use_cache=True, logits_to_keep=1,
-                                **{base.cache_kwarg: cache})
-            logits = out.logits[:, -1]
-            del out
 
 
-def _req_rows(reqs: list[SampleRequest]) -> list[int]:
-    """For the prefill (one row per request): the first sequence row of each request."""
-    rows: list[int] = []
-    at = 0
-    for r in reqs:
-        rows.append(at)
-        at += r.num_samples
-    return rows
-
-
-def parse_batch(registry: Registry, args: dict[str, Any]) -> tuple[BaseModel, list[SampleRequest | UserError]]:
+def parse_requests(registry: Registry, args: dict[str, Any]) -> tuple[BaseModel, list[SampleRequest | UserError]]:
     """The batch's base model and each request, validated on its own (a bad one becomes its error)."""
     base = registry.base(get_str(args, "base_model"))
     raw = args.get("requests")
@@ -380,68 +502,96 @@ def parse_batch(registry: Registry, args: dict[str, Any]) -> tuple[BaseModel, li
     return base, parsed
 
 
-def run_batch(registry: Registry, base: BaseModel,
-              parsed: list[SampleRequest | UserError]) -> Generator[None, None, list[dict[str, Any]]]:
-    """Generate every valid request together; each entry of the result is its own reply."""
-    reqs: list[SampleRequest] = []
-    pinned: list[str] = []
-    try:
-        for i, item in enumerate(parsed):
-            if isinstance(item, SampleRequest) and item.adapter_dir is not None:
+Steps = Generator[None, None, dict[str, Any]]
+
+
+class Sampler:
+    """One ``Generation`` per base model; sample ops add their requests and wait for them.
+
+    ``advance()`` runs one step of every busy generation; the request loop calls it between
+    reading requests, and ``run_to_end`` calls it for in-process use.
+    """
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self.generations: dict[str, Generation] = {}
+        self.max_tokens = max(1, int(os.environ.get("TB_ENGINE_SAMPLE_TOKENS", DEFAULT_SAMPLE_TOKENS)))
+
+    @property
+    def busy(self) -> bool:
+        return any(g.busy for g in self.generations.values())
+
+    def advance(self) -> None:
+        for name, gen in list(self.generations.items()):
+            if gen.busy:
                 try:
-                    item.adapter = registry.sampler_adapter(base, item.adapter_dir)
-                    registry.pin(item.adapter)
-                    pinned.append(item.adapter)
-                except UserError as exc:
-                    parsed[i] = exc
-        reqs = [r for r in parsed if isinstance(r, SampleRequest)]
-        if reqs:
-            yield from generate(base, reqs)
-    finally:
-        for adapter in pinned:
-            registry.unpin(adapter)
-    return [
-        {"ok": False, "error": {"category": "user", "message": str(item)}} if isinstance(item, UserError)
-        else {"ok": True, "result": item.result()}
-        for item in parsed
-    ]
+                    gen.step()
+                except Exception:  # noqa: BLE001 - its requests carry the error to their replies
+                    log.error("sample batch over %s failed:\n%s", name, traceback.format_exc().rstrip())
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
 
-
-def sample_batch_steps(registry: Registry, args: dict[str, Any]) -> Generator[None, None, dict[str, Any]]:
-    base, parsed = parse_batch(registry, args)
-
-    def steps() -> Generator[None, None, dict[str, Any]]:
-        results = yield from run_batch(registry, base, parsed)
-        return {"results": results}
-
-    return steps()
-
-
-def sample_steps(registry: Registry, args: dict[str, Any]) -> Generator[None, None, dict[str, Any]]:
-    """The single-request ``sample`` op: its user error is the op's error."""
-    base = registry.base(get_str(args, "base_model"))
-    parsed: list[SampleRequest | UserError] = [SampleRequest.parse(base, args)]
-
-    def steps() -> Generator[None, None, dict[str, Any]]:
-        (entry,) = yield from run_batch(registry, base, parsed)
-        if not entry["ok"]:
-            raise UserError(entry["error"]["message"])
-        return entry["result"]
-
-    return steps()
-
-
-def run_to_end(steps: Generator[None, None, dict[str, Any]]) -> dict[str, Any]:
-    while True:
+    def _wait(self, base: BaseModel, parsed: list[SampleRequest | UserError]) -> Generator[None, None, list[dict[str, Any]]]:
+        pinned: list[str] = []
         try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
+            for i, item in enumerate(parsed):
+                if isinstance(item, SampleRequest) and item.adapter_dir is not None:
+                    try:
+                        item.adapter = self.registry.sampler_adapter(base, item.adapter_dir)
+                        self.registry.pin(item.adapter)
+                        pinned.append(item.adapter)
+                    except UserError as exc:
+                        parsed[i] = exc
+            reqs = [r for r in parsed if isinstance(r, SampleRequest)]
+            if reqs:
+                gen = self.generations.get(base.name)
+                if gen is None or gen.base is not base:
+                    gen = self.generations[base.name] = Generation(base, self.max_tokens)
+                gen.add(reqs)
+                while any(r.rows_left > 0 and r.error is None for r in reqs):
+                    yield
+        finally:
+            for adapter in pinned:
+                self.registry.unpin(adapter)
+        results: list[dict[str, Any]] = []
+        for item in parsed:
+            if isinstance(item, UserError):
+                results.append({"ok": False, "error": {"category": "user", "message": str(item)}})
+            elif item.error is not None:
+                exc = item.error
+                category = "user" if isinstance(exc, UserError) else "server"
+                results.append({"ok": False, "error": {"category": category, "message": f"{type(exc).__name__}: {exc}"}})
+            else:
+                results.append({"ok": True, "result": item.result()})
+        return results
 
+    def sample_batch_steps(self, args: dict[str, Any]) -> Steps:
+        base, parsed = parse_requests(self.registry, args)
 
-def sample(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
-    return run_to_end(sample_steps(registry, args))
+        def steps() -> Steps:
+            return {"results": (yield from self._wait(base, parsed))}
 
+        return steps()
 
-def sample_batch(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
-    return run_to_end(sample_batch_steps(registry, args))
+    def sample_steps(self, args: dict[str, Any]) -> Steps:
+        """The single-request ``sample`` op: its error is the op's error."""
+        base = self.registry.base(get_str(args, "base_model"))
+        parsed: list[SampleRequest | UserError] = [SampleRequest.parse(base, args)]
+
+        def steps() -> Steps:
+            (entry,) = yield from self._wait(base, parsed)
+            if not entry["ok"]:
+                if entry["error"]["category"] == "user":
+                    raise UserError(entry["error"]["message"])
+                raise RuntimeError(entry["error"]["message"])
+            return entry["result"]
+
+        return steps()
+
+    def run_to_end(self, steps: Steps) -> dict[str, Any]:
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+            self.advance()

@@ -1,11 +1,11 @@
 """The request loop: every request answered exactly once, by id.
 
 A reader thread takes request frames off the channel as they arrive. The loop runs ops that
-finish at once (training, checkpoints, registry ops) as soon as they are read, and advances
-generating ops (``sample``, ``sample_batch``) one decode step at a time, round-robin, checking
-for new requests between steps: a training op waits at most one decode step for a sample batch
-in progress. Replies can therefore come back in another order than the requests; each carries
-its request's id.
+finish at once (training, checkpoints, registry ops) as soon as they are read. Sample requests
+join their base model's generating batch (sample.py), which the loop advances one decode step at
+a time, checking for new requests between steps: a training op waits at most one decode step
+for a sample batch in progress, and new sample requests join the batch at the next step. Replies
+can therefore come back in another order than the requests; each carries its request's id.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def serve(channel: Channel, engine: Engine) -> int:
         while True:
             # Block for a request only when nothing is generating.
             try:
-                item = inbox.get(block=not running)
+                item = inbox.get(block=not running and not engine.busy)
             except queue.Empty:
                 item = None
             while item is not None:
@@ -57,6 +57,7 @@ def serve(channel: Channel, engine: Engine) -> int:
                     item = inbox.get_nowait()
                 except queue.Empty:
                     item = None
+            engine.advance()
             for task in list(running):
                 reply = task.step()
                 if reply is not None:

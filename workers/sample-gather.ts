@@ -1,0 +1,95 @@
+import type { SampleJob, SampleResult } from '../queues/schemas.js';
+
+/**
+ * Gathers the sample jobs an agent holds for one base model into batches for one engine call.
+ *
+ * - A job that arrives when nothing else is gathering and no job waits in the model's queue goes
+ *   out at once (no added latency).
+ * - Otherwise the batch stays open while jobs keep arriving: it closes `windowMs` after the last
+ *   arrival, `maxWaitMs` after the first, or as soon as the next job would push it past
+ *   `tokenBudget` (prompt + max_tokens, times num_samples, summed).
+ * - Each job settles with its own result or its own error.
+ */
+export type GatherOptions = {
+  windowMs: number;
+  maxWaitMs: number;
+  tokenBudget: number;
+  /** Jobs waiting in the queue, not yet taken by this agent (a hint; errors count as 0). */
+  waiting: () => Promise<number>;
+  /** One engine call for the batch: one result or one error per job, in order. */
+  run: (jobs: SampleJob[]) => Promise<(SampleResult | Error)[]>;
+};
+
+type Entry = { job: SampleJob; tokens: number; resolve: (r: SampleResult) => void; reject: (e: Error) => void };
+
+export function jobTokens(job: SampleJob): number {
+  return job.num_samples * (job.prompt.length + job.sampling_params.max_tokens);
+}
+
+export class SampleGatherer {
+  private open: Entry[] = [];
+  private openTokens = 0;
+  private firstAt = 0;
+  private timer: NodeJS.Timeout | undefined;
+  private deciding = false;
+
+  constructor(private readonly opts: GatherOptions) {}
+
+  submit(job: SampleJob): Promise<SampleResult> {
+    return new Promise<SampleResult>((resolve, reject) => {
+      const entry: Entry = { job, tokens: jobTokens(job), resolve, reject };
+      if (this.open.length && this.openTokens + entry.tokens > this.opts.tokenBudget) this.flush();
+      this.open.push(entry);
+      this.openTokens += entry.tokens;
+      if (this.open.length === 1) {
+        this.firstAt = Date.now();
+        void this.decide();
+      } else if (!this.deciding) {
+        this.arm();
+      }
+    });
+  }
+
+  /** First job of a batch: go now unless others wait in the queue. */
+  private async decide(): Promise<void> {
+    if (this.opts.windowMs <= 0) return this.flush();
+    this.deciding = true;
+    let waiting = 0;
+    try {
+      waiting = await this.opts.waiting();
+    } catch {
+      waiting = 0;
+    } finally {
+      this.deciding = false;
+    }
+    if (!this.open.length) return; // flushed by the token budget meanwhile
+    if (waiting === 0 && this.open.length === 1) return this.flush();
+    this.arm();
+  }
+
+  private arm(): void {
+    clearTimeout(this.timer);
+    const left = this.firstAt + this.opts.maxWaitMs - Date.now();
+    this.timer = setTimeout(() => this.flush(), Math.max(0, Math.min(this.opts.windowMs, left)));
+  }
+
+  private flush(): void {
+    clearTimeout(this.timer);
+    this.timer = undefined;
+    const batch = this.open;
+    this.open = [];
+    this.openTokens = 0;
+    if (!batch.length) return;
+    this.opts.run(batch.map((e) => e.job)).then(
+      (results) => {
+        batch.forEach((e, i) => {
+          const r = results[i];
+          if (r === undefined) e.reject(new Error(`the engine returned ${results.length} results for ${batch.length} requests`));
+          else if (r instanceof Error) e.reject(r);
+          else e.resolve(r);
+        });
+      },
+      (err: Error) => batch.forEach((e) => e.reject(err)),
+    );
+  }
+}
