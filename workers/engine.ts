@@ -8,7 +8,8 @@ import type { Logger } from '../queues/logger.js';
 /**
  * The engine process and the channel to it (docs/engine-protocol.md): length-prefixed JSON
  * frames over the child's stdin/stdout; its stderr is forwarded to the agent's log.
- * Requests are answered in order; one failing request does not end the process.
+ * Replies are matched to requests by id (sample replies can overtake: the engine runs other ops
+ * between decode steps); one failing request does not end the process.
  */
 export class EngineError extends Error {
   override readonly name = 'EngineError';

@@ -157,3 +157,39 @@ def test_malformed_requests_get_error_replies(payload: bytes) -> None:
 
     reply = Engine(Placement(torch.device("cpu"), torch.float32)).reply(payload)
     assert reply["ok"] is False and reply["error"]["category"] == "server"
+
+
+def test_training_op_does_not_wait_for_a_long_sample_batch(tiny_model_dir: Path) -> None:
+    """A forward_backward sent while a long sample batch generates is answered between decode steps.
+
+    Structural, not timed (two shared cores make wall times noisy): the training reply comes first,
+    while the batch still has most of its 8 x 2000 tokens to go; the wait is one decode step plus
+    the op itself (bench: docs/benchmarks.md).
+    """
+    import time
+
+    eng = EngineProcess()
+    try:
+        assert eng.request("load_base", {"name": "tiny", "path": str(tiny_model_dir)})["ok"]
+        assert eng.request("create_model", {"model_id": "m", "base_model": "tiny", "lora": lora(4)})["ok"]
+        long_sample = {"base_model": "tiny", "requests": [
+            {"prompt": [5, 17, 300], "num_samples": 8,
+             "sampling_params": {**sampling(max_tokens=2000, seed=1), "stop_at_eos": False}}]}
+        eng.send_raw(json.dumps({"id": 1, "op": "sample_batch", "args": long_sample}).encode())
+        time.sleep(0.5)  # the batch is decoding
+        tokens = [5, 17, 300, 42]
+        fb_args = {"model_id": "m", "loss_fn": "cross_entropy", "loss_fn_config": {}, "forward_only": False,
+                   "data": [{"tokens": tokens, "loss_fn_inputs": {
+                       "target_tokens": {"dtype": "int64", "shape": [4], "data": tokens[1:] + [1]}}}]}
+        sent = time.perf_counter()
+        eng.send_raw(json.dumps({"id": 2, "op": "forward_backward", "args": fb_args}).encode())
+        first = eng.read_reply()
+        waited = time.perf_counter() - sent
+        assert first["id"] == 2 and first["ok"], first
+        print(f"forward_backward answered {waited:.2f} s after it was sent, during the sample batch")
+        # Still serving in order: a hello now is answered while the batch keeps going.
+        assert eng.request("hello", {})["ok"]
+    finally:
+        assert eng.proc.stdin is not None
+        eng.proc.stdin.close()  # the engine exits at EOF between decode steps, batch unfinished
+        assert eng.proc.wait(timeout=60) == 0
