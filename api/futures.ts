@@ -57,6 +57,8 @@ export class FutureResolver {
         });
         qe.on('completed', ({ jobId }) => this.notify(queue, jobId));
         qe.on('failed', ({ jobId }) => this.notify(queue, jobId));
+        // Connection errors (Redis unreachable) are reported by the app's own connection watch.
+        qe.on('error', () => undefined);
         await qe.waitUntilReady();
         return qe;
       })();

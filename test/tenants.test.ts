@@ -1,4 +1,6 @@
+import { spawnSync } from 'node:child_process';
 import { expect } from 'chai';
+import { assertSafeKeys, StartRefused } from '../api/main.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
 import { API_KEY, API_KEY_B, awaitFuture, call, startStack, type HttpReply, type TestStack } from './helpers/stack.js';
 import { decodeForwardBackwardOutput, encodeForwardBackward } from './helpers/wire.js';
@@ -178,5 +180,22 @@ describe('tenants', function () {
     notFound(await asB('GET', `/training_runs/${encodeURIComponent(modelA)}`), /unknown model_id/);
     for (const p of [paths.sampler, paths.weights, paths.external]) expect(ok(await asA('POST', '/weights_info', { tinker_path: p })).json.lora_rank).to.equal(2);
     expect(ok(await asA('GET', '/checkpoints')).json.checkpoints.every((c: { public: boolean; expires_at: string | null }) => c.public && c.expires_at === null)).to.equal(true);
+  });
+});
+
+describe('the default API key', () => {
+  it('is refused on a non-loopback interface unless the operator set TB_API_KEYS, with a one-line message', async () => {
+    const env: NodeJS.ProcessEnv = { ...process.env, TB_HOST: '0.0.0.0', TB_PORT: '0', TB_PREFIX: 'test-defaultkey', TB_LOG_LEVEL: 'warn' };
+    delete env.TB_API_KEYS;
+    const r = spawnSync(process.execPath, ['--import', 'tsx', 'api/main.ts'], { env, encoding: 'utf8', timeout: 60_000 });
+    expect(r.status).to.equal(2);
+    expect(r.stderr.trim().split('\n')).to.deep.equal([
+      "refusing to listen on 0.0.0.0 with the well-known default API key 'tml-local': set TB_API_KEYS to your own keys (comma separated), or listen on 127.0.0.1",
+    ]);
+    expect(() => assertSafeKeys({ host: '0.0.0.0', apiKeys: ['tml-local'] }, { TB_API_KEYS: 'tml-local' })).not.to.throw();
+    expect(() => assertSafeKeys({ host: '127.0.0.1', apiKeys: ['tml-local'] }, {})).not.to.throw();
+    expect(() => assertSafeKeys({ host: '::1', apiKeys: ['tml-local'] }, {})).not.to.throw();
+    expect(() => assertSafeKeys({ host: '10.0.0.5', apiKeys: ['tml-x', 'tml-local'] }, {})).to.throw(StartRefused);
+    expect(() => assertSafeKeys({ host: '0.0.0.0', apiKeys: ['tml-mine'] }, {})).not.to.throw();
   });
 });

@@ -24,11 +24,11 @@ export type TestStack = {
   stop: () => Promise<void>;
 };
 
-export async function startStack(opts: { agent?: boolean; longPollMs?: number } = {}): Promise<TestStack> {
+export async function startStack(opts: { agent?: boolean; longPollMs?: number; redisUrl?: string } = {}): Promise<TestStack> {
   const prefix = `test-${randomUUID().slice(0, 8)}`;
   const storageDir = mkdtempSync(path.join(os.tmpdir(), 'tb-storage-'));
   const env = {
-    REDIS_URL,
+    REDIS_URL: opts.redisUrl ?? REDIS_URL,
     TB_PREFIX: prefix,
     TB_STORAGE_DIR: storageDir,
     TB_API_KEYS: `${API_KEY},${API_KEY_B}`,
@@ -60,7 +60,7 @@ export async function startStack(opts: { agent?: boolean; longPollMs?: number } 
       await new Promise<void>((resolve) => server.close(() => resolve()));
       await built.close();
       await agent?.stop();
-      await deletePrefix(prefix);
+      if (!opts.redisUrl) await deletePrefix(prefix);
       rmSync(storageDir, { recursive: true, force: true });
     },
   };
