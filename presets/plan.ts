@@ -67,6 +67,7 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
           longPollMs: env.TB_LONG_POLL_MS ? Number(env.TB_LONG_POLL_MS) : 25_000,
           requiredModels: preset.models.map((m) => m.name),
           maxQueuedSamples: 2000,
+          adminKeys: env.TB_ADMIN_KEYS ? env.TB_ADMIN_KEYS.split(',').map((k) => k.trim()).filter(Boolean) : undefined,
         };
 
   const chosen = preset.agents.filter((a) => (opts.agentIds?.length ? opts.agentIds.includes(a.id) : a.node === node));

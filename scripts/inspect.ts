@@ -5,7 +5,7 @@ import { decodeRequestId } from '../queues/futures.js';
 import { queueCounts } from '../queues/inspect.js';
 import { readAgentStats } from '../queues/metrics.js';
 import { Names } from '../queues/names.js';
-import { Registry } from '../queues/registry.js';
+import { Registry, type ModelRecord } from '../queues/registry.js';
 import { loadPreset } from '../presets/schema.js';
 import { table, UsageError, type CommandTable, type OptionSpec, type Parsed } from './cli.js';
 
@@ -73,6 +73,41 @@ async function agentRows(t: Target) {
     .map((a) => ({ ...a, alive: live.has(a.agent_id), stats: stats.get(a.agent_id) ?? null }));
 }
 
+/** Every tenant's listing of one kind (`<prefix>:tenant:<tenant>:<what>`), as [tenant, key]. */
+async function tenantIndexes(t: Target, what: 'sessions' | 'models'): Promise<[string, string][]> {
+  const out: [string, string][] = [];
+  const head = `${t.prefix}:tenant:`;
+  let cursor = '0';
+  do {
+    const [next, keys] = await t.redis.scan(cursor, 'MATCH', `${head}*:${what}`, 'COUNT', 500);
+    cursor = next;
+    for (const k of keys) out.push([k.slice(head.length, k.length - what.length - 1), k]);
+  } while (cursor !== '0');
+  return out;
+}
+
+/** Counts of training models and sessions over every tenant (API key). */
+async function totals(t: Target): Promise<{ models: number; sessions: number; tenants: number }> {
+  const [m, s] = await Promise.all([tenantIndexes(t, 'models'), tenantIndexes(t, 'sessions')]);
+  const count = async (list: [string, string][]) => (await Promise.all(list.map(([, k]) => t.redis.zcard(k)))).reduce((a, b) => a + b, 0);
+  return { models: await count(m), sessions: await count(s), tenants: new Set([...m, ...s].map(([x]) => x)).size };
+}
+
+/** The newest training models of every tenant. */
+async function newestModels(t: Target, limit: number): Promise<{ models: ModelRecord[]; total: number }> {
+  const idx = await tenantIndexes(t, 'models');
+  const scored: [string, number][] = [];
+  let total = 0;
+  for (const [, k] of idx) {
+    total += await t.redis.zcard(k);
+    const flat = await t.redis.zrevrange(k, 0, limit - 1, 'WITHSCORES');
+    for (let i = 0; i < flat.length; i += 2) scored.push([flat[i]!, Number(flat[i + 1])]);
+  }
+  scored.sort((a, b) => b[1] - a[1]);
+  const models = (await Promise.all(scored.slice(0, limit).map(([id]) => t.registry.getModel(id)))).filter((m): m is ModelRecord => m !== null);
+  return { models, total };
+}
+
 async function apiHealth(url: string): Promise<{ reachable: boolean; status: string; detail?: string }> {
   try {
     const r = await fetch(`${url}/healthz`, { signal: AbortSignal.timeout(3000) });
@@ -85,22 +120,17 @@ async function apiHealth(url: string): Promise<{ reachable: boolean; status: str
 
 async function status(p: Parsed): Promise<void> {
   await withTarget(p, async (t) => {
-    const [health, agents, queues, models, sessions] = await Promise.all([
-      apiHealth(t.apiUrl),
-      agentRows(t),
-      queueCounts(t.redis, t.names),
-      t.redis.zcard(`${t.prefix}:models`),
-      t.redis.zcard(t.names.sessions()),
-    ]);
+    const [health, agents, queues, tot] = await Promise.all([apiHealth(t.apiUrl), agentRows(t), queueCounts(t.redis, t.names), totals(t)]);
+    const { models, sessions, tenants } = tot;
     if (p.values.json) {
-      out(JSON.stringify({ redis: { url: t.redisUrl, prefix: t.prefix }, api: { url: t.apiUrl, ...health }, agents, queues, training_models: models, sessions }, null, 2));
+      out(JSON.stringify({ redis: { url: t.redisUrl, prefix: t.prefix }, api: { url: t.apiUrl, ...health }, agents, queues, training_models: models, sessions, tenants }, null, 2));
       return;
     }
     out(`redis    ${t.redisUrl} prefix '${t.prefix}' (reachable)`);
     out(`api      ${t.apiUrl}/api/v1 ${health.status}${health.detail ? ` (${health.detail})` : ''}`);
     const alive = agents.filter((a) => a.alive);
     out(`agents   ${alive.length} alive${alive.length ? `: ${alive.map((a) => `${a.agent_id} (${a.engine}, ${a.device})`).join(', ')}` : ''}${agents.length > alive.length ? `; ${agents.length - alive.length} not answering` : ''}`);
-    out(`models   ${models} training model${models === 1 ? '' : 's'}, ${sessions} session${sessions === 1 ? '' : 's'}`);
+    out(`models   ${models} training model${models === 1 ? '' : 's'}, ${sessions} session${sessions === 1 ? '' : 's'}, ${tenants} API key${tenants === 1 ? '' : 's'} in use`);
     out('');
     if (queues.length === 0) out('queues   none yet');
     else
@@ -141,7 +171,7 @@ async function models(p: Parsed): Promise<void> {
     const served = [...(await t.registry.servedModels()).values()];
     const limit = Number(p.values.limit);
     if (!Number.isInteger(limit) || limit <= 0) throw new UsageError(`--limit must be a positive whole number, got '${p.values.limit}'`);
-    const { models: trained, total } = await t.registry.listModels(0, limit);
+    const { models: trained, total } = await newestModels(t, limit);
     const last = await t.registry.modelLastRequest(trained.map((m) => m.model_id));
     if (p.values.json) {
       out(
@@ -171,8 +201,17 @@ async function models(p: Parsed): Promise<void> {
     else
       out(
         table(
-          ['MODEL ID', 'BASE MODEL', 'LORA RANK', 'AGENT', 'CREATED', 'LAST REQUEST', 'STATE'],
-          trained.map((m, i) => [m.model_id, m.base_model, m.lora.rank, m.agent_id, ago(m.created_at), ago(last[i]), m.lost_reason ? `lost: ${m.lost_reason}` : 'loaded']),
+          ['MODEL ID', 'BASE MODEL', 'LORA RANK', 'AGENT', 'TENANT', 'CREATED', 'LAST REQUEST', 'STATE'],
+          trained.map((m, i) => [
+            m.model_id,
+            m.base_model,
+            m.lora.rank,
+            m.agent_id,
+            m.tenant.slice(0, 8) || '-',
+            ago(m.created_at),
+            ago(last[i]),
+            m.lost_reason ? `lost: ${m.lost_reason}` : 'loaded',
+          ]),
         ),
       );
   });
@@ -229,7 +268,7 @@ export const inspectCommands: CommandTable = {
   status: { summary: 'the API, agents, training models and queue depths of a running deployment', options: { ...common }, details: ENV_DETAILS, run: status },
   agents: { summary: 'the worker agents: engine, device, models, engine memory, liveness', options: { ...common }, details: ENV_DETAILS, run: agents },
   models: {
-    summary: 'base models served and training models created',
+    summary: 'base models served and training models created (of every API key)',
     options: { ...common, limit: { type: 'string', arg: 'N', default: '50', help: 'most training models listed, newest first' } },
     details: ENV_DETAILS,
     run: models,

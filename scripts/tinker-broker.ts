@@ -1,6 +1,6 @@
 import type { ChildProcess } from 'node:child_process';
 import { pathToFileURL } from 'node:url';
-import { startApi } from '../api/main.js';
+import { assertSafeKeys, startApi, StartRefused } from '../api/main.js';
 import { parseModelSpec } from '../queues/config.js';
 import { logger } from '../queues/logger.js';
 import { loadPreset, PresetError } from '../presets/schema.js';
@@ -27,6 +27,7 @@ Environment variables override the preset:
   REDIS_URL          redis.url            TB_PREFIX         redis.prefix
   TB_HOST            api.host             TB_PORT           api.port
   TB_API_KEYS        api.keys (comma separated)
+  TB_ADMIN_KEYS      keys of the /admin dashboard (default: the API key, when there is exactly one)
   TB_STORAGE_DIR     storage.dir          TB_LONG_POLL_MS   longest retrieve_future wait (default 25000)
   TB_REDIS_DIR       data directory of a Redis started here (default var/redis)
   TB_PYTHON          engine interpreter (default .venv/bin/python, else python3)
@@ -80,6 +81,12 @@ let stopping = false;
 async function start(p: Parsed): Promise<void> {
   const pl = plan(p);
   const problems = planProblems(pl, generated);
+  if (pl.api)
+    try {
+      assertSafeKeys(pl.api, process.env);
+    } catch (e) {
+      problems.push((e as Error).message);
+    }
   if (p.values['dry-run']) {
     if (p.values.json) {
       const { api, ...rest } = pl;
@@ -205,7 +212,7 @@ export async function main(argv: string[], table: CommandTable = COMMANDS): Prom
 /** Runs the command line and exits with its code: 2 for an operator mistake, 1 for a failure. */
 export function cli(argv: string[]): void {
   main(argv).catch((err) => {
-    if (err instanceof UsageError || err instanceof PresetError) {
+    if (err instanceof UsageError || err instanceof PresetError || err instanceof StartRefused) {
       process.stderr.write(`${err.message}\n`);
       process.exit(2);
     }
