@@ -1,5 +1,5 @@
 import { spawnSync } from 'node:child_process';
-import { mkdtempSync, readdirSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readdirSync, readFileSync, writeFileSync } from 'node:fs';
 import { createServer } from 'node:net';
 import os from 'node:os';
 import path from 'node:path';
@@ -108,17 +108,21 @@ agents:
   });
 
   it('prints --dry-run as tables with what start would refuse, and never the API keys', () => {
-    const r = cli('start', '--preset', 'presets/distill/multi_teacher.yaml', '--dry-run');
+    // The shipped preset with a secret key of its own.
+    const file = write('secret.yaml', readFileSync('presets/distill/multi_teacher.yaml', 'utf8').replace('keys: [tml-local]', 'keys: [tml-secret-4711]'));
+    const r = cli('start', '--preset', file, '--dry-run');
     expect(r.status, r.stderr).to.equal(0);
     expect(r.stdout).to.match(/^ {2}n0-actor +node-0 +cuda:0,1,2,3 +4 +verl +yes +Qwen\/Qwen3-8B \(actor\)$/m);
     expect(r.stdout).to.match(/^ {2}n1-teacher-32b +node-1 +cuda:0,1,2,3 +4 +vllm +no +Qwen\/Qwen3-32B \(teacher\)$/m);
     expect(r.stdout).to.match(/! agent n0-actor: engine 'verl' is not available/);
     expect(r.stdout).to.match(/! agent n0-rollout-a: model Qwen\/Qwen3-8B-rollout has no model directory at \/models\/Qwen3-8B/);
-    const { preset } = loadPreset('presets/distill/multi_teacher.yaml');
-    for (const k of preset.api.keys) expect(r.stdout).to.not.include(k);
-    const j = cli('start', '--preset', 'presets/distill/multi_teacher.yaml', '--dry-run', '--json');
-    for (const k of preset.api.keys) expect(j.stdout).to.not.include(k);
+    expect(r.stdout).to.include('(1 API key, not shown)');
+    expect(r.stdout).to.not.include('tml-secret-4711');
+    const j = cli('start', '--preset', file, '--dry-run', '--json');
+    expect(j.stdout).to.not.include('tml-secret-4711');
     expect(JSON.parse(j.stdout).problems).to.have.length(4);
+    // The shipped preset keeps the well-known default key on 0.0.0.0: start refuses that too.
+    expect(JSON.parse(cli('start', '--preset', 'presets/distill/multi_teacher.yaml', '--dry-run', '--json').stdout).problems[4]).to.match(/refusing to listen on 0\.0\.0\.0/);
     const ok = cli('start', '--dry-run');
     expect(ok.stdout).to.match(/^ {2}local-0 +local +cpu +- +torch +yes +tiny-qwen3 \(actor\)$/m);
     expect(ok.stdout).to.include('start would accept this plan.');
