@@ -196,8 +196,8 @@ def test_padding_rows_contribute_nothing(engine: Any) -> None:
     fn = translate.make_loss_fn(spec, {}, [])
     one, _ = fn({"log_probs": verl_style_logprobs(engine, "m", fields_one)}, fields_one)
     padded, _ = fn({"log_probs": verl_style_logprobs(engine, "m", fields_pad)}, fields_pad)
-    assert float(padded) == pytest.approx(float(one), rel=1e-6)
-    assert float(one) > 0
+    assert float(padded.detach()) == pytest.approx(float(one.detach()), rel=1e-6)
+    assert float(one.detach()) > 0
 
 
 def test_row_length_mismatch_is_an_error(engine: Any) -> None:
@@ -245,31 +245,72 @@ def test_micro_batching_with_verl_tensordict(engine: Any) -> None:
 # --- fixtures recorded from the real verl engine on the H200 -------------------------------------
 
 
-def fixture_files() -> list[Path]:
-    return sorted(FIXTURES.glob("fb_*.json")) if FIXTURES.is_dir() else []
+def recorded_fixtures() -> list[tuple[str, dict[str, Any]]]:
+    """(id, fixture) of every recorded forward_backward: ``*.json`` files holding one fixture, or a
+    bundle ``{"format": 1, "fixtures": [...]}`` as bench/gpu/verl_check.py writes (verl_fixtures.json)."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    for path in sorted(FIXTURES.glob("*.json")) if FIXTURES.is_dir() else []:
+        obj = json.loads(path.read_text())
+        for i, fx in enumerate(obj["fixtures"] if "fixtures" in obj else [obj]):
+            found.append((f"{path.name}:{fx.get('name', i)}", fx))
+    return found
 
 
-@pytest.mark.skipif(not fixture_files(), reason="no fixtures recorded from the H200 run yet (test/fixtures/verl/)")
-@pytest.mark.parametrize("path", fixture_files(), ids=lambda p: p.name)
-def test_recorded_fixture_replays(engine: Any, path: Path) -> None:
-    fx = json.loads(path.read_text())
+@pytest.mark.skipif(not recorded_fixtures(), reason="no fixtures recorded from the H200 run yet (test/fixtures/verl/)")
+@pytest.mark.parametrize("fx", [fx for _, fx in recorded_fixtures()], ids=[i for i, _ in recorded_fixtures()])
+def test_recorded_fixture_replays(fx: dict[str, Any]) -> None:
+    replay(fx)
+
+
+def replay(fx: dict[str, Any]) -> None:
+    """Rebuild the batch from the recorded request and compare it with what the engine sent verl;
+    recompute the per-datum logprobs and the loss from verl's recorded log_probs."""
     req = fx["request"]
     spec = get_loss(req["loss_fn"])
     config = spec.parse_config(req.get("loss_fn_config"))
 
-    class Base:  # the fixture's model: vocabulary bounds from its own tokens
+    class Base:  # parse_datum's bounds; the recorded ids were valid for the run's model
         max_context_length = 0
-        vocab_size = input_vocab_size = 1 << 30
+        vocab_size = input_vocab_size = 1 << 40
 
     datums = [parse_datum(i, d, Base(), spec) for i, d in enumerate(req["data"])]
     names = translate.input_names_for(spec, datums)
     rows = [None if i < 0 else i for i in fx["fields"][translate.INDEX_KEY]["values"]]
     fields = translate.build_fields(datums, rows, names)
     assert translate.describe_fields(fields) == fx["fields"]
+    assert translate.non_tensor_fields(fields, fx["non_tensor"]["max_token_len_per_gpu"]) == fx["non_tensor"]
     log_probs = translate.jagged_from_description(fx["verl_log_probs"])
     got = translate.row_logprobs(log_probs, fields)
-    for mine, recorded in zip(got, fx["result"]["logprobs"]):
-        assert mine.tolist() == recorded
-    loss, _ = translate.make_loss_fn(spec, config, names)({"log_probs": log_probs}, {**fields, "dp_size": 1})
-    if fx["world_size"] == 1:  # the engine's loss came from these float32 logprobs, summed in another order
+    mine = {r: lp.tolist() for r, lp in zip(rows, got) if r is not None}
+    if fx["world_size"] == 1:
+        assert [mine[i] for i in range(len(datums))] == fx["result"]["logprobs"]
+        loss, _ = translate.make_loss_fn(spec, config, names)({"log_probs": log_probs}, {**fields, "dp_size": 1})
+        # the engine's loss came from these float32 logprobs, summed per micro-batch in another order
         assert math.isclose(float(loss), fx["result"]["loss:sum"], rel_tol=1e-5, abs_tol=1e-4)
+
+
+def test_record_and_replay_round_trip(engine: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recorder the engine runs on the GPU (TB_VERL_RECORD) writes what replay() reads back."""
+    from tinker_engine_verl.engine import VerlEngine
+
+    create(engine, "m", rank=4, seed=3)
+    perturb(engine, "m", seed=5)
+    data = [next_token_datum([3, 17, 42, 8, 99], **rl_inputs(4, 0)), next_token_datum([5, 6, 7], **rl_inputs(2, 1))]
+    request = {"loss_fn": "ppo", "loss_fn_config": {}, "forward_only": True, "data": data}
+    spec = get_loss("ppo")
+    datums = parsed(engine, "ppo", data)
+    names = translate.input_names_for(spec, datums)
+    fields = translate.build_fields(datums, [0, 1], names)
+    meta = translate.non_tensor_fields(fields, 16)
+    log_probs = verl_style_logprobs(engine, "m", fields)
+    outputs = translate.row_logprobs(log_probs, fields)
+    loss, _ = translate.make_loss_fn(spec, spec.parse_config({}), names)({"log_probs": log_probs}, fields)
+    monkeypatch.setenv("TB_VERL_RECORD", str(tmp_path))
+    VerlEngine()._record(request, fields, meta, log_probs, outputs, float(loss))
+    (path,) = tmp_path.glob("fb_*.json")
+    fx = json.loads(path.read_text())
+    replay(fx)
+    assert fx["verl_log_probs"]["offsets"] == [0, 5, 8]
+    fx["fields"]["input_ids"]["values"][0] += 1  # a changed translation is caught
+    with pytest.raises(AssertionError):
+        replay(fx)

@@ -79,14 +79,9 @@ def _like(full: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 
 def _copy_into(p: torch.Tensor, full: torch.Tensor) -> None:
-    from torch.distributed.tensor import DTensor
-
     value = _like(full, p)
     with torch.no_grad():
-        if isinstance(p, DTensor):
-            p.to_local().copy_(value.to_local())
-        else:
-            p.copy_(value)
+        p.copy_(value)  # a DTensor into a DTensor of the same placements: each rank copies its shard
 
 
 @dataclass

@@ -194,7 +194,7 @@ def row_logprobs(log_probs: torch.Tensor, fields: Mapping[str, torch.Tensor]) ->
     return out
 
 
-def describe_fields(fields: Mapping[str, Any], max_values: int = 4096) -> dict[str, Any]:
+def describe_fields(fields: Mapping[str, Any], max_values: int | None = None) -> dict[str, Any]:
     """A JSON description of a batch (for fixtures): per key its dtype, layout, shape or row lengths, values."""
     out: dict[str, Any] = {}
     for key, value in sorted(fields.items()):
