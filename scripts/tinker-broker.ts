@@ -8,6 +8,7 @@ import { logger } from '../queues/logger.js';
 import { loadPreset, PresetError } from '../presets/schema.js';
 import { planPreset, type Plan } from '../presets/plan.js';
 import { Agent } from '../workers/agent.js';
+import { gpusOf } from '../workers/adapters/verl.js';
 import { defaultPython, ensureRedis, ensureTinyModel, TINY_MODEL_DIR } from './stack.js';
 
 /**
@@ -62,8 +63,8 @@ async function start(argv: string[]): Promise<void> {
   }
   if (p.agents.length === 0 && !p.api) throw new Error(`nothing to start on node '${p.node}' (no API and no agent placed there)`);
   for (const a of p.agents) {
-    if (a.engine === 'verl')
-      throw new Error(`agent ${a.agentId}: engine 'verl' is not available in this version; use engine: torch (see README, Engines)`);
+    if (a.engine === 'verl' && !gpusOf(a.engineDevice ?? a.device))
+      throw new Error(`agent ${a.agentId}: engine 'verl' runs on GPUs; its device is '${a.engineDevice ?? a.device}' (use cuda, cuda:N or cuda:N,M,…)`);
     if (a.engine === 'vllm') {
       const trainable = a.models.filter((m) => m.trainable);
       if (trainable.length)
