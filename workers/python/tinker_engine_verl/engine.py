@@ -14,8 +14,9 @@ Environment: ``TB_VERL_STRATEGY`` (fsdp2 | fsdp; default fsdp2), ``TB_VERL_OFFLO
 and optimizer state offloaded to CPU between ops, verl's ``param_offload``/``optimizer_offload``),
 ``TB_VERL_GRAD_CKPT`` (1, default: gradient checkpointing), ``TB_VERL_ATTN`` (default sdpa),
 ``TB_ENGINE_MAX_BATCH_TOKENS`` (verl's ``max_token_len_per_gpu``, default 16384),
-``TB_VERL_RECORD`` (a directory: each forward_backward writes its translation's inputs and outputs
-there as JSON, the CI fixtures of test_verl_translate.py).
+``TB_VERL_RECORD`` (a directory: each forward_backward of at most ``TB_VERL_RECORD_MAX_TOKENS`` (512)
+tokens writes its translation's inputs and outputs there as JSON, the CI fixtures of
+test_verl_translate.py).
 """
 
 from __future__ import annotations
@@ -299,7 +300,8 @@ class VerlEngine:
             dist.all_gather_object(gathered, mine)
         by_index = {r: lp for part in gathered for r, lp in part}
         outputs = [by_index[i] for i in range(len(datums))]
-        if os.environ.get("TB_VERL_RECORD") and self.rank == 0:
+        small = sum(int(d.tokens.shape[0]) for d in datums) <= int(os.environ.get("TB_VERL_RECORD_MAX_TOKENS", "512"))
+        if os.environ.get("TB_VERL_RECORD") and self.rank == 0 and small:
             self._record(args, fields, meta, log_probs, outputs, total)
         return {"loss_fn_outputs": [{"logprobs": tensor_to_json(lp)} for lp in outputs],
                 "metrics": {"loss:sum": total}}
