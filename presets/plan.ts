@@ -88,6 +88,7 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
             topkMax: m.topk_max,
             dtype: m.dtype,
             tensorParallel: m.parallelism.tensor,
+            ...(m.engine === 'verl' ? { strategy: m.parallelism.strategy, offload: m.offload } : {}),
             roles: [],
           };
           e.aliases.push(m.name);
@@ -146,7 +147,7 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
 }
 
 /**
- * What `start` would refuse in a plan, one plain line each with the fix: verl agents, vLLM agents
+ * What `start` would refuse in a plan, one plain line each with the fix: verl agents off the GPUs, vLLM agents
  * asked to train, model directories that do not exist (`generated(path)`: directories start
  * creates itself, such as the tiny model).
  */
@@ -154,7 +155,9 @@ export function planProblems(p: Plan, generated: (modelPath: string) => boolean 
   const out: string[] = [];
   if (p.agents.length === 0 && !p.api) out.push(`nothing to start on node '${p.node}' (no API and no agent placed there); pass --node with a node of the preset`);
   for (const a of p.agents) {
-    if (a.engine === 'verl') out.push(`agent ${a.agentId}: engine 'verl' is not available in this version; use engine: torch for its models (see README, Engines)`);
+    const device = a.engineDevice ?? a.device;
+    if (a.engine === 'verl' && deviceGpus(device).length === 0)
+      out.push(`agent ${a.agentId}: engine 'verl' runs on GPUs; its device is '${device}' (use cuda, cuda:N or cuda:N,M,…)`);
     if (a.engine === 'vllm') {
       const trainable = a.models.filter((m) => m.trainable);
       if (trainable.length)

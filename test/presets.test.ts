@@ -100,11 +100,15 @@ agents:
     expect(r.stderr).to.match(/models\[1\]\.name: model 'b' is served by no agent/);
   });
 
-  it('refuses to start an agent whose engine is not available, before anything starts', () => {
-    const r = cli('start', '--preset', 'presets/distill/multi_teacher.yaml', '--agent', 'n0-actor');
+  it('refuses to start a verl agent off the GPUs, before anything starts, in one plain line', () => {
+    const r = cli('start', '--preset', write('verlcpu.yaml', `name: t\nmodels:\n  - { name: a, path: /m/a, role: actor, engine: verl }\nagents:\n  - { id: g0, models: [a] }\n`));
     expect(r.status).to.equal(2);
-    expect(r.stderr).to.match(/^agent n0-actor: engine 'verl' is not available in this version; use engine: torch/);
+    expect(r.stderr).to.match(/^agent g0: engine 'verl' runs on GPUs; its device is 'cpu'/);
     expect(r.stderr).to.not.match(/^\s+at |Error:/m); // plain lines, no stack trace
+    // On its GPUs a verl agent passes the engine check and stops at the next one (its model directory).
+    const g = cli('start', '--preset', 'presets/distill/multi_teacher.yaml', '--agent', 'n0-actor');
+    expect(g.status).to.equal(2);
+    expect(g.stderr.trim()).to.match(/^agent n0-actor: model Qwen\/Qwen3-8B has no model directory at \/models\/Qwen3-8B/);
   });
 
   it('prints --dry-run as tables with what start would refuse, and never the API keys', () => {
@@ -114,15 +118,18 @@ agents:
     expect(r.status, r.stderr).to.equal(0);
     expect(r.stdout).to.match(/^ {2}n0-actor +node-0 +cuda:0,1,2,3 +4 +verl +yes +Qwen\/Qwen3-8B \(actor\)$/m);
     expect(r.stdout).to.match(/^ {2}n1-teacher-32b +node-1 +cuda:0,1,2,3 +4 +vllm +no +Qwen\/Qwen3-32B \(teacher\)$/m);
-    expect(r.stdout).to.match(/! agent n0-actor: engine 'verl' is not available/);
+    expect(r.stdout).to.match(/! agent n0-actor: model Qwen\/Qwen3-8B has no model directory/);
     expect(r.stdout).to.match(/! agent n0-rollout-a: model Qwen\/Qwen3-8B-rollout has no model directory at \/models\/Qwen3-8B/);
     expect(r.stdout).to.include('(1 API key, not shown)');
     expect(r.stdout).to.not.include('tml-secret-4711');
     const j = cli('start', '--preset', file, '--dry-run', '--json');
     expect(j.stdout).to.not.include('tml-secret-4711');
-    expect(JSON.parse(j.stdout).problems).to.have.length(4);
+    expect(JSON.parse(j.stdout).problems).to.have.length(3);
     // The shipped preset keeps the well-known default key on 0.0.0.0: start refuses that too.
-    expect(JSON.parse(cli('start', '--preset', 'presets/distill/multi_teacher.yaml', '--dry-run', '--json').stdout).problems[4]).to.match(/refusing to listen on 0\.0\.0\.0/);
+    expect(JSON.parse(cli('start', '--preset', 'presets/distill/multi_teacher.yaml', '--dry-run', '--json').stdout).problems[3]).to.match(/refusing to listen on 0\.0\.0\.0/);
+    // A verl agent on the CPU is refused.
+    const cpu = cli('start', '--preset', write('verlcpu2.yaml', `name: t\nmodels:\n  - { name: a, path: /m/a, role: actor, engine: verl }\nagents:\n  - { id: g0, models: [a] }\n`), '--dry-run');
+    expect(cpu.stdout).to.match(/! agent g0: engine 'verl' runs on GPUs; its device is 'cpu'/);
     const ok = cli('start', '--dry-run');
     expect(ok.stdout).to.match(/^ {2}local-0 +local +cpu +- +torch +yes +tiny-qwen3 \(actor\)$/m);
     expect(ok.stdout).to.include('start would accept this plan.');

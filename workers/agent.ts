@@ -14,6 +14,7 @@ import { Registry, type CheckpointRecord, type ModelRecord, type ServedModel } f
 import { SampleJob, TrainJob, type AnyJob, type SaveExternalJob, type SaveSamplerJob, type SaveStateJob } from '../queues/schemas.js';
 import type { EngineAdapter } from './adapters/adapter.js';
 import { TorchAdapter } from './adapters/torch.js';
+import { VerlAdapter } from './adapters/verl.js';
 import { VllmAdapter } from './adapters/vllm.js';
 import { encryptFileInPlace } from '../queues/age.js';
 import { EngineError } from './engine.js';
@@ -50,12 +51,13 @@ export class Agent {
     this.adapter = adapter ?? Agent.adapterFor(config, this.log);
   }
 
-  /** The engine adapter of the agent's models: torch (trains and samples) or vLLM (samples only). */
+  /** The engine adapter of the agent's models: torch (trains and samples), vLLM (samples only) or verl (trains only). */
   static adapterFor(config: AgentConfig, log: Logger): EngineAdapter {
     const engine = config.engine ?? 'torch';
     if (engine === 'torch') return new TorchAdapter({ python: config.python, device: config.engineDevice, log });
     if (engine === 'vllm') return new VllmAdapter({ device: config.engineDevice, urls: config.vllmUrls, log });
-    throw new Error(`agent ${config.agentId}: engine '${engine}' is not available in this version (torch and vllm are)`);
+    if (engine === 'verl') return new VerlAdapter({ python: config.python, device: config.engineDevice, log, models: config.models });
+    throw new Error(`agent ${config.agentId}: engine '${String(engine)}' is not available in this version (torch, vllm and verl are)`);
   }
 
   get trainQueue(): string {
@@ -74,7 +76,8 @@ export class Agent {
     const common = { connection: this.redis, prefix: this.names.bull, maxStalledCount: 0 };
     this.workers.push(
       new Worker<AnyJob>(this.trainQueue, (job) => this.runTrain(job), { ...common, concurrency: 1 }),
-      ...this.served.map(
+      // An engine that only trains (verl) takes no sample jobs: they wait for agents that sample.
+      ...(this.adapter.samples === false ? [] : this.served).map(
         (m) =>
           new Worker<AnyJob>(this.names.sampleQueue(m.name), (job) => this.runSample(job), {
             ...common,
