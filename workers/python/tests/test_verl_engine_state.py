@@ -4,8 +4,9 @@ verl's FSDP engine is registered for CUDA only, so it cannot run here. What ``Ve
 it is its ``module`` (a PEFT model: on the GPU wrapped by FSDP2, its LoRA parameters DTensors) and
 its ``optimizer`` (torch AdamW). This test gives the engine exactly those, unsharded — a PEFT model
 of the tiny model and an AdamW — and checks that the seeded init, the sampler adapter and the
-checkpoints are the torch engine's, byte for byte where they should be, and load in both directions.
-The sharded (DTensor) paths run only on the GPU (bench/gpu/verl_check.sh).
+checkpoints are the torch engine's, byte for byte where they should be, and load in both directions;
+then the same with the module sharded by real FSDP2 (``fully_shard``, as verl wraps it) over two CPU
+ranks (gloo), so the DTensor gather/scatter paths run too.
 """
 
 from __future__ import annotations
@@ -132,3 +133,75 @@ def test_sample_and_unknown_models_are_user_errors(verl: tuple[VerlEngine, VerlM
         ve.call("sample", {})
     with pytest.raises(UserError, match="unknown model_id 'x'"):
         ve.call("save_sampler", {"model_id": "x", "dir": "/tmp/x"})
+
+
+# --- sharded: real FSDP2 over two CPU ranks (gloo), as verl shards the model on GPUs ---------------
+
+
+def _sharded_rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        lora = LoraSpec.parse(dict(LORA))
+        stand_in = StandInEngine(model_dir, lora)
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in stand_in.module.base_model.model.model.layers:  # verl's FSDP2 wrap: decoder layers, then root
+            fully_shard(layer, mesh=mesh)
+        fully_shard(stand_in.module, mesh=mesh)
+        stand_in.optimizer = torch.optim.AdamW([p for p in stand_in.module.parameters() if p.requires_grad], lr=1e-3)
+        worker = type("Worker", (), {})()
+        worker.engine = stand_in
+        ve = VerlEngine(rank=rank, world_size=world)
+        ve.load_base({"name": BASE, "path": model_dir})
+        model = VerlModel("m", ve.base(BASE), lora, worker)
+        ve.models["m"] = model
+        params = model.lora_params()
+        assert all(isinstance(p, DTensor) for _, p in params)
+        assert params[0][0] == "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"
+        for (_, p), value in zip(params, seeded_lora_values([(k, tuple(p.shape)) for k, p in params], lora.seed)):
+            _copy_into(p, value)
+        ve.save_sampler({"model_id": "m", "dir": f"{out}/sampler"})
+        gen = torch.Generator().manual_seed(0)
+        for _, p in params:
+            p.grad = distribute_tensor(torch.randn(p.shape, generator=gen), p.device_mesh, p.placements)
+        stand_in.optimizer.step()
+        model.hyper = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
+        ve.save_state({"model_id": "m", "dir": f"{out}/ck1", "optimizer": True})
+        for _, p in params:
+            with torch.no_grad():
+                p.zero_()
+        stand_in.optimizer.state.clear()
+        ve.load_state({"model_id": "m", "dir": f"{out}/ck1", "optimizer": True})
+        ve.save_state({"model_id": "m", "dir": f"{out}/ck2", "optimizer": True})
+        for _, p in params:  # the loaded state steps
+            p.grad = distribute_tensor(torch.randn(p.shape, generator=gen), p.device_mesh, p.placements)
+        stand_in.optimizer.step()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_fsdp2_two_ranks(engine: Any, tiny_model_dir: Path, tmp_path: Path) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_sharded_rank, args=(2, port, str(tiny_model_dir), str(tmp_path)), nprocs=2)
+    create(engine, "m", rank=LORA["rank"], seed=LORA["seed"], train_unembed=False)
+    engine.call("save_sampler", {"model_id": "m", "dir": str(tmp_path / "torch")})
+    # each rank held half of every LoRA matrix; gathered, the init is the torch engine's
+    assert (tmp_path / "sampler" / "adapter_model.safetensors").read_bytes() == (
+        tmp_path / "torch" / "adapter_model.safetensors").read_bytes()
+    for name in ("adapter_model.safetensors", "optimizer.safetensors"):
+        assert (tmp_path / "ck1" / name).read_bytes() == (tmp_path / "ck2" / name).read_bytes(), name
+    assert len(load_file(str(tmp_path / "ck1" / "optimizer.safetensors"))) == 2 * 28
+    engine.call("load_state", {"model_id": "m", "dir": str(tmp_path / "ck1"), "optimizer": True})
