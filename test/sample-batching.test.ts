@@ -14,10 +14,10 @@ function job(prompt: number[], maxTokens: number, numSamples = 1): SampleJob {
     model_path: null,
     prompt,
     num_samples: numSamples,
-    sampling_params: { max_tokens: maxTokens, temperature: 1, top_k: -1, top_p: 1, seed: 1, stop_tokens: [], stop_strings: [] },
+    sampling_params: { max_tokens: maxTokens, temperature: 1, top_k: -1, top_p: 1, seed: 1, stop_tokens: [], stop_strings: [], stop_at_eos: true },
     prompt_logprobs: false,
     topk_prompt_logprobs: 0,
-  } as SampleJob;
+  };
 }
 
 const answer = (j: SampleJob): SampleResult => ({

@@ -80,6 +80,7 @@ class Engine:
             "sample": lambda args: self.sampler.run_to_end(self.sampler.sample_steps(args)),
             "sample_batch": lambda args: self.sampler.run_to_end(self.sampler.sample_batch_steps(args)),
             "unload_model": self.unload_model,
+            "memory": self.memory,
         }
         # Ops that can run a step at a time (the request loop interleaves other ops between steps).
         self.stepped_ops: dict[str, SteppedOp] = {
@@ -101,6 +102,19 @@ class Engine:
         lora = LoraSpec.parse(get_obj(args, "lora"))
         model = self.registry.create_model(get_str(args, "model_id"), get_str(args, "base_model"), lora)
         return {"model_id": model.model_id, "lora_rank": model.lora.rank}
+
+    def memory(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Device memory in bytes (CUDA; zeros on the CPU); ``reset_peak`` restarts the peak count."""
+        device = self.placement.device
+        if device.type != "cuda":
+            return {"device": self.placement.device_name, "allocated_bytes": 0, "reserved_bytes": 0,
+                    "max_allocated_bytes": 0}
+        result = {"device": self.placement.device_name, "allocated_bytes": torch.cuda.memory_allocated(device),
+                  "reserved_bytes": torch.cuda.memory_reserved(device),
+                  "max_allocated_bytes": torch.cuda.max_memory_allocated(device)}
+        if args.get("reset_peak"):
+            torch.cuda.reset_peak_memory_stats(device)
+        return result
 
     def unload_model(self, args: dict[str, Any]) -> dict[str, Any]:
         model_id = get_str(args, "model_id")
@@ -156,6 +170,8 @@ class Engine:
                 subject = f"base={args.get('base_model') or args.get('name')}"
             if op == "sample_batch" and isinstance(args.get("requests"), list):
                 subject += f" requests={len(args['requests'])}"
+            if op in ("forward_backward", "optim_step"):
+                self.registry.trained_since_release = True
             if stepped and op in self.stepped_ops:
                 return Task(self, request_id, op, subject, start, self.stepped_ops[op](args), None)
             result = self.call(op, args)
@@ -164,22 +180,67 @@ class Engine:
             return Task(self, request_id, op, subject, start, None, self._failed(request_id, op, subject, start, exc))
 
     def _ok(self, request_id: Any, op: str, subject: str, start: float, result: dict[str, Any]) -> dict[str, Any]:
-        self._log(op, subject, start, "ok")
+        _log(op, subject, start, "ok")
         return {"id": request_id, "ok": True, "result": result}
 
     def _failed(self, request_id: Any, op: str, subject: str, start: float, exc: Exception) -> dict[str, Any]:
         if isinstance(exc, UserError):
-            self._log(op, subject, start, f"user_error: {exc}")
+            _log(op, subject, start, f"user_error: {exc}")
             return {"id": request_id, "ok": False, "error": {"category": "user", "message": str(exc)}}
         log.error("op=%s failed:\n%s", op, "".join(traceback.format_exception(exc)).rstrip())
-        self._log(op, subject, start, "server_error")
+        _log(op, subject, start, "server_error")
         if isinstance(exc, torch.OutOfMemoryError) and torch.cuda.is_available():
             torch.cuda.empty_cache()
         message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
         return {"id": request_id, "ok": False,
                 "error": {"category": "server", "message": f"{type(exc).__name__}: {message}"}}
 
-    @staticmethod
-    def _log(op: str, subject: str, start: float, outcome: str) -> None:
-        ms = (time.perf_counter() - start) * 1000.0
-        log.info("op=%s %s ms=%.1f %s", op, subject or "model_id=-", ms, outcome)
+
+def reply(call: Callable[[str, dict[str, Any]], dict[str, Any]], body: bytes) -> dict[str, Any]:
+    """The reply to one request frame, running it with ``call(op, args)``; never raises.
+
+    Shared by every engine speaking this protocol (torch, verl): a ``UserError`` becomes a
+    ``user`` error reply, any other exception a ``server`` one; the engine keeps serving.
+    """
+    request_id: Any = None
+    op = "?"
+    subject = ""
+    start = time.perf_counter()
+    try:
+        request = json.loads(body.decode("utf-8"))
+        if not isinstance(request, dict):
+            raise ValueError("a request must be a JSON object")
+        request_id = request.get("id")
+        if not is_int(request_id):
+            raise ValueError("request id must be an integer")
+        op = request.get("op")
+        if not isinstance(op, str):
+            raise ValueError("request op must be a string")
+        args = request.get("args", {})
+        if args is None:
+            args = {}
+        if not isinstance(args, dict):
+            raise ValueError("request args must be an object")
+        if args.get("model_id"):
+            subject = f"model_id={args['model_id']}"
+        elif args.get("base_model") or args.get("name"):
+            subject = f"base={args.get('base_model') or args.get('name')}"
+        result = call(op, args)
+        _log(op, subject, start, "ok")
+        return {"id": request_id, "ok": True, "result": result}
+    except UserError as exc:
+        _log(op, subject, start, f"user_error: {exc}")
+        return {"id": request_id, "ok": False, "error": {"category": "user", "message": str(exc)}}
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a reply; the engine keeps serving
+        log.error("op=%s failed:\n%s", op, traceback.format_exc().rstrip())
+        _log(op, subject, start, "server_error")
+        if isinstance(exc, torch.OutOfMemoryError) and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+        return {"id": request_id, "ok": False,
+                "error": {"category": "server", "message": f"{type(exc).__name__}: {message}"}}
+
+
+def _log(op: str, subject: str, start: float, outcome: str) -> None:
+    ms = (time.perf_counter() - start) * 1000.0
+    log.info("op=%s %s ms=%.1f %s", op, subject or "model_id=-", ms, outcome)

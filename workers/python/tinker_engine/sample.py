@@ -505,6 +505,10 @@ def parse_requests(registry: Registry, args: dict[str, Any]) -> tuple[BaseModel,
 Steps = Generator[None, None, dict[str, Any]]
 
 
+def base_on_cuda(base: BaseModel) -> bool:
+    return base.device.type == "cuda"
+
+
 class Sampler:
     """One ``Generation`` per base model; sample ops add their requests and wait for them.
 
@@ -523,6 +527,11 @@ class Sampler:
 
     def advance(self) -> None:
         for name, gen in list(self.generations.items()):
+            if gen.busy and not gen.row_seq and self.registry.trained_since_release:
+                # A batch starts after training: hand the training step's cached blocks back first.
+                self.registry.trained_since_release = False
+                if base_on_cuda(gen.base):
+                    torch.cuda.empty_cache()
             if gen.busy:
                 try:
                     gen.step()

@@ -1,0 +1,361 @@
+"""The torch engine, driven over its stdio channel as the agent drives it, against plain PyTorch + PEFT.
+
+    python bench/gpu/engine_vs_plain.py --model 1.7b        # on a CUDA machine (also: 8b)
+    python bench/gpu/engine_vs_plain.py --tiny              # CPU smoke test (seconds)
+
+A random-initialised model with real Qwen3 dimensions (from a Qwen3Config; no hub) is written to
+a temporary directory with a small local tokenizer (scripts/make_tiny_model.py; token ids are
+random, the tokenizer only has to exist). Then:
+
+- training: batch 8 x 1024 random tokens, cross_entropy, LoRA rank 32 on q/k/v/o/gate/up/down and
+  lm_head, bf16 base, fp32 adapter, AdamW; forward_backward + optim_step per step. The plain run
+  uses the engine's deterministic LoRA init, so both see the same losses (bf16 tolerance).
+  Prints tokens/s, ms/step, peak memory, MFU (model FLOPs: 2 x forward matmuls, i.e. forward plus
+  the input-gradient backward of the frozen base, + causal attention; against --peak-tflops).
+- sampling: 32 distinct prompts x 128 new tokens (as one sample_batch, the agent's gathered call,
+  and as 32 sample calls sent back to back), and 1 prompt x 32 samples, against one batched
+  ``generate`` of the same base model (temperature 1, no top-k/top-p, no early stop).
+
+Everything prints at the end in one table; nothing but torch, transformers, peft and tokenizers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import queue
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+ENGINE_DIR = REPO / "workers" / "python"
+sys.path.insert(0, str(ENGINE_DIR))
+
+import torch  # noqa: E402
+
+MODELS: dict[str, dict[str, Any]] = {
+    # Qwen3-1.7B and Qwen3-8B dimensions (config.json of the released checkpoints).
+    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=1536, tie_word_embeddings=True),
+}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+
+
+# --- model directory -------------------------------------------------------------------------------
+
+def write_model(name: str, out: Path, device: torch.device, dtype: torch.dtype) -> None:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    spec = importlib.util.spec_from_file_location("make_tiny_model", REPO / "scripts" / "make_tiny_model.py")
+    assert spec is not None and spec.loader is not None
+    make_tiny = importlib.util.module_from_spec(spec)
+    sys.modules["make_tiny_model"] = make_tiny
+    spec.loader.exec_module(make_tiny)
+    tokenizer = make_tiny.build_tokenizer(make_tiny.TinySpec())
+    config = Qwen3Config(**MODELS[name], max_position_embeddings=40960, rope_theta=1_000_000.0,
+                         rms_norm_eps=1e-6, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+                         pad_token_id=tokenizer.pad_token_id, architectures=["Qwen3ForCausalLM"])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    del model
+
+
+def load_plain(path: Path, device: torch.device, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device).eval()
+
+
+# --- the engine over its channel ---------------------------------------------------------------------
+
+class EngineChannel:
+    """``python -m tinker_engine`` as the agent starts it: length-prefixed JSON frames on stdio."""
+
+    def __init__(self, device: str, dtype: str) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ENGINE_DIR), os.environ.get("PYTHONPATH")) if p),
+               "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "TB_ENGINE_DEVICE": device, "TB_ENGINE_DTYPE": dtype, "TB_ENGINE_LOG_LEVEL": "WARNING"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "tinker_engine"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env)
+        self.next_id = 0
+        self.replies: dict[int, queue.Queue[dict[str, Any]]] = {}
+        self.lock = threading.Lock()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        while True:
+            head = self.proc.stdout.read(4)
+            if len(head) < 4:
+                return
+            (n,) = struct.unpack(">I", head)
+            msg = json.loads(self.proc.stdout.read(n))
+            with self.lock:
+                box = self.replies.pop(msg["id"])
+            box.put(msg)
+
+    def send(self, op: str, args: dict[str, Any]) -> queue.Queue[dict[str, Any]]:
+        self.next_id += 1
+        box: queue.Queue[dict[str, Any]] = queue.Queue()
+        with self.lock:
+            self.replies[self.next_id] = box
+        body = json.dumps({"id": self.next_id, "op": op, "args": args}).encode()
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(struct.pack(">I", len(body)) + body)
+        self.proc.stdin.flush()
+        return box
+
+    @staticmethod
+    def result(box: queue.Queue[dict[str, Any]]) -> dict[str, Any]:
+        msg = box.get(timeout=1800)
+        if not msg["ok"]:
+            raise RuntimeError(f"engine error: {msg['error']}")
+        return msg["result"]
+
+    def call(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        return self.result(self.send(op, args))
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+# --- workloads ---------------------------------------------------------------------------------------
+
+def training_data(n: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (n, seq + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def engine_datums(inputs: torch.Tensor, targets: torch.Tensor) -> list[dict[str, Any]]:
+    return [{"tokens": x.tolist(), "loss_fn_inputs": {
+        "target_tokens": {"dtype": "int64", "shape": [len(y)], "data": y.tolist()},
+        "weights": {"dtype": "float32", "shape": [len(y)], "data": [1.0] * len(y)}}} for x, y in zip(inputs, targets)]
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, length), generator=gen).tolist()
+
+
+def sampling_params(max_tokens: int, seed: int) -> dict[str, Any]:
+    return {"max_tokens": max_tokens, "temperature": 1.0, "top_k": -1, "top_p": 1.0, "seed": seed,
+            "stop_tokens": [], "stop_strings": [], "stop_at_eos": False}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def model_flops_per_step(cfg: dict[str, Any], batch: int, seq: int) -> float:
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    matmul_params = layers * (h * q + 2 * h * kv + q * h + 3 * h * inter) + h * cfg["vocab_size"]
+    tokens = batch * seq
+    forward = 2 * matmul_params * tokens + 2 * layers * q * seq * tokens  # causal QK^T + AV, half the square
+    return 2.0 * forward
+
+
+def run_engine(args: argparse.Namespace, path: Path, w: dict[str, Any], out: dict[str, Any]) -> None:
+    device = "cuda" if args.device == "cuda" else "cpu"
+    eng = EngineChannel(device, "bfloat16" if device == "cuda" else "float32")
+    try:
+        eng.call("hello", {})
+        eng.call("load_base", {"name": "bench", "path": str(path)})
+        eng.call("create_model", {"model_id": "bench", "base_model": "bench",
+                                  "lora": {"rank": w["rank"], "seed": 0, "train_attn": True, "train_mlp": True,
+                                           "train_unembed": True}})
+        inputs, targets = training_data(w["batch"], w["seq"], w["vocab"])
+        data = engine_datums(inputs, targets)
+        adam = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+        fb_args = {"model_id": "bench", "loss_fn": "cross_entropy", "loss_fn_config": {}, "forward_only": False,
+                   "data": data}
+        losses, times = [], []
+        peak = 0
+        for step in range(w["warmup"] + w["steps"]):
+            if step == w["warmup"]:
+                eng.call("memory", {"reset_peak": True})
+            t = time.perf_counter()
+            fb = eng.call("forward_backward", fb_args)
+            eng.call("optim_step", {"model_id": "bench", "adam": adam})
+            times.append(time.perf_counter() - t)
+            losses.append(fb["metrics"]["loss:sum"])
+        peak = eng.call("memory", {})["max_allocated_bytes"]
+        out["engine_train"] = {"ms": 1000 * median(times[w["warmup"]:]), "losses": losses, "peak": peak}
+
+        sample_out: dict[str, float] = {}
+        distinct = prompts(w["n"], w["prompt"], w["vocab"], seed=2)
+        reqs = [{"adapter_dir": None, "prompt": p, "num_samples": 1, "sampling_params": sampling_params(w["new"], i),
+                 "prompt_logprobs": False, "topk_prompt_logprobs": 0} for i, p in enumerate(distinct)]
+        for rep in range(2):  # the first round warms up
+            t = time.perf_counter()
+            res = eng.call("sample_batch", {"base_model": "bench", "requests": reqs})
+            dt = time.perf_counter() - t
+            n_tok = sum(len(s["tokens"]) for r in res["results"] for s in r["result"]["sequences"])
+            sample_out["batch"] = n_tok / dt
+            t = time.perf_counter()
+            boxes = [eng.send("sample", {"base_model": "bench", **r}) for r in reqs]
+            n_tok = sum(len(s["tokens"]) for b in boxes for s in eng.result(b)["sequences"])
+            sample_out["pipelined"] = n_tok / (time.perf_counter() - t)
+            one = prompts(1, w["prompt"], w["vocab"], seed=3)[0]
+            t = time.perf_counter()
+            res = eng.call("sample", {"base_model": "bench", "adapter_dir": None, "prompt": one, "num_samples": w["n"],
+                                      "sampling_params": sampling_params(w["new"], 7), "prompt_logprobs": False,
+                                      "topk_prompt_logprobs": 0})
+            sample_out["one_prompt"] = sum(len(s["tokens"]) for s in res["sequences"]) / (time.perf_counter() - t)
+        out["engine_sample"] = sample_out
+    finally:
+        eng.close()
+
+
+def median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def run_plain(args: argparse.Namespace, path: Path, w: dict[str, Any], out: dict[str, Any]) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from tinker_engine.losses import target_logprobs  # noqa: F401 - same math, kept for reference
+    from tinker_engine.models import init_lora_weights
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    # Sampling first: the bare base model and one batched generate.
+    model = load_plain(path, device, dtype)
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    distinct = torch.tensor(prompts(w["n"], w["prompt"], w["vocab"], seed=2), device=device)
+    one = torch.tensor(prompts(1, w["prompt"], w["vocab"], seed=3), device=device)
+    gen_kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=w["new"],
+                      min_new_tokens=w["new"])
+    sample_out: dict[str, float] = {}
+    with torch.inference_mode():
+        for rep in range(2):
+            sync(device)
+            t = time.perf_counter()
+            o = model.generate(input_ids=distinct, attention_mask=torch.ones_like(distinct), **gen_kwargs)
+            sync(device)
+            sample_out["distinct"] = (o.shape[0] * (o.shape[1] - distinct.shape[1])) / (time.perf_counter() - t)
+            t = time.perf_counter()
+            o = model.generate(input_ids=one, attention_mask=torch.ones_like(one), num_return_sequences=w["n"], **gen_kwargs)
+            sync(device)
+            sample_out["one_prompt"] = (o.shape[0] * (o.shape[1] - one.shape[1])) / (time.perf_counter() - t)
+    out["plain_sample"] = sample_out
+
+    # Training: the same LoRA, the engine's init, bf16 base, fp32 adapter.
+    config = LoraConfig(r=w["rank"], lora_alpha=w["rank"], lora_dropout=0.0, bias="none", target_modules=TARGETS)
+    peft_model = get_peft_model(model, config)
+    named = sorted(((n, p) for n, p in peft_model.named_parameters() if ".lora_" in n), key=lambda kv: kv[0])
+    for _, p in named:
+        p.data = p.data.float()
+    init_lora_weights(named, seed=0)
+    params = [p for _, p in named]
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    inputs, targets = training_data(w["batch"], w["seq"], w["vocab"])
+    inputs, targets = inputs.to(device), targets.to(device)
+    losses, times = [], []
+    for step in range(w["warmup"] + w["steps"]):
+        if step == w["warmup"] and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        sync(device)
+        t = time.perf_counter()
+        logits = peft_model(input_ids=inputs, use_cache=False).logits
+        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        loss = -logp.sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))  # one host sync per step, as any training loop logging its loss
+        times.append(time.perf_counter() - t)
+        del logits, logp, loss
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    out["plain_train"] = {"ms": 1000 * median(times[w["warmup"]:]), "losses": losses, "peak": peak}
+    del peft_model, model, opt
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def report(args: argparse.Namespace, w: dict[str, Any], out: dict[str, Any]) -> None:
+    tokens = w["batch"] * w["seq"]
+    flops = model_flops_per_step(MODELS[args.model], w["batch"], w["seq"])
+    gib = 2**30
+    print(f"\n=== model {args.model} ({args.device}, {torch.__version__}) ===")
+    print(f"training: batch {w['batch']} x {w['seq']}, LoRA rank {w['rank']} on {','.join(TARGETS)}, "
+          f"{w['steps']} steps after {w['warmup']} warm-up")
+    for key, label in (("plain_train", "plain PEFT"), ("engine_train", "engine    ")):
+        r = out[key]
+        secs = r["ms"] / 1000
+        mfu = flops / secs / (args.peak_tflops * 1e12) if args.device == "cuda" else float("nan")
+        print(f"  {label}: {r['ms']:8.1f} ms/step  {tokens / secs:10.0f} tokens/s  peak {r['peak'] / gib:6.1f} GiB"
+              f"  MFU {100 * mfu:5.1f}%")
+    e, p = out["engine_train"], out["plain_train"]
+    rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(e["losses"], p["losses"]))
+    print(f"  engine / plain tokens/s: {p['ms'] / e['ms']:.3f}   max relative loss difference over "
+          f"{len(e['losses'])} steps: {rel:.2e}")
+    print(f"  losses engine: {' '.join(f'{x:.4f}' for x in e['losses'][:4])} ...; plain: "
+          f"{' '.join(f'{x:.4f}' for x in p['losses'][:4])} ...")
+    es, ps = out["engine_sample"], out["plain_sample"]
+    print(f"sampling: prompts of {w['prompt']} tokens, {w['new']} new tokens, temperature 1 (tokens/s)")
+    print(f"  {w['n']} distinct prompts: generate {ps['distinct']:9.0f} | engine sample_batch {es['batch']:9.0f} "
+          f"({es['batch'] / ps['distinct']:.2f}x) | engine {w['n']} sample calls {es['pipelined']:9.0f} "
+          f"({es['pipelined'] / ps['distinct']:.2f}x)")
+    print(f"  1 prompt x {w['n']} samples: generate {ps['one_prompt']:9.0f} | engine {es['one_prompt']:9.0f} "
+          f"({es['one_prompt'] / ps['one_prompt']:.2f}x)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=["1.7b", "8b"], default="1.7b")
+    ap.add_argument("--tiny", action="store_true", help="tiny dimensions on the CPU (smoke test)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H200: 989)")
+    ap.add_argument("--keep", help="write the model here and keep it (default: a temporary directory)")
+    args = ap.parse_args()
+    if args.tiny:
+        args.model, args.device = "tiny", "cpu"
+        w = dict(batch=2, seq=64, rank=4, steps=3, warmup=1, n=4, prompt=16, new=8)
+    else:
+        if not torch.cuda.is_available():
+            ap.error("no CUDA device; use --tiny for the CPU smoke test")
+        args.device = "cuda"
+        w = dict(batch=8, seq=1024, rank=32, steps=args.steps, warmup=2, n=32, prompt=128, new=128)
+    w["vocab"] = MODELS[args.model]["vocab_size"]
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="tb-bench-") as tmp:
+        path = Path(args.keep or Path(tmp) / f"qwen3-{args.model}-random")
+        dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+        if not (path / "config.json").exists():
+            write_model(args.model, path, torch.device(args.device), dtype)
+        print(f"model written in {time.perf_counter() - t0:.0f} s", flush=True)
+        run_plain(args, path, w, out)
+        print(f"plain done at {time.perf_counter() - t0:.0f} s", flush=True)
+        run_engine(args, path, w, out)
+        print(f"engine done at {time.perf_counter() - t0:.0f} s", flush=True)
+    report(args, w, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
