@@ -117,18 +117,48 @@ def _run_batch(base: BaseModel, batch: list[Datum], loss: LossSpec, config: dict
         mask[row, : d.tokens.shape[0]] = 1
     with torch.set_grad_enabled(backward):
         logits = base.hf(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
-        outputs: list[torch.Tensor] = []
+        lps = _batch_target_logprobs(logits, batch, device)
+        del logits
         losses: list[torch.Tensor] = []
-        for row, d in enumerate(batch):
-            lp = target_logprobs(logits[row, : d.tokens.shape[0]], d.targets.to(device))
-            inputs = {k: v.to(device) for k, v in d.inputs.items()}
+        for d, lp in zip(batch, lps):
+            inputs = {k: v.to(device, non_blocking=True) for k, v in d.inputs.items()}
             losses.append(loss.fn(lp, inputs, config))
-            outputs.append(lp.detach().cpu())
-        check_losses([d.index for d in batch], losses, outputs)
-        total = torch.stack(losses).sum()
+        stacked = torch.stack(losses)
+        total = stacked.sum()
+        # One device -> host copy for the micro-batch: the total, every datum's loss, its logprobs.
+        host = torch.cat([total.detach().reshape(1).float(), stacked.detach().float(),
+                          *(lp.detach().reshape(-1) for lp in lps)]).cpu()
+        outputs: list[torch.Tensor] = []
+        at = 1 + len(batch)
+        for d in batch:
+            n = d.targets.numel()
+            outputs.append(host[at : at + n].reshape(d.targets.shape))
+            at += n
+        check_losses([d.index for d in batch], list(host[1 : 1 + len(batch)]), outputs)
         if backward:
             total.backward()
-    return outputs, float(total.detach())
+    return outputs, float(host[0])
+
+
+def _batch_target_logprobs(logits: torch.Tensor, batch: list[Datum], device: torch.device) -> list[torch.Tensor]:
+    """Each datum's target logprobs from the micro-batch's logits (B, L, V).
+
+    When all datums' targets have the same trailing shape, one chunked pass over the padded
+    (B x L) rows (padding targets 0, their logprobs unused, so their gradient is 0); else per datum.
+    """
+    rows, longest = logits.shape[0], logits.shape[1]
+    tails = {tuple(d.targets.shape[1:]) for d in batch}
+    if len(tails) != 1:
+        return [target_logprobs(logits[row, : d.tokens.shape[0]], d.targets.to(device, non_blocking=True))
+                for row, d in enumerate(batch)]
+    (tail,) = tails
+    targets = torch.zeros((rows, longest, *tail), dtype=torch.int64)
+    for row, d in enumerate(batch):
+        targets[row, : d.tokens.shape[0]] = d.targets
+    flat = target_logprobs(logits.reshape(rows * longest, -1),
+                           targets.to(device, non_blocking=True).reshape(rows * longest, *tail))
+    flat = flat.reshape(rows, longest, *tail)
+    return [flat[row, : d.tokens.shape[0]] for row, d in enumerate(batch)]
 
 
 def forward_backward(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
