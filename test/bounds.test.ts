@@ -71,7 +71,7 @@ describe('bounds', function () {
     // 4e7 doubles are 320 MB each; refused before allocating, 20 of them cost nothing.
     expect(grew, `rss grew ${grew.toFixed(0)} MiB`).to.be.below(64);
     expect(ms, `${ms} ms per request`).to.be.below(250);
-    refused(await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: hostile([4e7, 1]) }), /shape \[40000000, 1\] but model_input has 1 tokens/);
+    refused(await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: hostile([4e7, 1]) }), /target_tokens has shape \[40000000, 1\] but model_input has 1 tokens/);
     // The refusals used up seq_id 1 (as the SDK expects); the model goes on at seq_id 2.
     const ok = await fb(id, 2);
     expect((await awaitFuture(s.baseUrl, ok.json.request_id)).json.metrics['loss:sum']).to.be.a('number');

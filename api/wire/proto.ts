@@ -79,7 +79,7 @@ function decodeTensor(t: PbObject, what: string, rows: number, limits: DecodeLim
   // Every loss input is (N,) or (N, K) with N the datum's token count: checked before allocating.
   const checkShape = (sh: number[]) => {
     if (sh.length < 1 || sh.length > 2) throw invalid(`${what}: shape [${sh.join(', ')}] must be (N,) or (N, K)`);
-    if (sh[0] !== rows) throw invalid(`${what}: shape [${sh.join(', ')}] but model_input has ${rows} tokens`);
+    if (sh[0] !== rows) throw invalid(`${what} has shape [${sh.join(', ')}] but model_input has ${rows} tokens`);
     const k = sh[1] ?? 1;
     const maxK = Math.min(limits.maxK, limits.vocabSize);
     if (k > maxK) throw invalid(`${what}: shape [${sh.join(', ')}] is wider than ${maxK} (the largest K accepted for this model)`);
