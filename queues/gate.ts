@@ -17,6 +17,11 @@ import { TrainJob } from './schemas.js';
  * - release is done under a short per-model lock, so two processes never push the ops of one
  *   model onto the queue out of order; a released op is deleted from the hash only after
  *   BullMQ holds it (a crash in between re-adds it under the same job id, which BullMQ ignores).
+ *
+ * The state is bounded: seq_ids past `window` ahead of the next are refused; a digest of each
+ * admitted payload is kept for `window` seq_ids back, so a replay with another payload is refused;
+ * ops waiting behind a gap fail at its deadline (`gapTimeoutMs` after the gate last moved) with a
+ * failed-future record naming the missing seq_ids, and the gate moves past them.
  */
 
 // Admission. KEYS: next, held, held-index, digests, gap deadlines.
