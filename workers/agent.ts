@@ -14,7 +14,7 @@ import { SampleJob, TrainJob, type AnyJob, type SaveExternalJob, type SaveSample
 import type { EngineAdapter } from './adapters/adapter.js';
 import { TorchAdapter } from './adapters/torch.js';
 import { VllmAdapter } from './adapters/vllm.js';
-import { encryptFileInPlace } from './age.js';
+import { encryptFileInPlace } from '../queues/age.js';
 import { EngineError } from './engine.js';
 
 /**

@@ -5,7 +5,7 @@ import { jobIds } from '../../queues/names.js';
 import type { ModelRecord } from '../../queues/registry.js';
 import type { Datum, TrainJob } from '../../queues/schemas.js';
 import type { ApiContext } from '../context.js';
-import { parseRecipient } from '../../workers/age.js';
+import { parseRecipient } from '../../queues/age.js';
 import type { z } from 'zod';
 import type { CheckpointRecord } from '../../queues/registry.js';
 import type { LoraConfig } from '../../queues/schemas.js';

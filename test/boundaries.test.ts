@@ -1,0 +1,53 @@
+import { readdirSync, readFileSync } from 'node:fs';
+import path from 'node:path';
+import { expect } from 'chai';
+
+/**
+ * The layering of DESIGN.md: `api/` and `workers/` are siblings over `queues/`. Neither imports the
+ * other, and `queues/` imports neither (nor `presets/` or `scripts/`, which sit above all three).
+ * This reads every import and re-export specifier of the TypeScript sources, static and dynamic.
+ */
+const ROOT = path.resolve(import.meta.dirname, '..');
+
+function sources(dir: string): string[] {
+  return readdirSync(path.join(ROOT, dir), { recursive: true, withFileTypes: true })
+    .filter((f) => f.isFile() && /\.(ts|mts)$/.test(f.name) && !f.parentPath.includes('node_modules'))
+    .map((f) => path.relative(ROOT, path.join(f.parentPath, f.name)));
+}
+
+const SPECIFIER = /(?:^|[\s;])(?:import|export)\s[^'"]*?from\s*['"]([^'"]+)['"]|import\(\s*['"]([^'"]+)['"]\s*\)|^\s*import\s*['"]([^'"]+)['"]/gm;
+
+/** The top-level folder each relative import of `file` lands in. */
+function importedFolders(file: string): Array<{ spec: string; folder: string }> {
+  const text = readFileSync(path.join(ROOT, file), 'utf8');
+  const out: Array<{ spec: string; folder: string }> = [];
+  for (const m of text.matchAll(SPECIFIER)) {
+    const spec = m[1] ?? m[2] ?? m[3];
+    if (!spec?.startsWith('.')) continue;
+    const target = path.relative(ROOT, path.resolve(path.dirname(path.join(ROOT, file)), spec));
+    out.push({ spec, folder: target.split(path.sep)[0] ?? '' });
+  }
+  return out;
+}
+
+const FORBIDDEN: Record<string, string[]> = {
+  api: ['workers', 'presets', 'scripts', 'test', 'bench'],
+  workers: ['api', 'presets', 'scripts', 'test', 'bench'],
+  queues: ['api', 'workers', 'presets', 'scripts', 'test', 'bench'],
+};
+
+describe('import boundaries', () => {
+  for (const [folder, forbidden] of Object.entries(FORBIDDEN)) {
+    it(`${folder}/ imports none of ${forbidden.join(', ')}`, () => {
+      const files = sources(folder);
+      expect(files.length).to.be.greaterThan(0);
+      const bad = files.flatMap((f) => importedFolders(f).filter((i) => forbidden.includes(i.folder)).map((i) => `${f} imports ${i.spec}`));
+      expect(bad).to.deep.equal([]);
+    });
+  }
+
+  it('detects a forbidden import (the scanner itself works)', () => {
+    // api/main.ts imports queues/: the scanner must see it, or the tests above prove nothing.
+    expect(importedFolders('api/main.ts').map((i) => i.folder)).to.include('queues');
+  });
+});
