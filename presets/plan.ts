@@ -83,6 +83,7 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
             topkMax: m.topk_max,
             dtype: m.dtype,
             tensorParallel: m.parallelism.tensor,
+            ...(m.engine === 'verl' ? { strategy: m.parallelism.strategy, offload: m.offload } : {}),
             roles: [],
           };
           e.aliases.push(m.name);

@@ -87,11 +87,15 @@ export type BaseModelSpec = {
   dtype?: string | undefined;
   /** GPUs the engine splits the model over (the preset's `parallelism.tensor`; vLLM `--tensor-parallel-size`). @defaultValue 1 */
   tensorParallel?: number | undefined;
+  /** verl engine: the preset's `parallelism.strategy` (fsdp2 when unset). */
+  strategy?: string | undefined;
+  /** verl engine: the preset's `offload` (parameters and optimizer state in CPU memory between steps). */
+  offload?: boolean | undefined;
 };
 
 export const MODEL_DEFAULTS = { trainable: true, loraMaxRank: 64, topkMax: 20 } as const;
 
-/** The engine an agent drives: `torch` (workers/adapters/torch.ts), `vllm` (workers/adapters/vllm.ts, sampling only); `verl` is not available yet. */
+/** The engine an agent drives: `torch` (workers/adapters/torch.ts), `vllm` (workers/adapters/vllm.ts, sampling only), `verl` (workers/adapters/verl.ts, training only, GPUs). */
 export type EngineKind = 'torch' | 'vllm' | 'verl';
 
 export type AgentConfig = {

@@ -2,12 +2,13 @@ import type { ChildProcess } from 'node:child_process';
 import { existsSync } from 'node:fs';
 import path from 'node:path';
 import { parseArgs } from 'node:util';
-import { startApi } from '../api/main.js';
+import { assertSafeKeys, startApi, StartRefused } from '../api/main.js';
 import { parseModelSpec } from '../queues/config.js';
 import { logger } from '../queues/logger.js';
 import { loadPreset, PresetError } from '../presets/schema.js';
 import { planPreset, type Plan } from '../presets/plan.js';
 import { Agent } from '../workers/agent.js';
+import { gpusOf } from '../workers/adapters/verl.js';
 import { defaultPython, ensureRedis, ensureTinyModel, TINY_MODEL_DIR } from './stack.js';
 
 /**
@@ -62,8 +63,8 @@ async function start(argv: string[]): Promise<void> {
   }
   if (p.agents.length === 0 && !p.api) throw new Error(`nothing to start on node '${p.node}' (no API and no agent placed there)`);
   for (const a of p.agents) {
-    if (a.engine === 'verl')
-      throw new Error(`agent ${a.agentId}: engine 'verl' is not available in this version; use engine: torch (see README, Engines)`);
+    if (a.engine === 'verl' && !gpusOf(a.engineDevice ?? a.device))
+      throw new Error(`agent ${a.agentId}: engine 'verl' runs on GPUs; its device is '${a.engineDevice ?? a.device}' (use cuda, cuda:N or cuda:N,M,…)`);
     if (a.engine === 'vllm') {
       const trainable = a.models.filter((m) => m.trainable);
       if (trainable.length)
@@ -75,6 +76,7 @@ async function start(argv: string[]): Promise<void> {
         throw new Error(`agent ${a.agentId}: model ${m.aliases.join('|') || m.name} has no model directory at ${m.path}`);
     }
   }
+  if (p.api) assertSafeKeys(p.api, process.env);
   let redis: ChildProcess | null = null;
   if (p.redis.embedded && (p.api || p.agents.length)) redis = await ensureRedis(p.redis.url);
 
@@ -118,7 +120,8 @@ async function main(): Promise<void> {
 }
 
 main().catch((err) => {
-  if (err instanceof PresetError) process.stderr.write(`${err.message}\n`);
+  const plain = err instanceof PresetError || err instanceof StartRefused;
+  if (plain) process.stderr.write(`${err.message}\n`);
   else logger.error('tinker-broker failed', { error: String(err?.stack ?? err) });
-  process.exit(err instanceof PresetError ? 2 : 1);
+  process.exit(plain ? 2 : 1);
 });

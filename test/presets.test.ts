@@ -99,9 +99,13 @@ agents:
     expect(r.stderr).to.match(/models\[1\]\.name: model 'b' is served by no agent/);
   });
 
-  it('refuses to start an agent whose engine is not available, before anything starts', () => {
-    const r = cli('start', '--preset', 'presets/distill/multi_teacher.yaml', '--agent', 'n0-actor');
+  it('refuses to start a verl agent off the GPUs, before anything starts', () => {
+    const r = cli('start', '--preset', write('verlcpu.yaml', `name: t\nmodels:\n  - { name: a, path: /m/a, role: actor, engine: verl }\nagents:\n  - { id: g0, models: [a] }\n`));
     expect(r.status).to.equal(1);
-    expect(r.stderr).to.match(/engine 'verl' is not available in this version/);
+    expect(r.stderr).to.match(/agent g0: engine 'verl' runs on GPUs; its device is 'cpu'/);
+    // On its GPUs a verl agent passes the engine check and stops at the next one (its model directory).
+    const g = cli('start', '--preset', 'presets/distill/multi_teacher.yaml', '--agent', 'n0-actor');
+    expect(g.status).to.equal(1);
+    expect(g.stderr).to.match(/has no model directory at/);
   });
 });

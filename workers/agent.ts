@@ -13,6 +13,7 @@ import { Registry, type CheckpointRecord, type ModelRecord, type ServedModel } f
 import { SampleJob, TrainJob, type AnyJob, type SaveExternalJob, type SaveSamplerJob, type SaveStateJob } from '../queues/schemas.js';
 import type { EngineAdapter } from './adapters/adapter.js';
 import { TorchAdapter } from './adapters/torch.js';
+import { VerlAdapter } from './adapters/verl.js';
 import { VllmAdapter } from './adapters/vllm.js';
 import { encryptFileInPlace } from '../queues/age.js';
 import { EngineError } from './engine.js';
@@ -48,12 +49,13 @@ export class Agent {
     this.adapter = adapter ?? Agent.adapterFor(config, this.log);
   }
 
-  /** The engine adapter of the agent's models: torch (trains and samples) or vLLM (samples only). */
+  /** The engine adapter of the agent's models: torch (trains and samples), vLLM (samples only) or verl (trains only). */
   static adapterFor(config: AgentConfig, log: Logger): EngineAdapter {
     const engine = config.engine ?? 'torch';
     if (engine === 'torch') return new TorchAdapter({ python: config.python, device: config.engineDevice, log });
     if (engine === 'vllm') return new VllmAdapter({ device: config.engineDevice, urls: config.vllmUrls, log });
-    throw new Error(`agent ${config.agentId}: engine '${engine}' is not available in this version (torch and vllm are)`);
+    if (engine === 'verl') return new VerlAdapter({ python: config.python, device: config.engineDevice, log, models: config.models });
+    throw new Error(`agent ${config.agentId}: engine '${String(engine)}' is not available in this version (torch, vllm and verl are)`);
   }
 
   get trainQueue(): string {
@@ -72,7 +74,8 @@ export class Agent {
     const common = { connection: this.redis, prefix: this.names.bull, maxStalledCount: 0 };
     this.workers.push(
       new Worker<AnyJob>(this.trainQueue, (job) => this.runTrain(job), { ...common, concurrency: 1 }),
-      ...this.served.map(
+      // An engine that only trains (verl) takes no sample jobs: they wait for agents that sample.
+      ...(this.adapter.samples === false ? [] : this.served).map(
         (m) =>
           new Worker<AnyJob>(this.names.sampleQueue(m.name), (job) => this.runSample(job), {
             ...common,
@@ -206,6 +209,7 @@ export class Agent {
       expires_at: ttl === null ? null : new Date(now + ttl * 1000).toISOString(),
       public: false,
       user_metadata: job.user_metadata,
+      tenant: model.tenant,
       ...extra,
     };
   }
@@ -221,7 +225,14 @@ export class Agent {
     await this.registry.putCheckpoint(this.checkpointRecord(model, job, 'sampler', { size_bytes, has_optimizer: false, ephemeral }));
     if (job.sampling_session_id) {
       await this.registry.putSamplingSession(
-        { sampling_session_id: job.sampling_session_id, session_id: model.session_id, base_model: model.base_model, model_path: job.tinker_path, adapter_dir: job.dir },
+        {
+          sampling_session_id: job.sampling_session_id,
+          session_id: model.session_id,
+          base_model: model.base_model,
+          model_path: job.tinker_path,
+          adapter_dir: job.dir,
+          tenant: model.tenant,
+        },
         this.config.retentionS,
       );
       await this.registry.indexSampler(model.session_id, job.sampling_session_id);

@@ -17,6 +17,8 @@ import type { BaseModelSpec } from '../../queues/config.js';
 export interface EngineAdapter {
   readonly kind: string;
   readonly device: string;
+  /** Whether the engine serves sample jobs. @defaultValue true (verl trains only) */
+  readonly samples?: boolean;
   start(): Promise<void>;
   stop(): Promise<void>;
   loadBase(spec: BaseModelSpec): Promise<ServedModel>;
