@@ -3,7 +3,7 @@
 #   - base images: node:20-bookworm-slim and redis:7-bookworm are used when present or pullable; a machine
 #     without Docker Hub gets them built from Debian's packages (scripts/docker-base-image.sh).
 #   - torch: a local torch wheel of the pinned version for Python 3.11 (the CPU build, say) found in
-#     TORCH_WHEEL_DIRS (default: PIP_FIND_LINKS) is linked into docker/wheels/, which the Dockerfile's
+#     TORCH_WHEEL_DIRS (default: PIP_FIND_LINKS and pip's configured find-links) is linked into docker/wheels/, which the Dockerfile's
 #     install step mounts; else TORCH_INDEX_URL is passed on (e.g. the PyTorch CPU index), else PyPI's torch.
 #   - CA bundle: CA_BUNDLE (default: PIP_CERT, SSL_CERT_FILE, or /etc/ssl/certs/ca-certificates.crt) goes to
 #     npm and pip as the build secret ca_bundle, for machines behind a TLS-intercepting proxy; it is not
@@ -45,7 +45,8 @@ fi
 # A local torch wheel of the pinned version (Python 3.11, Linux x86_64).
 torch_version="$(grep '^torch==' workers/python/requirements.txt | cut -d= -f3)"
 rm -f docker/wheels/*.whl
-for d in ${TORCH_WHEEL_DIRS:-${PIP_FIND_LINKS:-}}; do
+pip_find_links="$(python3 -m pip config get global.find-links 2>/dev/null || true)"
+for d in ${TORCH_WHEEL_DIRS:-${PIP_FIND_LINKS:-} $pip_find_links}; do
   d="${d#file://}"
   [ -d "$d" ] || continue
   w="$(ls "$d"/torch-"${torch_version}"[+-]*cp311*linux*x86_64*.whl 2>/dev/null | head -n1 || true)"
