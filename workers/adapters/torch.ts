@@ -64,6 +64,10 @@ export class TorchAdapter implements EngineAdapter {
     this.exitListeners.push(listener);
   }
 
+  enginePids(): number[] {
+    return this.engine.pid ? [this.engine.pid] : [];
+  }
+
   async start(): Promise<void> {
     this.engine = this.makeEngine();
     this.engine.start();

@@ -144,7 +144,13 @@ def _get(data: Any, key: str, default: Any = None) -> Any:
         value = data[key]
     except KeyError:
         return default
-    return getattr(value, "data", value) if type(value).__name__ == "NonTensorData" else value
+    kind = type(value).__name__
+    if kind == "NonTensorData":
+        return value.data
+    if kind == "NonTensorStack":  # a per-row copy of one value
+        values = value.tolist()
+        return values[0] if values else default
+    return value
 
 
 def row_losses(spec: LossSpec, config: Mapping[str, float], log_probs: torch.Tensor,
