@@ -36,8 +36,9 @@ Environment variables override the preset:
 For a start with exactly one agent: TB_AGENT_ID, TB_AGENT_MODELS (path[=alias],...),
 TB_ENGINE_DEVICE, TB_VLLM_URL.
 
-SIGTERM or SIGINT (Ctrl-C) stops the API, the agents, their engines and a Redis started here;
-a second signal stops at once.
+SIGTERM or SIGINT (Ctrl-C) stops the API, the agents (after the job each is running, up to
+TB_STOP_GRACE_S, default 600 s with agents, 30 s without), their engines and a Redis started
+here; a second signal stops at once.
 
 examples:
   tinker-broker start                                   # tiny CPU model on 127.0.0.1:8000
@@ -115,12 +116,14 @@ async function start(p: Parsed): Promise<void> {
       process.exit(1);
     }
     stopping = true;
-    logger.info('stopping', { signal: sig });
+    // Agents finish the op they are running (a forward_backward on a GPU may take minutes); the API stops in seconds.
+    const graceS = Number(process.env.TB_STOP_GRACE_S ?? (agents.length ? 600 : 30));
+    logger.info('stopping', { signal: sig, ...(agents.length ? { note: `running jobs finish first (up to ${graceS} s); signal again to stop at once` } : {}) });
     const force = setTimeout(() => {
-      logger.error('shutdown took longer than 30 s; exiting');
+      logger.error(`shutdown took longer than ${graceS} s; exiting`);
       redis?.kill('SIGKILL');
       process.exit(1);
-    }, 30_000);
+    }, graceS * 1000);
     force.unref();
     await cleanup();
     logger.info('stopped');
