@@ -38,6 +38,15 @@ export const LOSS_INPUTS: Record<string, { required: string[]; optional: string[
 
 const invalid = (m: string) => new BrokerError('INVALID_REQUEST', m);
 
+/** Widest 2-D loss input (N, K) accepted (top-K distillation targets and weights). */
+export const MAX_TARGET_K = 128;
+
+/** A model's context length (records placed before it was stored: from the agents' registry). */
+async function contextLength(ctx: ApiContext, model: ModelRecord): Promise<number> {
+  if (model.max_context_length !== null) return model.max_context_length;
+  return (await ctx.registry.resolveBaseModel(model.base_model)).model.max_context_length;
+}
+
 /** Checks a batch against the loss and the model before it is queued; the engine re-checks. */
 export function validateBatch(lossFn: string, data: Datum[], vocabSize: number): void {
   const spec = LOSS_INPUTS[lossFn];
@@ -183,11 +192,15 @@ export function trainingRoutes(ctx: ApiContext): Router {
     if (!fb.model_id) throw invalid('forward_backward: model_id is required');
     if (fb.seq_id < 1) throw invalid(`forward_backward: seq_id must be ≥ 1, got ${fb.seq_id}`);
     const model = await requireModel(ctx, req, fb.model_id);
-    await guardSeq(ctx, req, fb.model_id, fb.seq_id, async () => {
-      validateBatch(fb.loss_fn, fb.data, model.vocab_size);
+    const data = await guardSeq(ctx, req, fb.model_id, fb.seq_id, async () => {
+      // The datums are decoded only now, under the model's bounds: nothing is allocated past them.
+      const data = fb.data({ maxTokens: await contextLength(ctx, model), vocabSize: model.vocab_size, maxK: MAX_TARGET_K });
+      validateBatch(fb.loss_fn, data, model.vocab_size);
       if (fb.loss_fn === 'dro' && typeof fb.loss_fn_config.beta !== 'number') throw invalid("loss_fn 'dro' needs loss_fn_config.beta");
+      return data;
     });
-    const requestId = await submitTrainOp(ctx, req, model, fb.seq_id, { op: 'forward_backward', ...fb });
+    const { data: _lazy, ...rest } = fb;
+    const requestId = await submitTrainOp(ctx, req, model, fb.seq_id, { op: 'forward_backward', ...rest, data });
     res.json({ request_id: requestId, model_id: fb.model_id });
   });
 

@@ -259,3 +259,50 @@ describe('operations: metrics, CLI, dashboard, OpenAPI and SIGTERM on a stack st
     expect(log).to.match(/stopping .*signal=SIGTERM/);
   });
 });
+
+describe('npx tinker-broker start stops on SIGTERM to npx', function () {
+  this.timeout(180_000);
+  it('leaves no process running (npm forwards the signal to a shell that does not pass it on; start watches its parent)', async () => {
+    const tmp = mkdtempSync(path.join(os.tmpdir(), 'tb-npx-'));
+    const port = await freePort();
+    const redisPort = await freePort();
+    mkdirSync(path.join(tmp, 'redis'));
+    const env = {
+      ...process.env,
+      TB_LOG_LEVEL: 'info',
+      TB_PORT: String(port),
+      TB_PREFIX: 'npx',
+      REDIS_URL: `redis://127.0.0.1:${redisPort}`,
+      TB_REDIS_DIR: path.join(tmp, 'redis'),
+      TB_STORAGE_DIR: path.join(tmp, 'storage'),
+      TB_API_KEYS: KEY,
+    };
+    const npx = spawn('npx', ['tinker-broker', 'start', '--api-only'], { env, stdio: ['ignore', 'pipe', 'pipe'], detached: true });
+    let log = '';
+    npx.stdout!.on('data', (d) => (log += d));
+    npx.stderr!.on('data', (d) => (log += d));
+    try {
+      const deadline = Date.now() + 120_000;
+      while (!(await portOpen(port))) {
+        if (npx.exitCode !== null || Date.now() > deadline) throw new Error(`not listening:\n${log}`);
+        await new Promise((r) => setTimeout(r, 250));
+      }
+      const pids = await processTree([npx.pid!]);
+      const exited = new Promise((resolve) => npx.once('exit', resolve));
+      process.kill(npx.pid!, 'SIGTERM');
+      await exited;
+      const until = Date.now() + 30_000;
+      while (pids.some(alive) && Date.now() < until) await new Promise((r) => setTimeout(r, 100));
+      expect(pids.filter(alive), `left running:\n${log}`).to.deep.equal([]);
+      expect(await portOpen(port)).to.equal(false);
+      expect(await portOpen(redisPort)).to.equal(false);
+    } finally {
+      try {
+        process.kill(-npx.pid!, 'SIGKILL');
+      } catch {
+        /* gone */
+      }
+      rmSync(tmp, { recursive: true, force: true });
+    }
+  });
+});
