@@ -35,7 +35,8 @@ describe('presets', function () {
     ]);
   });
 
-  it('plans every preset on every node with --dry-run', () => {
+  it('plans every preset on every node with --dry-run', function () {
+    this.timeout(300_000); // one CLI process per preset and node, a few seconds each on a loaded machine
     for (const file of shipped) {
       const { preset } = loadPreset(file);
       const nodes = [...new Set([preset.api.node, ...preset.agents.map((a) => a.node)])];
