@@ -193,6 +193,7 @@ export const SampleBody = z.object({
   target_prompt_logprobs: z.unknown().optional(),
   prompt_alt_tokens_k: z.number().int().nonnegative().default(0),
   prompt_logprobs_last_n: z.number().int().positive().nullable().optional(),
+  record_stability_info: z.boolean().nullable().optional(),
 });
 
 export const RetrieveFutureBody = z.object({

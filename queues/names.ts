@@ -43,6 +43,10 @@ export class Names {
   samplingSession(id: string): string {
     return `${this.prefix}:sampler:${id}`;
   }
+  /** What stable_reinforce needs of one sampled sequence (queues/stability.ts). */
+  stability(sequenceId: string): string {
+    return `${this.prefix}:stability:${sequenceId}`;
+  }
 
   // The per-model ordering gate (see queues/gate.ts).
   gateNext(modelId: string): string {

@@ -1,4 +1,5 @@
 import { z } from 'zod';
+import { RecordStability } from './stability.js';
 
 /**
  * The contract between the API and the agents: one schema per job type and per result,
@@ -159,6 +160,8 @@ export const SampleJob = z.object({
   sampling_params: SamplingParams,
   prompt_logprobs: z.boolean(),
   topk_prompt_logprobs: z.number().int().nonnegative(),
+  /** Set when the client asked for record_stability_info: the agent records each sequence. */
+  record_stability: RecordStability.nullish(),
 });
 export type SampleJob = z.infer<typeof SampleJob>;
 

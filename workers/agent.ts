@@ -10,6 +10,7 @@ import { logger as rootLogger, type Logger } from '../queues/logger.js';
 import { Names } from '../queues/names.js';
 import { connect } from '../queues/redis.js';
 import { Registry, type CheckpointRecord, type ModelRecord, type ServedModel } from '../queues/registry.js';
+import { writeStabilityRecords } from '../queues/stability.js';
 import { SampleJob, TrainJob, type AnyJob, type SaveExternalJob, type SaveSamplerJob, type SaveStateJob } from '../queues/schemas.js';
 import type { EngineAdapter } from './adapters/adapter.js';
 import { TorchAdapter } from './adapters/torch.js';
@@ -272,7 +273,10 @@ export class Agent {
   private async runSample(job: Job<AnyJob>): Promise<unknown> {
     return this.guard(job, async () => {
       await this.ensureEngine();
-      return this.adapter.sample(SampleJob.parse(job.data));
+      const data = SampleJob.parse(job.data);
+      const result = await this.adapter.sample(data);
+      if (data.record_stability) await writeStabilityRecords(this.redis, this.names, data.record_stability, data.prompt, result.sequences);
+      return result;
     });
   }
 

@@ -90,11 +90,14 @@ export function samplingRoutes(ctx: ApiContext): Router {
 
     let session: Pick<SamplingSessionRecord, 'base_model' | 'model_path' | 'adapter_dir'>;
     let sessionId: string;
+    // The client's session, which owns the stability records of this request's sequences.
+    let ownerSession: string | null = null;
     if (body.sampling_session_id) {
       const s = await ctx.registry.getSamplingSession(body.sampling_session_id);
       if (!s) throw new BrokerError('NOT_FOUND', `unknown sampling_session_id '${body.sampling_session_id}'`);
       session = s;
       sessionId = s.sampling_session_id;
+      ownerSession = s.session_id;
     } else if (body.base_model || body.model_path) {
       session = await resolveTarget(ctx, body.base_model, body.model_path);
       sessionId = `adhoc-${randomUUID()}`;
@@ -143,6 +146,7 @@ export function samplingRoutes(ctx: ApiContext): Router {
       sampling_params: params,
       prompt_logprobs: body.prompt_logprobs ?? false,
       topk_prompt_logprobs: body.topk_prompt_logprobs,
+      record_stability: body.record_stability_info ? { session_id: ownerSession, request_id: requestId } : null,
     };
     await ctx.queues.add(queue, jobId, job);
     reply();

@@ -21,17 +21,27 @@ import {
   SaveWeightsForSamplerBody,
 } from '../http-schemas.js';
 import { formatTinkerPath, parseTinkerPath, storageDirFor } from '../paths.js';
+import { attachStability } from '../stability.js';
 import { decodeForwardBackwardRequest } from '../wire/proto.js';
 
 /** forward_backward (also forward), optim_step, save_weights_for_sampler: ordered per model. */
 
-/** Loss functions and the `loss_fn_inputs` each needs. */
+const RL = ['target_tokens', 'logprobs', 'advantages'];
+const CLIP = ['clip_low_threshold', 'clip_high_threshold'];
+
+/**
+ * Loss functions and the `loss_fn_inputs` each takes (definitions and sources: docs/losses.md).
+ * stable_reinforce's sampler logprobs come from the server's stability records, not the datum:
+ * a datum's `logprobs` is accepted and not used.
+ */
 export const LOSS_INPUTS: Record<string, { required: string[]; optional: string[] }> = {
   cross_entropy: { required: ['target_tokens'], optional: ['weights'] },
-  importance_sampling: { required: ['target_tokens', 'logprobs', 'advantages'], optional: [] },
-  ppo: { required: ['target_tokens', 'logprobs', 'advantages'], optional: [] },
-  cispo: { required: ['target_tokens', 'logprobs', 'advantages'], optional: [] },
-  dro: { required: ['target_tokens', 'logprobs', 'advantages'], optional: [] },
+  importance_sampling: { required: RL, optional: [] },
+  ppo: { required: RL, optional: CLIP },
+  cispo: { required: RL, optional: CLIP },
+  dro: { required: RL, optional: [] },
+  gspo: { required: RL, optional: ['sequence_ratio_mask', ...CLIP] },
+  stable_reinforce: { required: ['target_tokens', 'advantages'], optional: ['logprobs', 'clip_high_threshold'] },
 };
 
 const invalid = (m: string) => new BrokerError('INVALID_REQUEST', m);
@@ -169,11 +179,13 @@ export function trainingRoutes(ctx: ApiContext): Router {
     if (!fb.model_id) throw invalid('forward_backward: model_id is required');
     if (fb.seq_id < 1) throw invalid(`forward_backward: seq_id must be ≥ 1, got ${fb.seq_id}`);
     const model = await ctx.registry.requireModel(fb.model_id);
+    const { provenance, ...op } = fb;
     await guardSeq(ctx, fb.model_id, fb.seq_id, async () => {
       validateBatch(fb.loss_fn, fb.data, model.vocab_size);
       if (fb.loss_fn === 'dro' && typeof fb.loss_fn_config.beta !== 'number') throw invalid("loss_fn 'dro' needs loss_fn_config.beta");
+      if (fb.loss_fn === 'stable_reinforce') await attachStability(ctx, model, fb.data, provenance);
     });
-    const requestId = await submitTrainOp(ctx, model, fb.seq_id, { op: 'forward_backward', ...fb });
+    const requestId = await submitTrainOp(ctx, model, fb.seq_id, { op: 'forward_backward', ...op });
     res.json({ request_id: requestId, model_id: fb.model_id });
   });
 

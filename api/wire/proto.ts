@@ -80,6 +80,11 @@ function decodeTensor(t: PbObject, what: string): Tensor {
   return { dtype: wireDtype, shape: finalShape, data };
 }
 
+/** One run of a datum's provenance (SDK `PromptProvenanceSpan` / `SampledProvenanceSpan`). */
+export type ProvenanceSpan = { kind: 'prompt' | 'sampled'; sequence_id: string; offset: number; length: number };
+/** `Datum.with_provenance`: runs tiling the model input and the target tokens; null when absent. */
+export type DatumProvenance = { model_input: ProvenanceSpan[]; loss_fn_inputs: ProvenanceSpan[] } | null;
+
 export type DecodedForwardBackward = {
   model_id: string;
   seq_id: number;
@@ -87,7 +92,21 @@ export type DecodedForwardBackward = {
   loss_fn_config: Record<string, number | string>;
   forward_only: boolean;
   data: Datum[];
+  provenance: DatumProvenance[];
 };
+
+function decodeSpans(spans: PbObject[], what: string): ProvenanceSpan[] {
+  return spans.map((s, j) => {
+    const kind = s.span === 'prompt_tokens' ? 'prompt' : s.span === 'sampled_tokens' ? 'sampled' : null;
+    if (!kind) throw invalid(`${what}[${j}]: a provenance span must be prompt_tokens or sampled_tokens`);
+    const body = s[s.span as string] as PbObject;
+    const span = { kind, sequence_id: String(body.sequence_id ?? ''), offset: Number(body.offset ?? 0), length: Number(body.length ?? 0) } as const;
+    if (!span.sequence_id) throw invalid(`${what}[${j}]: sequence_id is empty`);
+    if (!Number.isSafeInteger(span.offset) || span.offset < 0 || !Number.isSafeInteger(span.length) || span.length < 0)
+      throw invalid(`${what}[${j}]: offset and length must be non-negative integers`);
+    return span;
+  });
+}
 
 export function decodeForwardBackwardRequest(body: Buffer): DecodedForwardBackward {
   let msg: protobuf.Message;
@@ -110,6 +129,12 @@ export function decodeForwardBackwardRequest(body: Buffer): DecodedForwardBackwa
     }
     return { tokens, loss_fn_inputs: inputs };
   });
+  const provenance = (o.data as PbObject[]).map((d, i): DatumProvenance => {
+    const mi = (d.model_input_spans as PbObject[] | undefined) ?? [];
+    const li = (d.loss_fn_input_spans as PbObject[] | undefined) ?? [];
+    if (mi.length === 0 && li.length === 0) return null;
+    return { model_input: decodeSpans(mi, `data[${i}].model_input_spans`), loss_fn_inputs: decodeSpans(li, `data[${i}].loss_fn_input_spans`) };
+  });
   // loss_fn_config_v2 (numbers or text) wins over the numeric-only field 5 when present.
   const config: Record<string, number | string> = { ...(o.loss_fn_config as Record<string, number>) };
   for (const [k, v] of Object.entries(o.loss_fn_config_v2 as Record<string, PbObject>)) {
@@ -123,6 +148,7 @@ export function decodeForwardBackwardRequest(body: Buffer): DecodedForwardBackwa
     loss_fn_config: config,
     forward_only: Boolean(o.forward_only),
     data,
+    provenance,
   };
 }
 
