@@ -85,6 +85,11 @@ export const SaveSamplerJob = z.object({
   dir: z.string(),
   /** Set for the unnamed save behind `save_weights_and_get_sampling_client`. */
   sampling_session_id: z.string().nullable(),
+  /**
+   * `inflight`: the save also becomes the model's inflight target, and the new sampling session
+   * follows that target (it samples the newest inflight save of the model, never an older one).
+   */
+  kind: z.enum(['snapshot', 'inflight']).optional(),
   ttl_seconds: z.number().int().positive().nullable(),
   user_metadata: z.record(z.string(), z.string()).nullable(),
 });

@@ -220,9 +220,19 @@ export class Agent {
     const { size_bytes } = await this.adapter.saveSampler(job);
     const model = await this.modelOf(job);
     await this.registry.putCheckpoint(this.checkpointRecord(model, job, 'sampler', { size_bytes, has_optimizer: false, ephemeral }));
+    const inflight = job.kind === 'inflight';
+    // The target moves before the save completes: a client created from this save never sees older weights.
+    if (inflight) await this.registry.setInflightTarget(model.model_id, { model_path: job.tinker_path, adapter_dir: job.dir, seq_id: job.seq_id }, this.config.retentionS);
     if (job.sampling_session_id) {
       await this.registry.putSamplingSession(
-        { sampling_session_id: job.sampling_session_id, session_id: model.session_id, base_model: model.base_model, model_path: job.tinker_path, adapter_dir: job.dir },
+        {
+          sampling_session_id: job.sampling_session_id,
+          session_id: model.session_id,
+          base_model: model.base_model,
+          model_path: job.tinker_path,
+          adapter_dir: job.dir,
+          inflight_model_id: inflight ? model.model_id : null,
+        },
         this.config.retentionS,
       );
       await this.registry.indexSampler(model.session_id, job.sampling_session_id);

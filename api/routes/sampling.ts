@@ -98,6 +98,11 @@ export function samplingRoutes(ctx: ApiContext): Router {
       session = s;
       sessionId = s.sampling_session_id;
       ownerSession = s.session_id;
+      if (s.inflight_model_id) {
+        // Inflight: the model's newest inflight save, which only moves forward from the one this session was created with.
+        const t = await ctx.registry.inflightTarget(s.inflight_model_id);
+        if (t) session = { base_model: s.base_model, model_path: t.model_path, adapter_dir: t.adapter_dir };
+      }
     } else if (body.base_model || body.model_path) {
       session = await resolveTarget(ctx, body.base_model, body.model_path);
       sessionId = `adhoc-${randomUUID()}`;

@@ -211,6 +211,7 @@ export function trainingRoutes(ctx: ApiContext): Router {
       tinker_path: formatTinkerPath(tp),
       dir: storageDirFor(ctx.config.storageDir, tp),
       sampling_session_id: named ? null : `${model.session_id}:sample:${body.sampling_session_seq_id}`,
+      kind: body.kind,
       ttl_seconds: body.ttl_seconds ?? null,
       user_metadata: body.user_metadata ?? null,
     });

@@ -28,6 +28,7 @@ type CaseResult = {
   max_update: number;
   // ratio-based losses only
   max_ratio?: number;
+  min_ratio?: number;
   n_ratio_gt_2?: number;
   ppo_clipped_tokens?: number;
   tokens_outside_clip?: number;
