@@ -66,7 +66,7 @@ export const OptimStepBody = z
   })
   .superRefine((b, ctx) => {
     if (b.optimizer_params)
-      ctx.addIssue({ code: 'custom', path: ['optimizer_params'], message: `optimizer '${b.optimizer_params.type}' is not supported; only Adam (adam_params)` });
+      ctx.addIssue({ code: 'custom', path: ['optimizer_params'], message: `optimizer '${b.optimizer_params.type}' is not supported by this server; supported: adamw (adam_params)` });
     else if (!b.adam_params && !b.optim_params) ctx.addIssue({ code: 'custom', path: ['adam_params'], message: 'required' });
   });
 

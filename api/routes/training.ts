@@ -148,7 +148,7 @@ async function createViaLoad(ctx: ApiContext, body: z.output<typeof CreateViaLoa
   if (!(await ctx.registry.sessionExists(body.session_id)))
     throw new BrokerError('NOT_FOUND', `unknown session '${body.session_id}': call create_session first`);
   if (body.optimizer_config && body.optimizer_config.type !== 'adamw')
-    throw invalid(`optimizer '${body.optimizer_config.type}' is not supported; only adamw`);
+    throw invalid(`optimizer '${body.optimizer_config.type}' is not supported by this server; supported: adamw (Dimuon's definition is not public, see docs/losses.md)`);
   const c = await loadableCheckpoint(ctx, body.path);
   if (body.base_model) {
     const { model } = await ctx.registry.resolveBaseModel(body.base_model);
