@@ -112,37 +112,6 @@ def gsm8k_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
-# rl_loop's own conversation (recipes/rl_loop.py): a one-shot example, then the question with a suffix.
-RL_LOOP_SUFFIX = " Provide a numerical answer without units, written inside \\boxed{}."
-RL_LOOP_PREFIX = [
-    {"role": "user", "content": "How many r's are in strawberry?" + RL_LOOP_SUFFIX},
-    {"role": "assistant", "content": "Let's spell the word out and number all the letters: 1) s 2) t 3) r 4) a 5) w "
-                                     "6) b 7) e 8) r 9) r 10) y. We have r's at positions 3, 8, and 9. \\boxed{3}"},
-]
-# The answer every problem of the "constant answer" RL set has: a policy that learns to write it
-# gets reward 1, so RL must raise the mean reward within a few steps.
-CONSTANT_ANSWER = 7
-
-
-def boxed_sft_rows(n: int, seed: int) -> list[dict]:
-    """rl_loop's conversation answered by a boxed digit drawn uniformly: SFT teaches the answer
-    format, not the answer (about 1 in 10 is the constant answer)."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = _addition(rng)
-        rows.append({"messages": [*RL_LOOP_PREFIX,
-                                  {"role": "user", "content": f"What is {a} + {b}?" + RL_LOOP_SUFFIX},
-                                  {"role": "assistant", "content": f"\\boxed{{{rng.randint(0, 9)}}}"}]})
-    return rows
-
-
-def constant_gsm8k_rows(n: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    return [{"question": f"What is {a} + {b}?", "answer": f"#### {CONSTANT_ANSWER}"}
-            for a, b in (_addition(rng) for _ in range(n))]
-
-
 # openai/gsm8k is loaded with a config name ("main"); a local directory declares it in its card.
 GSM8K_CARD = """---
 configs:
@@ -155,15 +124,6 @@ configs:
 ---
 Local arithmetic problems in the openai/gsm8k layout (tinker-broker's cookbook tests).
 """
-
-
-def _link_model(w: Path, model_dir: str | os.PathLike[str]) -> Path:
-    link = w / SL_LOOP_MODEL_ALIAS
-    link.parent.mkdir(parents=True, exist_ok=True)
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    link.symlink_to(Path(model_dir).resolve(), target_is_directory=True)
-    return link
 
 
 def prepare(workdir: str | os.PathLike[str], model_dir: str | os.PathLike[str]) -> dict[str, str]:
@@ -180,17 +140,12 @@ def prepare(workdir: str | os.PathLike[str], model_dir: str | os.PathLike[str]) 
     _write_jsonl(w / "openai/gsm8k/main/train.jsonl", gsm8k_rows(64, seed=10))
     _write_jsonl(w / "openai/gsm8k/main/test.jsonl", gsm8k_rows(8, seed=11))
     (w / "openai/gsm8k/README.md").write_text(GSM8K_CARD)
-    link = _link_model(w, model_dir)
-    # The "constant answer" variant: its own directory (rl_loop loads openai/gsm8k from its cwd).
-    const = w / "constant"
-    _write_jsonl(w / "boxed.jsonl", boxed_sft_rows(256, seed=12))
-    _write_jsonl(const / "openai/gsm8k/main/train.jsonl", constant_gsm8k_rows(128, seed=13))
-    _write_jsonl(const / "openai/gsm8k/main/test.jsonl", constant_gsm8k_rows(8, seed=14))
-    (const / "openai/gsm8k/README.md").write_text(GSM8K_CARD)
-    _link_model(const, model_dir)
+    link = w / SL_LOOP_MODEL_ALIAS
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(Path(model_dir).resolve(), target_is_directory=True)
     return {
-        "boxed_jsonl": str(w / "boxed.jsonl"),
-        "constant_workdir": str(const),
         "chat_jsonl": str(w / "chat.jsonl"),
         "no_robots": str(w / "HuggingFaceH4/no_robots"),
         "hh_rlhf": str(w / "Anthropic/hh-rlhf"),

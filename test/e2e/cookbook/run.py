@@ -115,14 +115,7 @@ RECIPES: dict[str, tuple[list[str], dict[str, str]]] = {
 # SFT, then RL from the SFT run's final state (math_rl's load_checkpoint_path).
 SFT_THEN_RL = ("chat_sl", "math_rl", {"max_steps": "4", "groups_per_batch": "8", "max_tokens": "10",
                                       "learning_rate": "1e-3"})
-# rl_loop with a reward the tiny model can earn: SFT on rl_loop's own conversation answered with a
-# boxed random digit (the format), then rl_loop on problems whose answer is always
-# data.CONSTANT_ANSWER, resumed from the SFT state (rl_loop resumes from the last state in its
-# log_path's checkpoints.jsonl, which is seeded with it). RL must raise the reward.
-BOXED_SFT = {"model_name": data.SL_LOOP_MODEL_ALIAS, "dataset": "{workdir}/boxed.jsonl",
-             "train_on_what": "last_assistant_message", "max_steps": "16", "learning_rate": "1e-2"}
-CONSTANT_RL = {"loss_fn": "", "batch_size": "8", "group_size": "4", "max_tokens": "12", "learning_rate": "2e-3", "max_steps": "6"}
-ALL = [*RECIPES, "sft_then_rl", "sft_then_rl_loop"]
+ALL = [*RECIPES, "sft_then_rl"]
 
 
 def _finite(v):
@@ -148,18 +141,12 @@ def read_checkpoints(log_path: Path) -> list[dict]:
     return [json.loads(l) for l in f.read_text().splitlines() if l.strip()] if f.exists() else []
 
 
-def run_one(recipe: str, workdir: Path, overrides: dict[str, str], run_name: str | None = None,
-            cwd: Path | None = None, resume_from: dict | None = None) -> dict:
+def run_one(recipe: str, workdir: Path, overrides: dict[str, str], run_name: str | None = None) -> dict:
     cmd_prefix, defaults = RECIPES[recipe]
     log_path = workdir / "runs" / (run_name or recipe)
-    # A recipe resumes from checkpoints it finds in log_path (sl_loop, off-policy): start clean,
-    # or from `resume_from` (a checkpoints.jsonl row) when given.
+    # A recipe resumes from checkpoints it finds in log_path (sl_loop, off-policy): start clean.
     shutil.rmtree(log_path, ignore_errors=True)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    if resume_from is not None:
-        log_path.mkdir(parents=True)
-        (log_path / "checkpoints.jsonl").write_text(json.dumps(resume_from) + "\n")
-    cwd = cwd or workdir
     fill = {**_models(), "workdir": str(workdir), "log_path": str(log_path)}
     args = {k: v.format(**fill) for k, v in defaults.items()}
     args.update(overrides)
@@ -173,8 +160,8 @@ def run_one(recipe: str, workdir: Path, overrides: dict[str, str], run_name: str
     t0 = time.time()
     # The recipe's output goes to a file beside its metrics (ml_log writes logs.log there too).
     with open(log_path.parent / f"{log_path.name}.out", "w") as out:
-        rc = subprocess.call(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    result = {"recipe": recipe, "cmd": cmd, "cwd": str(cwd), "log_path": str(log_path), "rc": rc,
+        rc = subprocess.call(cmd, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
+    result = {"recipe": recipe, "cmd": cmd, "cwd": str(workdir), "log_path": str(log_path), "rc": rc,
               "seconds": round(time.time() - t0, 1), "metrics": read_metrics(log_path),
               "checkpoints": read_checkpoints(log_path)}
     if rc != 0:
@@ -226,17 +213,6 @@ def main(argv: list[str]) -> int:
             rl_over = {**rl_defaults, "load_checkpoint_path": state,
                        **{k[3:]: v for k, v in overrides.items() if k.startswith("rl.")}}
             out["rl"] = run_one(rl_name, workdir, rl_over, run_name="sft_then_rl-rl")
-        rc = sft["rc"] or out.get("rl", {}).get("rc", 1)
-    elif recipe == "sft_then_rl_loop":
-        sft_over = {k: v.format(workdir=workdir) for k, v in BOXED_SFT.items()}
-        sft = run_one("chat_sl", workdir, {**sft_over, **{k[4:]: v for k, v in overrides.items() if k.startswith("sft.")}},
-                      run_name="sft_then_rl_loop-sft")
-        out = {"recipe": recipe, "sft": sft}
-        if sft["rc"] == 0:
-            state = sft["checkpoints"][-1]["state_path"]
-            rl_over = {**CONSTANT_RL, **{k[3:]: v for k, v in overrides.items() if k.startswith("rl.")}}
-            out["rl"] = run_one("rl_loop", workdir, rl_over, run_name="sft_then_rl_loop-rl", cwd=workdir / "constant",
-                                resume_from={"name": "sft", "batch": 0, "state_path": state})
         rc = sft["rc"] or out.get("rl", {}).get("rc", 1)
     else:
         out = run_one(recipe, workdir, overrides)
