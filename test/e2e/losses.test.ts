@@ -19,7 +19,6 @@ type CaseResult = {
   logprob_shapes_ok: boolean;
   loss_server: number;
   loss_ref: number;
-  loss_after_step: number;
   grad_norm_server: number;
   grad_norm_ref: number;
   grad_clip_norm: number;
@@ -88,8 +87,6 @@ describe('losses match a torch reference (logprobs, loss:sum, parameters after o
       expect(r.max_update, ctx).to.be.above(1e-4);
       // Where a clip is set, it really clips.
       if (r.grad_clip_norm > 0) expect(r.grad_norm_ref, ctx).to.be.above(2 * r.grad_clip_norm);
-      // The step goes downhill: the same batch scores a lower loss afterwards (forward only).
-      expect(r.loss_after_step, ctx).to.be.below(r.loss_server - 1e-3);
     });
   }
 

@@ -316,8 +316,6 @@ def main() -> None:
                                 weight_decay=WEIGHT_DECAY, grad_clip_norm=clip)
         opt = tc.optim_step(adam).result()
         tc.save_weights_for_sampler(f"after-{name}").result()
-        # The same batch and loss after the step, forward only: a descent step lowers it.
-        loss_after = float(tc.forward([to_datum(t, inp) for t, inp in data], loss_fn, config).result().metrics["loss:sum"])
         after_dir = adapter_dir(storage, tc.model_id, f"after-{name}")
 
         ref_lps, ref_loss_sum, ref_norm, ref_max_grad, ref_state = reference(base_dir, init_dir, data, loss_fn, config, clip, eps)
@@ -349,7 +347,6 @@ def main() -> None:
             "logprob_shapes_ok": shapes_ok,
             "loss_server": float(fb.metrics["loss:sum"]),
             "loss_ref": ref_loss_sum,
-            "loss_after_step": loss_after,
             "grad_norm_server": server_norm,
             "grad_norm_ref": ref_norm,
             "grad_clip_norm": clip,
