@@ -87,6 +87,29 @@ export const FailedFuture = z.object({
 });
 export type FailedFuture = z.infer<typeof FailedFuture>;
 
+/**
+ * Engines by sampling throughput under concurrent requests, fastest first. vLLM batches every request
+ * it holds (continuous batching); the torch engine runs one sample request at a time, so an actor
+ * that shares a sample queue with rollout agents sets the pace of everyone's requests. Engines not
+ * listed come after these.
+ */
+export const SAMPLE_ENGINE_ORDER: readonly string[] = ['vllm', 'torch'];
+
+/**
+ * Where a sample job of `baseModel` goes: the fastest engine kind among the live `agents` serving it
+ * that accept the sampler version's LoRA rank (`loraRank`, null for the base model). The torch actor
+ * thus samples only when no rollout (vLLM) agent serves that version. When no agent accepts the rank,
+ * the fastest engine serving the model gets the job, and its engine reports the error.
+ */
+export function sampleEngine(baseModel: string, agents: AgentRecord[], loraRank: number | null): string {
+  const serving = agents.flatMap((a) => a.models.filter((m) => m.name === baseModel).map((m) => ({ engine: a.engine, m })));
+  const fits = serving.filter(({ m }) => loraRank === null || m.lora_max_rank >= loraRank);
+  const pool = (fits.length ? fits : serving).map((s) => s.engine);
+  if (pool.length === 0) throw new BrokerError('NOT_FOUND', `base model '${baseModel}' is not served here (no live agent serves it)`);
+  const rank = (e: string) => (SAMPLE_ENGINE_ORDER.includes(e) ? SAMPLE_ENGINE_ORDER.indexOf(e) : SAMPLE_ENGINE_ORDER.length);
+  return [...new Set(pool)].sort((a, b) => rank(a) - rank(b) || a.localeCompare(b))[0]!;
+}
+
 /** How long an agent's liveness key lives without a refresh. */
 export const AGENT_TTL_MS = 15_000;
 
