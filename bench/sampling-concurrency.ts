@@ -3,8 +3,8 @@ import path from 'node:path';
 import { Queue } from 'bullmq';
 import { Redis } from 'ioredis';
 import { Names } from '../queues/names.js';
-import { awaitFuture, call, REDIS_URL } from '../test/helpers/stack.js';
-import { E2E_KEY, E2EServer } from '../test/e2e/server.js';
+import { API_KEY, awaitFuture, call, REDIS_URL } from '../test/helpers/stack.js';
+import { E2EServer } from '../test/e2e/server.js';
 
 /**
  * Concurrent one-sample requests against one many-sample request, through the whole stack started
@@ -25,12 +25,12 @@ const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 type Target = { label: string; body: Record<string, unknown> };
 
 async function main(): Promise<void> {
-  const server = new E2EServer({}, ['--preset', preset]);
+  const server = new E2EServer({ TB_API_KEYS: API_KEY }, ['--preset', preset]);
   const t0 = performance.now();
   await server.start(900_000);
   console.log(`preset ${preset} ready in ${((performance.now() - t0) / 1000).toFixed(1)} s`);
   const url = server.baseUrl;
-  const api = (route: string, body: unknown) => call(url, 'POST', route, body, { key: E2E_KEY });
+  const api = (route: string, body: unknown) => call(url, 'POST', route, body);
   const result = async (requestId: string) => {
     const r = await awaitFuture(url, requestId, 'application/json', 400);
     if (r.status !== 200) throw new Error(r.body.toString());
