@@ -20,6 +20,7 @@ from .errors import UserError
 from .losses import LossSpec, get_loss, target_logprobs
 from .models import BaseModel, Registry
 from .params import check_token_ids, get_bool, get_float, get_obj, get_str, is_int
+from .rollback import StepUndo, check_grads, check_losses, check_norm, step_is_finite
 from .tensors import tensor_from_json, tensor_to_json
 
 DEFAULT_MAX_BATCH_TOKENS = 16384
@@ -122,6 +123,7 @@ def _run_batch(base: BaseModel, batch: list[Datum], loss: LossSpec, config: dict
             inputs = {k: v.to(device) for k, v in d.inputs.items()}
             losses.append(loss.fn(lp, inputs, config))
             outputs.append(lp.detach().cpu())
+        check_losses([d.index for d in batch], losses, outputs)
         total = torch.stack(losses).sum()
         if backward:
             total.backward()
@@ -149,6 +151,8 @@ def forward_backward(registry: Registry, args: dict[str, Any]) -> dict[str, Any]
     try:
         for batch in micro_batches(datums, max_batch_tokens()):
             batch_outputs, batch_loss = _run_batch(base, batch, loss, config, backward=not forward_only)
+            if not forward_only:
+                check_grads([d.index for d in batch], model.parameters())
             outputs.extend(batch_outputs)
             total += batch_loss
     except BaseException:
@@ -206,6 +210,7 @@ def optim_step(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
         group["betas"] = (hp.beta1, hp.beta2)
         group["eps"] = hp.eps
         group["weight_decay"] = hp.weight_decay
+    undo = StepUndo(params, opt)
     grads = [p.grad for p in params if p.grad is not None]
     if hp.grad_clip_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, hp.grad_clip_norm)
@@ -213,7 +218,18 @@ def optim_step(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
         norm = torch.nn.utils.get_total_norm(grads)
     else:
         norm = torch.zeros(())
-    opt.step()
+    try:
+        check_norm(float(norm))
+        opt.step()
+        if not step_is_finite(params, opt):
+            raise UserError("optim_step: the step would make a weight or an AdamW moment non-finite "
+                            f"(learning_rate {hp.learning_rate}); nothing was applied")
+    except BaseException as exc:
+        undo.restore(opt)
+        if isinstance(exc, RuntimeError) and "overflow" in str(exc):
+            raise UserError(f"optim_step: the step overflows float32 (learning_rate {hp.learning_rate}): {exc}; "
+                            "nothing was applied") from exc
+        raise
     opt.zero_grad(set_to_none=True)
     return {"metrics": {"grad_norm": float(norm), "learning_rate": hp.learning_rate}}
 
