@@ -1,3 +1,5 @@
+import { randomUUID } from 'node:crypto';
+import { readFileSync } from 'node:fs';
 import express, { type Express } from 'express';
 import type { Redis } from 'ioredis';
 import type { ApiConfig } from '../queues/config.js';
@@ -9,7 +11,7 @@ import { connect } from '../queues/redis.js';
 import { Registry } from '../queues/registry.js';
 import { apiKeyAuth } from './auth.js';
 import type { ApiContext } from './context.js';
-import { errorHandler, notFoundHandler } from './errors.js';
+import { errorHandler, notFoundHandler, redisUnavailable } from './errors.js';
 import { FutureResolver } from './futures.js';
 import { startCheckpointSweeper } from './checkpoints.js';
 import { futureRoutes } from './routes/futures.js';
@@ -19,24 +21,59 @@ import { samplingRoutes } from './routes/sampling.js';
 import { healthHandler, serviceRoutes } from './routes/service.js';
 import { trainingRoutes, unknownEndpointGuard } from './routes/training.js';
 import { fileDownloadHandler } from './file-urls.js';
+import { ADMIN_PATH, adminRoutes } from './admin.js';
+import { metricsHandler } from './metrics.js';
+import { openApiDocument } from './openapi.js';
+
+const VERSION: string = JSON.parse(readFileSync(new URL('../package.json', import.meta.url), 'utf8')).version;
 
 /**
  * Builds the Express app of the Tinker HTTP API. Every route lives under `/api/v1` and is
- * found in `routes/<resource>.ts`; `close()` releases the Redis connections.
+ * found in `routes/<resource>.ts`; `close()` releases the Redis connections. Beside it:
+ * `/healthz`, `/metrics` (Prometheus, api/metrics.ts), `/admin` (queue dashboard, api/admin.ts)
+ * and `/api/v1/openapi.json` (api/openapi.ts).
  */
 export type BuiltApp = { app: Express; ctx: ApiContext; close: () => Promise<void> };
 
+/**
+ * Logs a connection's errors (ioredis emits 'error' on every failed reconnect; without a listener
+ * it prints them as unhandled) once per outage, and the recovery.
+ */
+const redisDown = new WeakSet<Redis>();
+function watch(c: Redis, role: string): Redis {
+  let logged = false;
+  c.on('error', (err: Error) => {
+    redisDown.add(c);
+    if (logged) return;
+    logged = true;
+    logger.warn('redis unreachable', { role, error: err.message });
+  });
+  // A closed connection counts as down at once; reconnecting and failing then logs the error.
+  c.on('close', () => redisDown.add(c));
+  c.on('ready', () => {
+    redisDown.delete(c);
+    if (!logged) return;
+    logged = false;
+    logger.info('redis reachable again', { role });
+  });
+  return c;
+}
+
 export function buildApp(config: ApiConfig): BuiltApp {
-  const redis: Redis = connect(config.redisUrl, 'producer');
+  const redis: Redis = watch(connect(config.redisUrl, 'producer'), 'producer');
   const blocking: Redis[] = [];
   const names = new Names(config.prefix);
   const registry = new Registry(redis, names);
   const queues = new QueueSet(redis, names, config.retentionS);
-  const gate = new OrderingGate(redis, names, queues);
+  const gate = new OrderingGate(redis, names, queues, {
+    window: config.seqWindow,
+    gapTimeoutMs: config.seqGapTimeoutMs,
+    failedTtlS: config.retentionS,
+  });
   const futures = new FutureResolver(
     redis,
     () => {
-      const c = connect(config.redisUrl, 'blocking');
+      const c = watch(connect(config.redisUrl, 'blocking'), 'blocking');
       blocking.push(c);
       return c;
     },
@@ -44,19 +81,46 @@ export function buildApp(config: ApiConfig): BuiltApp {
     queues,
     gate,
     registry,
+    config.resultTtlAfterReadS,
   );
   const ctx: ApiContext = { config, redis, names, registry, queues, gate, futures };
 
   const app = express();
   app.disable('x-powered-by');
+  // Every request gets an id (the caller's X-Request-Id, or a new one), echoed in the reply and
+  // carried by its log lines with the model and the future (queue/job) it touched.
   app.use((req, res, next) => {
     const start = Date.now();
+    const requestId = /^[\w.:-]{1,128}$/.test(req.header('x-request-id') ?? '') ? req.header('x-request-id')! : randomUUID();
+    res.setHeader('x-request-id', requestId);
+    res.locals.log = logger.child({ requestId });
+    let future: string | undefined;
+    let modelId: string | undefined;
+    const json = res.json.bind(res);
+    res.json = (body: unknown) => {
+      const b = body as { request_id?: unknown; model_id?: unknown } | null;
+      if (b && typeof b.request_id === 'string') future = b.request_id;
+      if (b && typeof b.model_id === 'string') modelId = b.model_id;
+      return json(body);
+    };
     res.on('finish', () => {
-      if (req.path !== '/api/v1/retrieve_future' || res.statusCode >= 400)
-        logger.debug('http', { method: req.method, path: req.path, status: res.statusCode, ms: Date.now() - start });
+      if (req.path === '/api/v1/retrieve_future' && res.statusCode < 400) return;
+      const level = res.statusCode >= 500 ? 'warn' : res.statusCode >= 400 ? 'info' : 'debug';
+      const bodyModel = (req.body as { model_id?: unknown } | undefined)?.model_id;
+      res.locals.log.log(level, 'http', {
+        method: req.method,
+        path: req.path,
+        status: res.statusCode,
+        ms: Date.now() - start,
+        ...((modelId ?? (typeof bodyModel === 'string' ? bodyModel : undefined)) ? { modelId: modelId ?? bodyModel } : {}),
+        ...(future ? { future } : {}),
+      });
     });
     next();
   });
+  // While Redis is unreachable every route (healthz included) answers 503 with Retry-After at once,
+  // instead of waiting for the command to give up; the error handler maps errors that slip through.
+  app.use((_req, _res, next) => next(redisDown.has(redis) || redis.status === 'end' ? redisUnavailable() : undefined));
   const v1 = express.Router();
   v1.use(apiKeyAuth(config.apiKeys));
   v1.use(express.json({ limit: '64mb', type: ['application/json', 'text/json'] }));
@@ -67,14 +131,25 @@ export function buildApp(config: ApiConfig): BuiltApp {
   v1.use(futureRoutes(ctx));
   v1.use(restRoutes(ctx));
   v1.use(unknownEndpointGuard(ctx));
+  // The OpenAPI document is open, like /healthz: it describes the API, nothing of its state.
+  let openapi: Record<string, unknown> | undefined;
+  app.get('/api/v1/openapi.json', (_req, res) => {
+    res.json((openapi ??= openApiDocument(v1, VERSION)));
+  });
   app.use('/api/v1', v1);
   app.get('/healthz', healthHandler(ctx));
+  app.get('/metrics', metricsHandler(ctx));
+  app.use(ADMIN_PATH, adminRoutes(ctx));
   app.get('/files/:token', fileDownloadHandler(ctx));
   app.use(notFoundHandler);
   app.use(errorHandler);
 
   const stopSweeper = startCheckpointSweeper(ctx);
+  // Ops waiting behind a gap fail at its deadline even when nobody polls them.
+  const gapTimer = setInterval(() => void gate.expireGaps().catch(() => undefined), Math.min(5_000, gate.gapTimeoutMs));
+  gapTimer.unref();
   const close = async () => {
+    clearInterval(gapTimer);
     stopSweeper();
     await futures.close();
     await queues.close();

@@ -17,10 +17,12 @@ import type { AnyJob, JobOp } from '../queues/schemas.js';
 export type FutureState =
   | { kind: 'done'; op: JobOp; result: unknown }
   | { kind: 'failed'; op: string; category: ErrorCategory; message: string }
-  | { kind: 'pending'; queueState: 'active' }
+  | { kind: 'pending'; queueState: 'active'; heldModel?: string }
   | { kind: 'unknown' };
 
 const QUEUE_NAME = /^(train|sample)-[A-Za-z0-9_.-]{1,128}$/;
+/** The job ids the API issues (queues/names.ts jobIds); anything else (`events`, `meta`, `id`) names BullMQ's own keys. */
+const JOB_ID = /^[ctuls]-[A-Za-z0-9-]{1,200}$/;
 
 export class FutureResolver {
   private readonly events = new Map<string, Promise<QueueEvents>>();
@@ -33,6 +35,8 @@ export class FutureResolver {
     private readonly queues: QueueSet,
     private readonly gate: OrderingGate,
     private readonly registry: Registry,
+    /** Seconds a finished training op's or sample's job (payload and result) stays once read. */
+    private readonly ttlAfterReadS = 300,
   ) {}
 
   private notify(queue: string, jobId: string): void {
@@ -55,6 +59,8 @@ export class FutureResolver {
         });
         qe.on('completed', ({ jobId }) => this.notify(queue, jobId));
         qe.on('failed', ({ jobId }) => this.notify(queue, jobId));
+        // Connection errors (Redis unreachable) are reported by the app's own connection watch.
+        qe.on('error', () => undefined);
         await qe.waitUntilReady();
         return qe;
       })();
@@ -66,7 +72,7 @@ export class FutureResolver {
   }
 
   async state(ref: FutureRef): Promise<FutureState> {
-    if (!QUEUE_NAME.test(ref.queue)) return { kind: 'unknown' };
+    if (!QUEUE_NAME.test(ref.queue) || !JOB_ID.test(ref.jobId)) return { kind: 'unknown' };
     const exists = (await this.redis.exists(`${this.names.bull}:${ref.queue}:${ref.jobId}`)) === 1;
     if (!exists) {
       const failed = await this.registry.getFailedFuture(ref.jobId);
@@ -74,12 +80,20 @@ export class FutureResolver {
       const model = await this.gate.heldModel(ref.jobId);
       if (model === null) return { kind: 'unknown' };
       await this.gate.release(model);
-      return { kind: 'pending', queueState: 'active' };
+      // The release may have failed it (a gap past its deadline).
+      const failedNow = await this.registry.getFailedFuture(ref.jobId);
+      if (failedNow) return { kind: 'failed', ...failedNow };
+      return { kind: 'pending', queueState: 'active', heldModel: model };
     }
     const job = (await Job.fromId(this.queues.get(ref.queue), ref.jobId)) as Job<AnyJob> | undefined;
     if (!job) return { kind: 'unknown' };
     const op = job.data.op;
     if (job.finishedOn) {
+      // Payloads and results of ordered training ops and samples are not kept long once read (a
+      // repeat of their seq_id is recognised by the gate, not by the job). Others (create_model)
+      // stay for the retention, as their job id is what makes them idempotent.
+      const seq = (job.data as { seq_id?: number }).seq_id ?? 0;
+      if (op === 'sample' || seq >= 1) await this.redis.call('PEXPIRE', `${this.names.bull}:${ref.queue}:${ref.jobId}`, this.ttlAfterReadS * 1000, 'LT');
       if (job.failedReason) return { kind: 'failed', op, ...decodeJobFailure(job.failedReason) };
       return { kind: 'done', op, result: job.returnvalue };
     }
@@ -103,7 +117,13 @@ export class FutureResolver {
     try {
       const second = await this.state(ref);
       if (second.kind !== 'pending') return second;
-      const timeout = new Promise<void>((resolve) => (timer = setTimeout(resolve, timeoutMs)));
+      // An op held behind a gap wakes at the gap's deadline, when it may have failed.
+      let wait = timeoutMs;
+      if (second.heldModel) {
+        const deadline = await this.gate.gapDeadline(second.heldModel);
+        if (deadline !== null) wait = Math.max(10, Math.min(timeoutMs, deadline - Date.now() + 50));
+      }
+      const timeout = new Promise<void>((resolve) => (timer = setTimeout(resolve, wait)));
       const aborted = new Promise<void>((resolve) => signal?.addEventListener('abort', () => resolve(), { once: true }));
       await Promise.race([woken, timeout, aborted]);
       return await this.state(ref);

@@ -35,8 +35,16 @@ const ApiEnv = CommonEnv.extend({
   TB_LONG_POLL_MS: z.coerce.number().int().positive().default(25_000),
   /** Base models that must be served before `/healthz` reports `ready`; empty: any agent. */
   TB_REQUIRED_MODELS: csv.default([]),
+  /** Keys that open the /admin queue dashboard (it shows every tenant's jobs). @defaultValue the API key when exactly one is configured, else none */
+  TB_ADMIN_KEYS: csv.optional(),
   /** Most waiting sample jobs per base model before `asample` answers 429. @defaultValue 2000 */
   TB_MAX_QUEUED_SAMPLES: z.coerce.number().int().positive().default(2000),
+  /** Training seq_ids accepted ahead of a model's next op (more are refused); replays are recognised this far back. @defaultValue 1024 */
+  TB_SEQ_WINDOW: z.coerce.number().int().min(16).default(1024),
+  /** Seconds ops wait behind a missing seq_id before they fail. @defaultValue 120 */
+  TB_SEQ_GAP_TIMEOUT_S: z.coerce.number().positive().default(120),
+  /** Seconds a training or sample result stays in Redis once it has been read. @defaultValue 300 */
+  TB_RESULT_TTL_AFTER_READ_S: z.coerce.number().int().positive().default(300),
 });
 
 const AgentEnv = CommonEnv.extend({
@@ -69,6 +77,14 @@ export type ApiConfig = {
   longPollMs: number;
   requiredModels: string[];
   maxQueuedSamples: number;
+  /** @defaultValue 1024 (TB_SEQ_WINDOW) */
+  seqWindow?: number | undefined;
+  /** @defaultValue 120 000 (TB_SEQ_GAP_TIMEOUT_S) */
+  seqGapTimeoutMs?: number | undefined;
+  /** @defaultValue 300 (TB_RESULT_TTL_AFTER_READ_S) */
+  resultTtlAfterReadS?: number | undefined;
+  /** Keys of the /admin dashboard; unset: the API key when there is exactly one. */
+  adminKeys?: string[] | undefined;
 };
 
 export type BaseModelSpec = {
@@ -87,11 +103,15 @@ export type BaseModelSpec = {
   dtype?: string | undefined;
   /** GPUs the engine splits the model over (the preset's `parallelism.tensor`; vLLM `--tensor-parallel-size`). @defaultValue 1 */
   tensorParallel?: number | undefined;
+  /** verl engine: the preset's `parallelism.strategy` (fsdp2 when unset). */
+  strategy?: string | undefined;
+  /** verl engine: the preset's `offload` (parameters and optimizer state in CPU memory between steps). */
+  offload?: boolean | undefined;
 };
 
 export const MODEL_DEFAULTS = { trainable: true, loraMaxRank: 64, topkMax: 20 } as const;
 
-/** The engine an agent drives: `torch` (workers/adapters/torch.ts), `vllm` (workers/adapters/vllm.ts, sampling only); `verl` is not available yet. */
+/** The engine an agent drives: `torch` (workers/adapters/torch.ts), `vllm` (workers/adapters/vllm.ts, sampling only), `verl` (workers/adapters/verl.ts, training only, GPUs). */
 export type EngineKind = 'torch' | 'vllm' | 'verl';
 
 export type AgentConfig = {
@@ -133,6 +153,10 @@ export function loadApiConfig(env: NodeJS.ProcessEnv = process.env): ApiConfig {
     longPollMs: e.TB_LONG_POLL_MS,
     requiredModels: e.TB_REQUIRED_MODELS,
     maxQueuedSamples: e.TB_MAX_QUEUED_SAMPLES,
+    seqWindow: e.TB_SEQ_WINDOW,
+    seqGapTimeoutMs: Math.round(e.TB_SEQ_GAP_TIMEOUT_S * 1000),
+    resultTtlAfterReadS: e.TB_RESULT_TTL_AFTER_READ_S,
+    adminKeys: e.TB_ADMIN_KEYS?.length ? e.TB_ADMIN_KEYS : undefined,
   };
 }
 

@@ -19,6 +19,11 @@ if ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev
   apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null
 fi
 
+# The dashboard test (test/e2e/operations.test.ts) loads /admin in headless Chromium.
+if ! command -v chromium >/dev/null; then
+  apt-get update -qq && apt-get install -y -qq chromium >/dev/null
+fi
+
 bash scripts/setup.sh || { echo "tests: 0 passed, 1 failed"; exit 1; }
 # vLLM for the CPU (about 2 minutes the first time): test/e2e/vllm.test.ts drives it for real.
 bash scripts/setup-vllm.sh || { echo "tests: 0 passed, 1 failed"; exit 1; }

@@ -43,6 +43,13 @@ describe('sample routing', () => {
     expect(sampleEngine(BASE, [agent('small', 'torch', [served({ lora_max_rank: 4 })]), rollout], 128)).to.equal('vllm');
   });
 
+  it('never sends sample jobs to a verl agent (it trains only): torch or vLLM beside it, else a clear refusal', () => {
+    const verl = agent('trainer', 'verl', [served({ trainable: true, lora_max_rank: 128 })]);
+    expect(sampleEngine(BASE, [verl, actor], 64)).to.equal('torch');
+    expect(sampleEngine(BASE, [verl, rollout, actor], 8)).to.equal('vllm');
+    expect(() => sampleEngine(BASE, [verl], null)).to.throw(/served here only by engines that do not sample \(verl\); start a vLLM or torch agent/);
+  });
+
   it('puts engines it does not rank after vLLM and torch, and refuses a model nobody serves', () => {
     expect(sampleEngine(BASE, [agent('x', 'other', [served()]), actor], null)).to.equal('torch');
     expect(sampleEngine(BASE, [agent('x', 'other', [served()])], null)).to.equal('other');

@@ -7,15 +7,18 @@ import { ZodError } from 'zod';
 import type { AgentConfig } from '../queues/config.js';
 import { encodeJobFailure, isBrokerError, type ErrorCategory } from '../queues/errors.js';
 import { logger as rootLogger, type Logger } from '../queues/logger.js';
+import { publishAgentStats, recordJob, recordTokens, removeAgentStats, type JobStatus } from '../queues/metrics.js';
 import { Names } from '../queues/names.js';
 import { connect } from '../queues/redis.js';
 import { Registry, type CheckpointRecord, type ModelRecord, type ServedModel } from '../queues/registry.js';
 import { SampleJob, TrainJob, type AnyJob, type SaveExternalJob, type SaveSamplerJob, type SaveStateJob } from '../queues/schemas.js';
 import type { EngineAdapter } from './adapters/adapter.js';
 import { TorchAdapter } from './adapters/torch.js';
+import { VerlAdapter } from './adapters/verl.js';
 import { VllmAdapter } from './adapters/vllm.js';
 import { encryptFileInPlace } from '../queues/age.js';
 import { EngineError } from './engine.js';
+import { engineMemory } from './stats.js';
 
 /**
  * A worker agent: registers in Redis, supervises its engine, and consumes
@@ -48,12 +51,13 @@ export class Agent {
     this.adapter = adapter ?? Agent.adapterFor(config, this.log);
   }
 
-  /** The engine adapter of the agent's models: torch (trains and samples) or vLLM (samples only). */
+  /** The engine adapter of the agent's models: torch (trains and samples), vLLM (samples only) or verl (trains only). */
   static adapterFor(config: AgentConfig, log: Logger): EngineAdapter {
     const engine = config.engine ?? 'torch';
     if (engine === 'torch') return new TorchAdapter({ python: config.python, device: config.engineDevice, log });
     if (engine === 'vllm') return new VllmAdapter({ device: config.engineDevice, urls: config.vllmUrls, log });
-    throw new Error(`agent ${config.agentId}: engine '${engine}' is not available in this version (torch and vllm are)`);
+    if (engine === 'verl') return new VerlAdapter({ python: config.python, device: config.engineDevice, log, models: config.models });
+    throw new Error(`agent ${config.agentId}: engine '${String(engine)}' is not available in this version (torch, vllm and verl are)`);
   }
 
   get trainQueue(): string {
@@ -72,7 +76,8 @@ export class Agent {
     const common = { connection: this.redis, prefix: this.names.bull, maxStalledCount: 0 };
     this.workers.push(
       new Worker<AnyJob>(this.trainQueue, (job) => this.runTrain(job), { ...common, concurrency: 1 }),
-      ...this.served.map(
+      // An engine that only trains (verl) takes no sample jobs: they wait for agents that sample.
+      ...(this.adapter.samples === false ? [] : this.served).map(
         (m) =>
           new Worker<AnyJob>(this.names.sampleQueue(m.name, this.adapter.kind), (job) => this.runSample(job), {
             ...common,
@@ -95,8 +100,27 @@ export class Agent {
     });
     this.heartbeat = setInterval(() => {
       this.registry.heartbeatAgent(this.config.agentId).catch((e) => this.log.warn('heartbeat failed', { error: String(e) }));
+      void this.publishStats();
     }, HEARTBEAT_MS);
+    await this.publishStats();
     this.log.info('agent ready', { trainQueue: this.trainQueue, models: this.served.map((m) => m.name), device: this.adapter.device });
+  }
+
+  /** Engine memory for /metrics and `tinker-broker agents`; a failure to read it is not an error of the agent. */
+  private async publishStats(): Promise<void> {
+    try {
+      const mem = await engineMemory(this.adapter.enginePids?.() ?? [], this.adapter.device.startsWith('cuda'));
+      await publishAgentStats(this.redis, this.names, {
+        agent_id: this.config.agentId,
+        engine: this.adapter.kind,
+        device: this.adapter.device,
+        engine_rss_bytes: mem.rss,
+        gpu_memory_bytes: mem.gpu,
+        updated_at: new Date().toISOString(),
+      });
+    } catch (e) {
+      this.log.debug('engine stats not published', { error: String(e) });
+    }
   }
 
   private async startEngine(): Promise<void> {
@@ -206,6 +230,7 @@ export class Agent {
       expires_at: ttl === null ? null : new Date(now + ttl * 1000).toISOString(),
       public: false,
       user_metadata: job.user_metadata,
+      tenant: model.tenant,
       ...extra,
     };
   }
@@ -221,7 +246,14 @@ export class Agent {
     await this.registry.putCheckpoint(this.checkpointRecord(model, job, 'sampler', { size_bytes, has_optimizer: false, ephemeral }));
     if (job.sampling_session_id) {
       await this.registry.putSamplingSession(
-        { sampling_session_id: job.sampling_session_id, session_id: model.session_id, base_model: model.base_model, model_path: job.tinker_path, adapter_dir: job.dir },
+        {
+          sampling_session_id: job.sampling_session_id,
+          session_id: model.session_id,
+          base_model: model.base_model,
+          model_path: job.tinker_path,
+          adapter_dir: job.dir,
+          tenant: model.tenant,
+        },
         this.config.retentionS,
       );
       await this.registry.indexSampler(model.session_id, job.sampling_session_id);
@@ -276,13 +308,16 @@ export class Agent {
     });
   }
 
-  /** Runs one job; any failure becomes an unrecoverable job failure carrying its category. */
+  /** Runs one job; any failure becomes an unrecoverable job failure carrying its category. Each job is counted in the metrics. */
   private async guard<T>(job: Job<AnyJob>, fn: () => Promise<T>): Promise<T> {
-    const log = this.log.child({ jobId: job.id, op: job.name, queue: job.queueName });
+    const modelId = (job.data as { model_id?: unknown }).model_id;
+    const log = this.log.child({ jobId: job.id, op: job.name, queue: job.queueName, ...(typeof modelId === 'string' ? { modelId } : {}) });
     const start = Date.now();
+    let status: JobStatus = 'ok';
     try {
       const r = await fn();
       log.debug('job done', { ms: Date.now() - start });
+      void this.countTokens(job, r);
       return r;
     } catch (err) {
       let category: ErrorCategory = 'server';
@@ -290,7 +325,25 @@ export class Agent {
       if (err instanceof EngineError) category = err.category;
       else if (isBrokerError(err)) category = err.category;
       else if (err instanceof ZodError) message = `invalid ${job.name} job payload: ${err.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`;
+      status = category === 'user' ? 'user_error' : 'server_error';
       throw new UnrecoverableError(encodeJobFailure(category, message));
+    } finally {
+      // BullMQ's timestamps: enqueued (timestamp), taken (processedOn); finished is now.
+      recordJob(this.redis, this.names, { op: job.name, status, enqueuedAt: job.timestamp, startedAt: job.processedOn ?? start, finishedAt: Date.now() }).catch((e) =>
+        log.debug('metrics not recorded', { error: String(e) }),
+      );
+    }
+  }
+
+  /** Sampled tokens (generated sequences) and trained tokens (forward_backward inputs, not forward-only). */
+  private async countTokens(job: Job<AnyJob>, result: unknown): Promise<void> {
+    try {
+      const d = job.data;
+      if (d.op === 'forward_backward' && !d.forward_only) await recordTokens(this.redis, this.names, 'trained', d.data.reduce((s, x) => s + x.tokens.length, 0));
+      const seqs = (result as { sequences?: { tokens: unknown[] }[] } | null)?.sequences;
+      if (d.op === 'sample' && Array.isArray(seqs)) await recordTokens(this.redis, this.names, 'sampled', seqs.reduce((s, x) => s + x.tokens.length, 0));
+    } catch (e) {
+      this.log.debug('token counts not recorded', { error: String(e) });
     }
   }
 
@@ -300,6 +353,7 @@ export class Agent {
     clearInterval(this.heartbeat);
     await Promise.all(this.workers.map((w) => w.close()));
     await this.registry?.removeAgent(this.config.agentId).catch(() => undefined);
+    if (this.redis) await removeAgentStats(this.redis, this.names, this.config.agentId).catch(() => undefined);
     await this.adapter.stop().catch(() => undefined);
     await this.redis?.quit().catch(() => undefined);
     this.log.info('agent stopped');

@@ -17,6 +17,8 @@ import type { BaseModelSpec } from '../../queues/config.js';
 export interface EngineAdapter {
   readonly kind: string;
   readonly device: string;
+  /** Whether the engine serves sample jobs. @defaultValue true (verl trains only) */
+  readonly samples?: boolean;
   start(): Promise<void>;
   stop(): Promise<void>;
   loadBase(spec: BaseModelSpec): Promise<ServedModel>;
@@ -31,6 +33,8 @@ export interface EngineAdapter {
   loadState(modelId: string, dir: string, optimizer: boolean): Promise<void>;
   unloadModel(modelId: string): Promise<void>;
   sample(job: SampleJob): Promise<SampleResult>;
+  /** Process ids of the engine (for its memory in /metrics and `tinker-broker agents`); descendants are found from them. */
+  enginePids?(): number[];
   /** Called when the engine died: every model it held is gone. */
   onExit(listener: (reason: string) => void): void;
 }

@@ -64,6 +64,10 @@ export class VllmAdapter implements EngineAdapter {
     this.exitListeners.push(listener);
   }
 
+  enginePids(): number[] {
+    return this.servers.map((s) => s.pid).filter((p): p is number => p !== undefined);
+  }
+
   /** (Re)starts from nothing: servers of a previous start are stopped; loadBase starts or attaches one per model. */
   async start(): Promise<void> {
     await this.stopServers();

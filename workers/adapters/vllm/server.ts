@@ -155,6 +155,10 @@ export class VllmServer {
     }
   }
 
+  get pid(): number | undefined {
+    return this.exited ? undefined : this.child?.pid;
+  }
+
   private readonly killGroup = (signal: NodeJS.Signals = 'SIGKILL') => {
     if (!this.exited) this.signalGroup(signal);
   };
