@@ -161,6 +161,12 @@ describe('operations: metrics, CLI, dashboard, OpenAPI and SIGTERM on a stack st
     expect(status.stdout).to.match(/agents +1 alive: ops-agent \(torch, cpu\)/);
     expect(status.stdout).to.match(/models +1 training model, 1 session/);
     expect(status.stdout).to.match(/^train-ops-agent +0 +0 +0 +8 +0$/m);
+    expect(status.stdout).to.match(new RegExp(`^tokens +sampled ${sdk.sampled_tokens} \\(.*\\), trained ${sdk.trained_tokens} \\(`, 'm'));
+    expect(status.stdout).to.match(/^forward_backward +3 +0 +0 +\d+ ms +\d+ ms +\d+ ms$/m);
+    const sj = JSON.parse(cli('status', '--json').stdout);
+    const fbStat = sj.ops.find((o: { op: string }) => o.op === 'forward_backward');
+    expect(fbStat).to.include({ ok: 3, user_errors: 0, server_errors: 0 });
+    expect(fbStat.mean_ms.total).to.be.closeTo(fbStat.mean_ms.queue_wait + fbStat.mean_ms.engine, 1);
 
     const agents = JSON.parse(cli('agents', '--json').stdout);
     expect(agents).to.have.length(1);
