@@ -17,7 +17,7 @@ import type { AnyJob, JobOp } from '../queues/schemas.js';
 export type FutureState =
   | { kind: 'done'; op: JobOp; result: unknown }
   | { kind: 'failed'; op: string; category: ErrorCategory; message: string }
-  | { kind: 'pending'; queueState: 'active' }
+  | { kind: 'pending'; queueState: 'active'; heldModel?: string }
   | { kind: 'unknown' };
 
 const QUEUE_NAME = /^(train|sample)-[A-Za-z0-9_.-]{1,128}$/;
@@ -35,6 +35,8 @@ export class FutureResolver {
     private readonly queues: QueueSet,
     private readonly gate: OrderingGate,
     private readonly registry: Registry,
+    /** Seconds a finished training op's or sample's job (payload and result) stays once read. */
+    private readonly ttlAfterReadS = 300,
   ) {}
 
   private notify(queue: string, jobId: string): void {
@@ -78,12 +80,20 @@ export class FutureResolver {
       const model = await this.gate.heldModel(ref.jobId);
       if (model === null) return { kind: 'unknown' };
       await this.gate.release(model);
-      return { kind: 'pending', queueState: 'active' };
+      // The release may have failed it (a gap past its deadline).
+      const failedNow = await this.registry.getFailedFuture(ref.jobId);
+      if (failedNow) return { kind: 'failed', ...failedNow };
+      return { kind: 'pending', queueState: 'active', heldModel: model };
     }
     const job = (await Job.fromId(this.queues.get(ref.queue), ref.jobId)) as Job<AnyJob> | undefined;
     if (!job) return { kind: 'unknown' };
     const op = job.data.op;
     if (job.finishedOn) {
+      // Payloads and results of ordered training ops and samples are not kept long once read (a
+      // repeat of their seq_id is recognised by the gate, not by the job). Others (create_model)
+      // stay for the retention, as their job id is what makes them idempotent.
+      const seq = (job.data as { seq_id?: number }).seq_id ?? 0;
+      if (op === 'sample' || seq >= 1) await this.redis.call('PEXPIRE', `${this.names.bull}:${ref.queue}:${ref.jobId}`, this.ttlAfterReadS * 1000, 'LT');
       if (job.failedReason) return { kind: 'failed', op, ...decodeJobFailure(job.failedReason) };
       return { kind: 'done', op, result: job.returnvalue };
     }
@@ -107,7 +117,13 @@ export class FutureResolver {
     try {
       const second = await this.state(ref);
       if (second.kind !== 'pending') return second;
-      const timeout = new Promise<void>((resolve) => (timer = setTimeout(resolve, timeoutMs)));
+      // An op held behind a gap wakes at the gap's deadline, when it may have failed.
+      let wait = timeoutMs;
+      if (second.heldModel) {
+        const deadline = await this.gate.gapDeadline(second.heldModel);
+        if (deadline !== null) wait = Math.max(10, Math.min(timeoutMs, deadline - Date.now() + 50));
+      }
+      const timeout = new Promise<void>((resolve) => (timer = setTimeout(resolve, wait)));
       const aborted = new Promise<void>((resolve) => signal?.addEventListener('abort', () => resolve(), { once: true }));
       await Promise.race([woken, timeout, aborted]);
       return await this.state(ref);

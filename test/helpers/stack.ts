@@ -24,7 +24,9 @@ export type TestStack = {
   stop: () => Promise<void>;
 };
 
-export async function startStack(opts: { agent?: boolean; longPollMs?: number; redisUrl?: string; env?: Record<string, string> } = {}): Promise<TestStack> {
+export async function startStack(
+  opts: { agent?: boolean; longPollMs?: number; redisUrl?: string; env?: Record<string, string> } = {},
+): Promise<TestStack> {
   const prefix = `test-${randomUUID().slice(0, 8)}`;
   const storageDir = mkdtempSync(path.join(os.tmpdir(), 'tb-storage-'));
   const env = {
