@@ -20,10 +20,14 @@ import { Agent } from '../workers/agent.js';
  * another payload, while a prober times `/healthz` every 20 ms. Prints the status counts, healthz
  * latency, the API's RSS and the deployment's Redis keys and memory.
  *
- *   node --import tsx bench/hostile.ts [seconds=20] [senders=4]
+ *   node --import tsx bench/hostile.ts [seconds=20] [senders=4] [kinds=all|small]
+ *
+ * `small` leaves out the 34 MiB body of the 3M-token datum (its cost is reading the body);
+ * senders=0 gives the healthz baseline of the same machine.
  */
 const seconds = Number(process.argv[2] ?? 20);
 const senders = Number(process.argv[3] ?? 4);
+const smallOnly = process.argv[4] === 'small';
 logger.level = 'warn';
 
 const freePort = () =>
@@ -96,6 +100,7 @@ async function main(): Promise<void> {
       ['seq_id far ahead', async (i) => (await call(base, 'POST', '/optim_step', { model_id: modelId, seq_id: 1e6 + i, adam_params: { learning_rate: 1 } }, key)).status],
       ['replay, other payload', async (i) => (await call(base, 'POST', '/optim_step', { model_id: modelId, seq_id: 1, adam_params: { learning_rate: 1e-3 * (i % 5) } }, key)).status],
     ];
+    if (smallOnly) kinds.splice(2, 1);
     const counts = new Map<string, Map<number, number>>();
     const rss0 = rssMiB(api.pid!);
     const mem0 = Number(/used_memory:(\d+)/.exec(await redis.info('memory'))![1]);
@@ -128,16 +133,22 @@ async function main(): Promise<void> {
     const rss1 = rssMiB(api.pid!);
     const mem1 = Number(/used_memory:(\d+)/.exec(await redis.info('memory'))![1]);
     let keys = 0;
+    const kindsOfKeys = new Map<string, number>();
     let cursor = '0';
     do {
       const [next, k] = await redis.scan(cursor, 'MATCH', `${prefix}*`, 'COUNT', 1000);
       cursor = next;
       keys += k.length;
+      for (const x of k) {
+        const kind = x.slice(prefix.length).split(':').slice(0, 2).join(':').replace(/[0-9a-f-]{8,}.*/, '…');
+        kindsOfKeys.set(kind, (kindsOfKeys.get(kind) ?? 0) + 1);
+      }
     } while (cursor !== '0');
     console.log(`hostile requests: ${n} in ${seconds} s from ${senders} senders`);
     for (const [name, c] of counts) console.log(`  ${name}: ${[...c].map(([s, k]) => `${k}× ${s}`).join(', ')}`);
     console.log(`healthz: ${health.length} probes, p50 ${pct(health, 0.5)} ms, p99 ${pct(health, 0.99)} ms, max ${pct(health, 1)} ms`);
     console.log(`API RSS: ${rss0.toFixed(0)} MiB before, ${rssMax.toFixed(0)} MiB max, ${rss1.toFixed(0)} MiB after`);
+    console.log(`Redis keys by kind: ${[...kindsOfKeys].sort((a, b) => b[1] - a[1]).slice(0, 6).map(([k, n]) => `${k} ${n}`).join(', ')}`);
     console.log(`Redis: ${keys} keys under the prefix; used_memory ${(mem0 / 2 ** 20).toFixed(1)} → ${(mem1 / 2 ** 20).toFixed(1)} MiB (whole server)`);
   } finally {
     api.kill('SIGTERM');
