@@ -5,6 +5,7 @@ import { createServer } from 'node:net';
 import os from 'node:os';
 import path from 'node:path';
 import { performance } from 'node:perf_hooks';
+import { Worker } from 'node:worker_threads';
 import { Redis } from 'ioredis';
 import { loadAgentConfig } from '../queues/config.js';
 import { logger } from '../queues/logger.js';
@@ -107,15 +108,28 @@ async function main(): Promise<void> {
     let rssMax = rss0;
     const health: number[] = [];
     const end = performance.now() + seconds * 1000;
-    const prober = (async () => {
-      while (performance.now() < end) {
-        const t = performance.now();
-        await fetch(`${base}/healthz`);
-        health.push(performance.now() - t);
-        rssMax = Math.max(rssMax, rssMiB(api.pid!));
-        await new Promise((r) => setTimeout(r, 20));
-      }
-    })();
+    // The prober runs on a thread of its own, so the senders' event loop does not delay its timings.
+    const prober = new Promise<void>((resolve) => {
+      const w = new Worker(
+        `const { parentPort, workerData } = require('node:worker_threads');
+         (async () => {
+           const out = [];
+           while (Date.now() < workerData.end) {
+             const t = performance.now();
+             await fetch(workerData.url);
+             out.push(performance.now() - t);
+             await new Promise((r) => setTimeout(r, 20));
+           }
+           parentPort.postMessage(out);
+         })();`,
+        { eval: true, workerData: { url: `${base}/healthz`, end: Date.now() + seconds * 1000 } },
+      );
+      w.once('message', (out: number[]) => {
+        health.push(...out);
+        resolve();
+      });
+    });
+    const rssTimer = setInterval(() => (rssMax = Math.max(rssMax, rssMiB(api.pid!))), 200);
     let n = 0;
     await Promise.all(
       Array.from({ length: senders }, async (_, w) => {
@@ -130,6 +144,7 @@ async function main(): Promise<void> {
       }),
     );
     await prober;
+    clearInterval(rssTimer);
     const rss1 = rssMiB(api.pid!);
     const mem1 = Number(/used_memory:(\d+)/.exec(await redis.info('memory'))![1]);
     let keys = 0;
