@@ -19,9 +19,12 @@ export class Names {
   trainQueue(agentId: string): string {
     return `train-${agentId}`;
   }
-  /** Sample jobs for one base model, taken by every agent serving it. */
-  sampleQueue(baseModel: string): string {
-    return `sample-${shortHash(baseModel, 12)}`;
+  /**
+   * Sample jobs for one base model on one kind of engine, taken by every agent of that engine serving
+   * it. The API picks the engine of each job (`sampleEngine` in queues/registry.ts).
+   */
+  sampleQueue(baseModel: string, engine: string): string {
+    return `sample-${shortHash(baseModel, 12)}-${engine}`;
   }
 
   // Registries.
@@ -47,6 +50,14 @@ export class Names {
   }
   samplingSession(id: string): string {
     return `${this.prefix}:sampler:${id}`;
+  }
+  /** A training model's inflight sampler target (its newest `kind: inflight` save). */
+  inflight(modelId: string): string {
+    return `${this.prefix}:inflight:${modelId}`;
+  }
+  /** What stable_reinforce needs of one sampled sequence (queues/stability.ts). */
+  stability(sequenceId: string): string {
+    return `${this.prefix}:stability:${sequenceId}`;
   }
 
   // The per-model ordering gate (see queues/gate.ts).

@@ -57,10 +57,15 @@ export const SamplingSessionRecord = z.object({
   base_model: z.string(),
   model_path: z.string().nullable(),
   adapter_dir: z.string().nullable(),
+  /** An inflight session samples its model's current inflight target (Registry.inflightTarget). */
+  inflight_model_id: z.string().nullish(),
   /** The owning tenant, as for models. */
   tenant: z.string().default(''),
 });
 export type SamplingSessionRecord = z.infer<typeof SamplingSessionRecord>;
+
+export const InflightTarget = z.object({ model_path: z.string(), adapter_dir: z.string(), seq_id: z.number().int() });
+export type InflightTarget = z.infer<typeof InflightTarget>;
 
 /**
  * A saved checkpoint: training state (`weights/<name>`: adapter + optimizer) or a sampler
@@ -94,6 +99,34 @@ export const FailedFuture = z.object({
   message: z.string(),
 });
 export type FailedFuture = z.infer<typeof FailedFuture>;
+
+/**
+ * Engines by sampling throughput under concurrent requests, fastest first. vLLM batches every request
+ * it holds (continuous batching); the torch engine runs one sample request at a time, so an actor
+ * that shares a sample queue with rollout agents sets the pace of everyone's requests. Engines not
+ * listed come after these.
+ */
+export const SAMPLE_ENGINE_ORDER: readonly string[] = ['vllm', 'torch'];
+/** Engines that train only: their agents consume no sample queue (workers/adapters/verl.ts). */
+export const TRAIN_ONLY_ENGINES: readonly string[] = ['verl'];
+
+/**
+ * Where a sample job of `baseModel` goes: the fastest engine kind among the live `agents` serving it
+ * that accept the sampler version's LoRA rank (`loraRank`, null for the base model). The torch actor
+ * thus samples only when no rollout (vLLM) agent serves that version. When no agent accepts the rank,
+ * the fastest engine serving the model gets the job, and its engine reports the error.
+ */
+export function sampleEngine(baseModel: string, agents: AgentRecord[], loraRank: number | null): string {
+  const all = agents.flatMap((a) => a.models.filter((m) => m.name === baseModel).map((m) => ({ engine: a.engine, m })));
+  if (all.length === 0) throw new BrokerError('NOT_FOUND', `base model '${baseModel}' is not served here (no live agent serves it)`);
+  const serving = all.filter((s) => !TRAIN_ONLY_ENGINES.includes(s.engine));
+  if (serving.length === 0)
+    throw new BrokerError('UNAVAILABLE', `base model '${baseModel}' is served here only by engines that do not sample (${[...new Set(all.map((s) => s.engine))].join(', ')}); start a vLLM or torch agent for it`);
+  const fits = serving.filter(({ m }) => loraRank === null || m.lora_max_rank >= loraRank);
+  const pool = (fits.length ? fits : serving).map((s) => s.engine);
+  const rank = (e: string) => (SAMPLE_ENGINE_ORDER.includes(e) ? SAMPLE_ENGINE_ORDER.indexOf(e) : SAMPLE_ENGINE_ORDER.length);
+  return [...new Set(pool)].sort((a, b) => rank(a) - rank(b) || a.localeCompare(b))[0]!;
+}
 
 /** How long an agent's liveness key lives without a refresh. */
 export const AGENT_TTL_MS = 15_000;
@@ -261,6 +294,14 @@ export class Registry {
     if (ok === 'OK') return rec;
     return (await this.getSamplingSession(rec.sampling_session_id))!;
   }
+  /** The model's inflight sampler target: its newest `kind: inflight` save (saves of a model run in order). */
+  async setInflightTarget(modelId: string, target: InflightTarget, ttlS: number): Promise<void> {
+    await this.redis.set(this.names.inflight(modelId), JSON.stringify(target), 'EX', ttlS);
+  }
+  async inflightTarget(modelId: string): Promise<InflightTarget | null> {
+    return this.getJson(this.names.inflight(modelId), InflightTarget);
+  }
+
   async getSamplingSession(id: string): Promise<SamplingSessionRecord | null> {
     return this.getJson(this.names.samplingSession(id), SamplingSessionRecord);
   }

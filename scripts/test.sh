@@ -14,7 +14,8 @@ if ! (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; then
   for _ in $(seq 50); do (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null && break; sleep 0.1; done
 fi
 
-# The compose tests validate docker-compose.yml with `docker compose config` or docker-compose.
+# The compose tests validate docker-compose.yml with `docker compose config` or docker-compose; they then
+# build the image and run the stack in containers (scripts/docker-ensure.sh installs and starts Docker).
 if ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev/null; then
   apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null
 fi

@@ -76,6 +76,25 @@ function plan(p: Parsed): Plan {
 /** Model directories that start generates itself (the tiny test models). */
 const generated = (p: string) => p === TINY_MODEL_DIR || p.startsWith(`${TINY_MODEL_DIR}-`);
 
+/**
+ * Under `npx tinker-broker` (and `npm start` in npm versions that keep a shell) npm forwards
+ * SIGTERM to the `sh -c` it ran, which dies without passing it on: this process would be left
+ * running. So when npm started us, the end of our parent is a stop signal too.
+ */
+function watchNpmParent(stop: () => void): void {
+  if (!process.env.npm_command) return;
+  const parent = process.ppid;
+  const t = setInterval(() => {
+    try {
+      process.kill(parent, 0);
+    } catch {
+      clearInterval(t);
+      stop();
+    }
+  }, 500);
+  t.unref();
+}
+
 /** Set once a stop signal arrived: a failure of a half-started piece is then part of stopping. */
 let stopping = false;
 
@@ -132,6 +151,7 @@ async function start(p: Parsed): Promise<void> {
   process.on('SIGTERM', () => void shutdown('SIGTERM'));
   process.on('SIGINT', () => void shutdown('SIGINT'));
   process.on('SIGHUP', () => void shutdown('SIGHUP'));
+  watchNpmParent(() => void shutdown('parent exited'));
 
   try {
     for (const a of pl.agents) for (const m of a.models) if (generated(m.path)) ensureTinyModel(a.python, m.path, m.path === TINY_MODEL_DIR ? 0 : 1);

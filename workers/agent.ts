@@ -11,6 +11,7 @@ import { publishAgentStats, recordJob, recordTokens, removeAgentStats, type JobS
 import { Names } from '../queues/names.js';
 import { connect } from '../queues/redis.js';
 import { Registry, type CheckpointRecord, type ModelRecord, type ServedModel } from '../queues/registry.js';
+import { writeStabilityRecords } from '../queues/stability.js';
 import { SampleJob, TrainJob, type AnyJob, type SaveExternalJob, type SaveSamplerJob, type SaveStateJob } from '../queues/schemas.js';
 import type { EngineAdapter } from './adapters/adapter.js';
 import { TorchAdapter } from './adapters/torch.js';
@@ -24,7 +25,7 @@ import { engineMemory } from './stats.js';
  * A worker agent: registers in Redis, supervises its engine, and consumes
  * - its training queue (`train-<agentId>`): the ordered ops of the models placed here, one at
  *   a time, never retried (`maxStalledCount: 0`: a crash fails the op instead of re-running it);
- * - the sample queue of each base model it serves, concurrently.
+ * - the sample queue of each base model it serves on its engine kind (the API routes each job), concurrently.
  */
 const HEARTBEAT_MS = 5_000;
 
@@ -79,7 +80,7 @@ export class Agent {
       // An engine that only trains (verl) takes no sample jobs: they wait for agents that sample.
       ...(this.adapter.samples === false ? [] : this.served).map(
         (m) =>
-          new Worker<AnyJob>(this.names.sampleQueue(m.name), (job) => this.runSample(job), {
+          new Worker<AnyJob>(this.names.sampleQueue(m.name, this.adapter.kind), (job) => this.runSample(job), {
             ...common,
             concurrency: this.config.sampleConcurrency,
           }),
@@ -244,6 +245,9 @@ export class Agent {
     const { size_bytes } = await this.adapter.saveSampler(job);
     const model = await this.modelOf(job);
     await this.registry.putCheckpoint(this.checkpointRecord(model, job, 'sampler', { size_bytes, has_optimizer: false, ephemeral }));
+    const inflight = job.kind === 'inflight';
+    // The target moves before the save completes: a client created from this save never sees older weights.
+    if (inflight) await this.registry.setInflightTarget(model.model_id, { model_path: job.tinker_path, adapter_dir: job.dir, seq_id: job.seq_id }, this.config.retentionS);
     if (job.sampling_session_id) {
       await this.registry.putSamplingSession(
         {
@@ -252,6 +256,7 @@ export class Agent {
           base_model: model.base_model,
           model_path: job.tinker_path,
           adapter_dir: job.dir,
+          inflight_model_id: inflight ? model.model_id : null,
           tenant: model.tenant,
         },
         this.config.retentionS,
@@ -304,7 +309,10 @@ export class Agent {
   private async runSample(job: Job<AnyJob>): Promise<unknown> {
     return this.guard(job, async () => {
       await this.ensureEngine();
-      return this.adapter.sample(SampleJob.parse(job.data));
+      const data = SampleJob.parse(job.data);
+      const result = await this.adapter.sample(data);
+      if (data.record_stability) await writeStabilityRecords(this.redis, this.names, data.record_stability, data.prompt, result.sequences);
+      return result;
     });
   }
 

@@ -4,7 +4,7 @@ import { z } from 'zod';
 import { BrokerError } from '../../queues/errors.js';
 import { encodeRequestId } from '../../queues/futures.js';
 import { jobIds } from '../../queues/names.js';
-import type { SamplingSessionRecord } from '../../queues/registry.js';
+import { sampleEngine, type SamplingSessionRecord } from '../../queues/registry.js';
 import type { SampleJob, SamplingParams } from '../../queues/schemas.js';
 import { tenantOf } from '../auth.js';
 import type { ApiContext } from '../context.js';
@@ -90,10 +90,18 @@ export function samplingRoutes(ctx: ApiContext): Router {
 
     let session: Pick<SamplingSessionRecord, 'base_model' | 'model_path' | 'adapter_dir'>;
     let sessionId: string;
+    // The client's session, which owns the stability records of this request's sequences.
+    let ownerSession: string | null = null;
     if (body.sampling_session_id) {
       const s = await requireSamplingSession(ctx, req, body.sampling_session_id);
       session = s;
       sessionId = s.sampling_session_id;
+      ownerSession = s.session_id;
+      if (s.inflight_model_id) {
+        // Inflight: the model's newest inflight save, which only moves forward from the one this session was created with.
+        const t = await ctx.registry.inflightTarget(s.inflight_model_id);
+        if (t) session = { base_model: s.base_model, model_path: t.model_path, adapter_dir: t.adapter_dir };
+      }
     } else if (body.base_model || body.model_path) {
       session = await resolveTarget(ctx, req, body.base_model, body.model_path);
       sessionId = `adhoc-${randomUUID()}`;
@@ -105,7 +113,7 @@ export function samplingRoutes(ctx: ApiContext): Router {
       for (const t of c.tokens as number[]) tokens.push(t);
     }
     if (tokens.length === 0) throw invalid('prompt is empty');
-    const { model } = await ctx.registry.resolveBaseModel(session.base_model);
+    const { model, agents } = await ctx.registry.resolveBaseModel(session.base_model);
     if (body.topk_prompt_logprobs > model.topk_max)
       throw invalid(`topk_prompt_logprobs ${body.topk_prompt_logprobs} exceeds the bound for this model (${model.topk_max})`);
     for (const t of tokens) if (t < 0 || t >= model.vocab_size) throw invalid(`prompt token id ${t} is outside the vocabulary [0, ${model.vocab_size})`);
@@ -114,7 +122,9 @@ export function samplingRoutes(ctx: ApiContext): Router {
     if (tokens.length + params.max_tokens > model.max_context_length)
       throw invalid(`prompt (${tokens.length} tokens) + max_tokens (${params.max_tokens}) exceeds the model's context of ${model.max_context_length}`);
 
-    const queue = ctx.names.sampleQueue(session.base_model);
+    // The sampler version (null: the base model); its LoRA rank decides which agents can serve it.
+    const version = session.model_path ? await ctx.registry.getCheckpoint(session.model_path) : null;
+    const queue = ctx.names.sampleQueue(session.base_model, sampleEngine(session.base_model, agents, version?.lora.rank ?? null));
     // A seq_id JSON cannot carry exactly (past 2^53) cannot de-duplicate: such a request gets a fresh job.
     const seqId = body.seq_id != null && Number.isSafeInteger(body.seq_id) ? body.seq_id : null;
     const jobId = body.sampling_session_id && seqId !== null ? jobIds.sample(sessionId, seqId) : `s-${randomUUID()}`;
@@ -125,7 +135,7 @@ export function samplingRoutes(ctx: ApiContext): Router {
       res.json({ request_id: requestId, sample_sequence_ids: Array.from({ length: body.num_samples }, (_, i) => `${requestId}#${i}`) });
     };
     // A session is pinned to one sampler version; never sample silently from other weights.
-    if (session.model_path && !(await ctx.registry.getCheckpoint(session.model_path))) {
+    if (session.model_path && !version) {
       const message = `sampling session ${sessionId} is pinned to sampler weights ${session.model_path}, which no longer exist (deleted or expired); save new sampler weights and create a new sampling client`;
       await ctx.registry.putFailedFuture(jobId, { op: 'sample', category: 'user', message }, ctx.config.retentionS);
       await reply();
@@ -146,6 +156,8 @@ export function samplingRoutes(ctx: ApiContext): Router {
       sampling_params: params,
       prompt_logprobs: body.prompt_logprobs ?? false,
       topk_prompt_logprobs: body.topk_prompt_logprobs,
+      // Only samples of a sampling session are recorded: the record belongs to that session (and its tenant).
+      record_stability: body.record_stability_info && ownerSession ? { session_id: ownerSession, request_id: requestId } : null,
     };
     await ctx.queues.add(queue, jobId, job);
     await reply();

@@ -23,17 +23,27 @@ import {
   SaveWeightsForSamplerBody,
 } from '../http-schemas.js';
 import { formatTinkerPath, parseTinkerPath, storageDirFor } from '../paths.js';
+import { attachStability } from '../stability.js';
 import { decodeForwardBackwardRequest } from '../wire/proto.js';
 
 /** forward_backward (also forward), optim_step, save_weights_for_sampler: ordered per model. */
 
-/** Loss functions and the `loss_fn_inputs` each needs. */
+const RL = ['target_tokens', 'logprobs', 'advantages'];
+const CLIP = ['clip_low_threshold', 'clip_high_threshold'];
+
+/**
+ * Loss functions and the `loss_fn_inputs` each takes (definitions and sources: docs/losses.md).
+ * stable_reinforce's sampler logprobs come from the server's stability records, not the datum:
+ * a datum's `logprobs` is accepted and not used.
+ */
 export const LOSS_INPUTS: Record<string, { required: string[]; optional: string[] }> = {
   cross_entropy: { required: ['target_tokens'], optional: ['weights'] },
-  importance_sampling: { required: ['target_tokens', 'logprobs', 'advantages'], optional: [] },
-  ppo: { required: ['target_tokens', 'logprobs', 'advantages'], optional: [] },
-  cispo: { required: ['target_tokens', 'logprobs', 'advantages'], optional: [] },
-  dro: { required: ['target_tokens', 'logprobs', 'advantages'], optional: [] },
+  importance_sampling: { required: RL, optional: [] },
+  ppo: { required: RL, optional: CLIP },
+  cispo: { required: RL, optional: CLIP },
+  dro: { required: RL, optional: [] },
+  gspo: { required: RL, optional: ['sequence_ratio_mask', ...CLIP] },
+  stable_reinforce: { required: ['target_tokens', 'advantages'], optional: ['logprobs', 'clip_high_threshold'] },
 };
 
 const invalid = (m: string) => new BrokerError('INVALID_REQUEST', m);
@@ -161,7 +171,7 @@ async function loadableCheckpoint(
 async function createViaLoad(ctx: ApiContext, req: Request, body: z.output<typeof CreateViaLoadBody>): Promise<{ request_id: string; model_id: string }> {
   await requireSession(ctx, req, body.session_id, ': call create_session first');
   if (body.optimizer_config && body.optimizer_config.type !== 'adamw')
-    throw invalid(`optimizer '${body.optimizer_config.type}' is not supported; only adamw`);
+    throw invalid(`optimizer '${body.optimizer_config.type}' is not supported by this server; supported: adamw (Dimuon's definition is not public, see docs/losses.md)`);
   const c = await loadableCheckpoint(ctx, req, body.path);
   if (body.base_model) {
     const { model } = await ctx.registry.resolveBaseModel(body.base_model);
@@ -198,9 +208,10 @@ export function trainingRoutes(ctx: ApiContext): Router {
       const data = fb.data({ maxTokens: await contextLength(ctx, model), vocabSize: model.vocab_size, maxK: MAX_TARGET_K });
       validateBatch(fb.loss_fn, data, model.vocab_size);
       if (fb.loss_fn === 'dro' && typeof fb.loss_fn_config.beta !== 'number') throw invalid("loss_fn 'dro' needs loss_fn_config.beta");
+      if (fb.loss_fn === 'stable_reinforce') await attachStability(ctx, model, data, fb.provenance);
       return data;
     });
-    const { data: _lazy, ...rest } = fb;
+    const { data: _lazy, provenance: _spans, ...rest } = fb;
     const requestId = await submitTrainOp(ctx, req, model, fb.seq_id, { op: 'forward_backward', ...rest, data });
     res.json({ request_id: requestId, model_id: fb.model_id });
   });
@@ -227,6 +238,7 @@ export function trainingRoutes(ctx: ApiContext): Router {
       tinker_path: formatTinkerPath(tp),
       dir: storageDirFor(ctx.config.storageDir, tp),
       sampling_session_id: named ? null : `${model.session_id}:sample:${body.sampling_session_seq_id}`,
+      kind: body.kind,
       ttl_seconds: body.ttl_seconds ?? null,
       user_metadata: body.user_metadata ?? null,
     });

@@ -116,6 +116,24 @@ function decodeTensor(t: PbObject, what: string, rows: number, limits: DecodeLim
   return { dtype: wireDtype, shape: finalShape, data: readArray(dense, dtype, what) };
 }
 
+/** One run of a datum's provenance (SDK `PromptProvenanceSpan` / `SampledProvenanceSpan`). */
+export type ProvenanceSpan = { kind: 'prompt' | 'sampled'; sequence_id: string; offset: number; length: number };
+/** `Datum.with_provenance`: runs tiling the model input and the target tokens; null when absent. */
+export type DatumProvenance = { model_input: ProvenanceSpan[]; loss_fn_inputs: ProvenanceSpan[] } | null;
+
+function decodeSpans(spans: PbObject[], what: string): ProvenanceSpan[] {
+  return spans.map((s, j) => {
+    const kind = s.span === 'prompt_tokens' ? 'prompt' : s.span === 'sampled_tokens' ? 'sampled' : null;
+    if (!kind) throw invalid(`${what}[${j}]: a provenance span must be prompt_tokens or sampled_tokens`);
+    const body = s[s.span as string] as PbObject;
+    const span = { kind, sequence_id: String(body.sequence_id ?? ''), offset: Number(body.offset ?? 0), length: Number(body.length ?? 0) } as const;
+    if (!span.sequence_id) throw invalid(`${what}[${j}]: sequence_id is empty`);
+    if (!Number.isSafeInteger(span.offset) || span.offset < 0 || !Number.isSafeInteger(span.length) || span.length < 0)
+      throw invalid(`${what}[${j}]: offset and length must be non-negative integers`);
+    return span;
+  });
+}
+
 /** A decoded forward_backward request whose data is decoded only once its model's bounds are known. */
 export type DecodedForwardBackward = {
   model_id: string;
@@ -125,6 +143,8 @@ export type DecodedForwardBackward = {
   forward_only: boolean;
   /** The datums, decoded under the model's bounds (a user error past them, before allocating). */
   data: (limits: DecodeLimits) => Datum[];
+  /** Each datum's provenance (stable_reinforce), in data order. */
+  provenance: DatumProvenance[];
 };
 
 export function decodeForwardBackwardRequest(body: Buffer): DecodedForwardBackward {
@@ -154,6 +174,12 @@ export function decodeForwardBackwardRequest(body: Buffer): DecodedForwardBackwa
       }
       return { tokens, loss_fn_inputs: inputs };
     });
+  const provenance = (o.data as PbObject[]).map((d, i): DatumProvenance => {
+    const mi = (d.model_input_spans as PbObject[] | undefined) ?? [];
+    const li = (d.loss_fn_input_spans as PbObject[] | undefined) ?? [];
+    if (mi.length === 0 && li.length === 0) return null;
+    return { model_input: decodeSpans(mi, `data[${i}].model_input_spans`), loss_fn_inputs: decodeSpans(li, `data[${i}].loss_fn_input_spans`) };
+  });
   // loss_fn_config_v2 (numbers or text) wins over the numeric-only field 5 when present.
   const config: Record<string, number | string> = { ...(o.loss_fn_config as Record<string, number>) };
   for (const [k, v] of Object.entries(o.loss_fn_config_v2 as Record<string, PbObject>)) {
@@ -167,6 +193,7 @@ export function decodeForwardBackwardRequest(body: Buffer): DecodedForwardBackwa
     loss_fn_config: config,
     forward_only: Boolean(o.forward_only),
     data,
+    provenance,
   };
 }
 
