@@ -34,5 +34,7 @@ describe('sampling fields of SDK 0.38', function () {
     // The SDK checks these itself (ValueError) before it sends; the server refuses them too (raw HTTP).
     expect(out.last_n_without_logprobs).to.match(/Error.*prompt_logprobs_last_n/);
     expect(out.last_n_too_long).to.match(/Error.*prompt_logprobs_last_n/);
+    expect(out.raw_without_logprobs).to.match(/^400 .*prompt_logprobs_last_n requires prompt_logprobs/);
+    expect(out.raw_too_long).to.match(/^400 .*prompt_logprobs_last_n 8 must be between 1 and len\(prompt\) - 1 = 7/);
   });
 });

@@ -5,7 +5,10 @@ Prints one JSON object: the full prompt logprobs and top-K, what each field retu
 error each refused field raised.
 """
 import json
+import os
 import sys
+
+import httpx
 
 import tinker
 from tinker import types
@@ -34,6 +37,15 @@ def main() -> None:
         "last_n_without_logprobs": error_of(lambda: sample(prompt_logprobs_last_n=2)),
         "last_n_too_long": error_of(lambda: sample(include_prompt_logprobs=True, prompt_logprobs_last_n=len(PROMPT))),
     }
+    # The server's own checks, past the SDK's (raw HTTP, as another client would send).
+    def raw(**kw):
+        body = {"base_model": model, "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
+                "sampling_params": {"max_tokens": 2}, "num_samples": 1, **kw}
+        r = httpx.post(os.environ["TINKER_BASE_URL"].rstrip("/") + "/api/v1/asample", json=body,
+                       headers={"X-API-Key": os.environ["TINKER_API_KEY"]}, timeout=60)
+        return f"{r.status_code} {r.text}"
+    out["raw_without_logprobs"] = raw(prompt_logprobs_last_n=2)
+    out["raw_too_long"] = raw(prompt_logprobs=True, prompt_logprobs_last_n=len(PROMPT))
     print(json.dumps(out))
 
 
