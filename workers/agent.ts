@@ -25,7 +25,7 @@ import { engineMemory } from './stats.js';
  * A worker agent: registers in Redis, supervises its engine, and consumes
  * - its training queue (`train-<agentId>`): the ordered ops of the models placed here, one at
  *   a time, never retried (`maxStalledCount: 0`: a crash fails the op instead of re-running it);
- * - the sample queue of each base model it serves, concurrently.
+ * - the sample queue of each base model it serves on its engine kind (the API routes each job), concurrently.
  */
 const HEARTBEAT_MS = 5_000;
 
@@ -80,7 +80,7 @@ export class Agent {
       // An engine that only trains (verl) takes no sample jobs: they wait for agents that sample.
       ...(this.adapter.samples === false ? [] : this.served).map(
         (m) =>
-          new Worker<AnyJob>(this.names.sampleQueue(m.name), (job) => this.runSample(job), {
+          new Worker<AnyJob>(this.names.sampleQueue(m.name, this.adapter.kind), (job) => this.runSample(job), {
             ...common,
             concurrency: this.config.sampleConcurrency,
           }),

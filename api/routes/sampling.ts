@@ -4,7 +4,7 @@ import { z } from 'zod';
 import { BrokerError } from '../../queues/errors.js';
 import { encodeRequestId } from '../../queues/futures.js';
 import { jobIds } from '../../queues/names.js';
-import type { SamplingSessionRecord } from '../../queues/registry.js';
+import { sampleEngine, type SamplingSessionRecord } from '../../queues/registry.js';
 import type { SampleJob, SamplingParams } from '../../queues/schemas.js';
 import { tenantOf } from '../auth.js';
 import type { ApiContext } from '../context.js';
@@ -112,7 +112,7 @@ export function samplingRoutes(ctx: ApiContext): Router {
       for (const t of c.tokens as number[]) tokens.push(t);
     }
     if (tokens.length === 0) throw invalid('prompt is empty');
-    const { model } = await ctx.registry.resolveBaseModel(session.base_model);
+    const { model, agents } = await ctx.registry.resolveBaseModel(session.base_model);
     if (body.topk_prompt_logprobs > model.topk_max)
       throw invalid(`topk_prompt_logprobs ${body.topk_prompt_logprobs} exceeds the bound for this model (${model.topk_max})`);
     for (const t of tokens) if (t < 0 || t >= model.vocab_size) throw invalid(`prompt token id ${t} is outside the vocabulary [0, ${model.vocab_size})`);
@@ -126,14 +126,16 @@ export function samplingRoutes(ctx: ApiContext): Router {
     if (tokens.length + params.max_tokens > model.max_context_length)
       throw invalid(`prompt (${tokens.length} tokens) + max_tokens (${params.max_tokens}) exceeds the model's context of ${model.max_context_length}`);
 
-    const queue = ctx.names.sampleQueue(session.base_model);
+    // The sampler version (null: the base model); its LoRA rank decides which agents can serve it.
+    const version = session.model_path ? await ctx.registry.getCheckpoint(session.model_path) : null;
+    const queue = ctx.names.sampleQueue(session.base_model, sampleEngine(session.base_model, agents, version?.lora.rank ?? null));
     // A seq_id JSON cannot carry exactly (past 2^53) cannot de-duplicate: such a request gets a fresh job.
     const seqId = body.seq_id != null && Number.isSafeInteger(body.seq_id) ? body.seq_id : null;
     const jobId = body.sampling_session_id && seqId !== null ? jobIds.sample(sessionId, seqId) : `s-${randomUUID()}`;
     const requestId = await issueFuture(ctx, req, encodeRequestId({ queue, jobId }));
     const reply = () => res.json({ request_id: requestId, sample_sequence_ids: Array.from({ length: body.num_samples }, (_, i) => `${requestId}#${i}`) });
     // A session is pinned to one sampler version; never sample silently from other weights.
-    if (session.model_path && !(await ctx.registry.getCheckpoint(session.model_path))) {
+    if (session.model_path && !version) {
       const message = `sampling session ${sessionId} is pinned to sampler weights ${session.model_path}, which no longer exist (deleted or expired); save new sampler weights and create a new sampling client`;
       await ctx.registry.putFailedFuture(jobId, { op: 'sample', category: 'user', message }, ctx.config.retentionS);
       reply();
