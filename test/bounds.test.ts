@@ -163,4 +163,15 @@ describe('bounds', function () {
     expect(keys.length).to.be.greaterThan(0);
     for (const k of keys.filter((k) => !k.includes(':', create.length))) expect(await redis.pttl(k)).to.equal(-1);
   });
+
+  it('refuses a sample replay (same sampling session and seq_id) with another prompt; a true replay gets the same future', async () => {
+    const ss = (await call(s.baseUrl, 'POST', '/create_sampling_session', { session_id: sessionId, sampling_session_seq_id: 0, base_model: TINY_MODEL_ALIAS })).json.sampling_session_id;
+    const sample = (tokens: number[]) =>
+      call(s.baseUrl, 'POST', '/asample', { num_samples: 1, prompt: { chunks: [{ type: 'encoded_text', tokens }] }, sampling_params: { max_tokens: 2, seed: 1 }, sampling_session_id: ss, seq_id: 7 });
+    const first = await sample([5, 17]);
+    expect(first.status).to.equal(200);
+    expect((await sample([5, 17])).json.request_id).to.equal(first.json.request_id);
+    refused(await sample([5, 18]), /seq_id 7 of sampling session .* already used by a different sample request/);
+    expect((await awaitFuture(s.baseUrl, first.json.request_id)).status).to.equal(200);
+  });
 });

@@ -165,6 +165,13 @@ export function samplingRoutes(ctx: ApiContext): Router {
       record_stability: body.record_stability_info && ownerSession ? { session_id: ownerSession, request_id: requestId } : null,
     };
     await ctx.queues.add(queue, jobId, job);
+    // A (sampling session, seq_id) names one request: a replay with another payload would silently
+    // get the first one's samples, so it is refused. The job that BullMQ kept is the first one.
+    if (body.sampling_session_id && seqId !== null) {
+      const stored = await ctx.redis.hget(`${ctx.names.bull}:${queue}:${jobId}`, 'data');
+      if (stored !== null && stored !== JSON.stringify(job))
+        throw invalid(`seq_id ${seqId} of sampling session ${sessionId} was already used by a different sample request; a seq_id names one request`);
+    }
     await reply();
   });
 
