@@ -165,6 +165,8 @@ export const SampleJob = z.object({
   sampling_params: SamplingParams,
   prompt_logprobs: z.boolean(),
   topk_prompt_logprobs: z.number().int().nonnegative(),
+  /** Score only the last N prompt tokens: earlier prompt (and top-K) logprobs are null. */
+  prompt_logprobs_last_n: z.number().int().positive().nullish(),
   /** Set when the client asked for record_stability_info: the agent records each sequence. */
   record_stability: RecordStability.nullish(),
 });

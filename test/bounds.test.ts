@@ -116,6 +116,9 @@ describe('bounds', function () {
     const id = await createModel();
     refused(await optim(id, 65), /seq_id 65 .* too far ahead: the next op to run is seq_id 1, and at most 64/);
     refused(await optim(id, 1e12), /too far ahead/);
+    // A refused request leaves nothing in Redis (no future, nothing held).
+    expect(await redis.keys(`${s.prefix}:future-owner:*-65`)).to.deep.equal([]);
+    expect(await redis.hlen(`${s.prefix}:gate:${id}:held`)).to.equal(0);
     const first = await fb(id, 1);
     expect((await fb(id, 1)).json.request_id).to.equal(first.json.request_id);
     refused(await fb(id, 1, [{ tokens: [5, 17, 43], targets: [17, 43, 99], weights: [1, 1, 1] }]), /seq_id 1 .* already submitted with a different request/);
@@ -148,6 +151,7 @@ describe('bounds', function () {
     expect((await awaitFuture(s.baseUrl, sub.json.request_id)).status).to.equal(200);
     const ttl = await redis.pttl(key);
     expect(ttl).to.be.within(1, 1_000);
+    expect(await redis.pttl(`${s.prefix}:future-owner:${sub.json.request_id}`)).to.be.within(1, 1_000);
     await new Promise((r) => setTimeout(r, ttl + 100));
     expect(await redis.exists(key)).to.equal(0);
     const gone = await call(s.baseUrl, 'POST', '/retrieve_future', { request_id: sub.json.request_id });

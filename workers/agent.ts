@@ -12,7 +12,7 @@ import { Names } from '../queues/names.js';
 import { connect } from '../queues/redis.js';
 import { Registry, type CheckpointRecord, type ModelRecord, type ServedModel } from '../queues/registry.js';
 import { writeStabilityRecords } from '../queues/stability.js';
-import { SampleJob, TrainJob, type AnyJob, type SaveExternalJob, type SaveSamplerJob, type SaveStateJob } from '../queues/schemas.js';
+import { SampleJob, TrainJob, type SampleResult, type AnyJob, type SaveExternalJob, type SaveSamplerJob, type SaveStateJob } from '../queues/schemas.js';
 import type { EngineAdapter } from './adapters/adapter.js';
 import { TorchAdapter } from './adapters/torch.js';
 import { VerlAdapter } from './adapters/verl.js';
@@ -25,7 +25,7 @@ import { engineMemory } from './stats.js';
  * A worker agent: registers in Redis, supervises its engine, and consumes
  * - its training queue (`train-<agentId>`): the ordered ops of the models placed here, one at
  *   a time, never retried (`maxStalledCount: 0`: a crash fails the op instead of re-running it);
- * - the sample queue of each base model it serves, concurrently.
+ * - the sample queue of each base model it serves on its engine kind (the API routes each job), concurrently.
  */
 const HEARTBEAT_MS = 5_000;
 
@@ -80,7 +80,7 @@ export class Agent {
       // An engine that only trains (verl) takes no sample jobs: they wait for agents that sample.
       ...(this.adapter.samples === false ? [] : this.served).map(
         (m) =>
-          new Worker<AnyJob>(this.names.sampleQueue(m.name), (job) => this.runSample(job), {
+          new Worker<AnyJob>(this.names.sampleQueue(m.name, this.adapter.kind), (job) => this.runSample(job), {
             ...common,
             concurrency: this.config.sampleConcurrency,
           }),
@@ -310,7 +310,7 @@ export class Agent {
     return this.guard(job, async () => {
       await this.ensureEngine();
       const data = SampleJob.parse(job.data);
-      const result = await this.adapter.sample(data);
+      const result = keepLastPromptLogprobs(await this.adapter.sample(data), data.prompt_logprobs_last_n ?? null);
       if (data.record_stability) await writeStabilityRecords(this.redis, this.names, data.record_stability, data.prompt, result.sequences);
       return result;
     });
@@ -366,4 +366,15 @@ export class Agent {
     await this.redis?.quit().catch(() => undefined);
     this.log.info('agent stopped');
   }
+}
+
+/**
+ * `prompt_logprobs_last_n`: only the last N prompt positions keep their logprobs (and top-K);
+ * earlier entries become null, as the SDK documents. Every engine scores the whole prompt, so
+ * this is the same for torch and vLLM.
+ */
+export function keepLastPromptLogprobs(r: SampleResult, lastN: number | null): SampleResult {
+  if (lastN === null) return r;
+  const cut = <T>(xs: (T | null)[] | null) => (xs === null ? null : xs.map((v, i) => (i < xs.length - lastN ? null : v)));
+  return { ...r, prompt_logprobs: cut(r.prompt_logprobs), topk_prompt_logprobs: cut(r.topk_prompt_logprobs) };
 }
