@@ -156,13 +156,17 @@ export function samplingRoutes(ctx: ApiContext): Router {
     // A seq_id JSON cannot carry exactly (past 2^53) cannot de-duplicate: such a request gets a fresh job.
     const seqId = body.seq_id != null && Number.isSafeInteger(body.seq_id) ? body.seq_id : null;
     const jobId = body.sampling_session_id && seqId !== null ? jobIds.sample(sessionId, seqId) : `s-${randomUUID()}`;
-    const requestId = await issueFuture(ctx, req, encodeRequestId({ queue, jobId }));
-    const reply = () => res.json({ request_id: requestId, sample_sequence_ids: Array.from({ length: body.num_samples }, (_, i) => `${requestId}#${i}`) });
+    const requestId = encodeRequestId({ queue, jobId });
+    // The future is recorded only when it is handed out (not for a 429).
+    const reply = async () => {
+      await issueFuture(ctx, req, requestId);
+      res.json({ request_id: requestId, sample_sequence_ids: Array.from({ length: body.num_samples }, (_, i) => `${requestId}#${i}`) });
+    };
     // A session is pinned to one sampler version; never sample silently from other weights.
     if (session.model_path && !version) {
       const message = `sampling session ${sessionId} is pinned to sampler weights ${session.model_path}, which no longer exist (deleted or expired); save new sampler weights and create a new sampling client`;
       await ctx.registry.putFailedFuture(jobId, { op: 'sample', category: 'user', message }, ctx.config.retentionS);
-      reply();
+      await reply();
       return;
     }
     if ((await ctx.queues.get(queue).getWaitingCount()) >= ctx.config.maxQueuedSamples)
@@ -186,7 +190,14 @@ export function samplingRoutes(ctx: ApiContext): Router {
       record_stability: body.record_stability_info && ownerSession ? { session_id: ownerSession, request_id: requestId } : null,
     };
     await ctx.queues.add(queue, jobId, job);
-    reply();
+    // A (sampling session, seq_id) names one request: a replay with another payload would silently
+    // get the first one's samples, so it is refused. The job that BullMQ kept is the first one.
+    if (body.sampling_session_id && seqId !== null) {
+      const stored = await ctx.redis.hget(`${ctx.names.bull}:${queue}:${jobId}`, 'data');
+      if (stored !== null && stored !== JSON.stringify(job))
+        throw invalid(`seq_id ${seqId} of sampling session ${sessionId} was already used by a different sample request; a seq_id names one request`);
+    }
+    await reply();
   });
 
   return r;
