@@ -30,6 +30,17 @@ describe('sampling fields of SDK 0.38', function () {
     });
   });
 
+  it('target_prompt_logprobs: each requested id scored at its position, as the prompt logprobs and top-K say; 0.0 for -1', () => {
+    expect(out.target).to.have.length(out.full.length - 1);
+    out.target.forEach((row: number[], i: number) => {
+      expect(row).to.have.length(3);
+      expect(row[0], `row ${i} prompt token`).to.be.closeTo(out.full[i + 1], 1e-6);
+      expect(row[1], `row ${i} top-1`).to.be.closeTo(out.full_topk[i + 1][0][1], 1e-6);
+      expect(row[2]).to.equal(0);
+    });
+    expect(out.raw_target_bad_shape).to.match(/^400 .*target_prompt_logprobs must have shape \[len\(prompt\) - 1, K\] = \[7, K\]/);
+  });
+
   it('prompt_logprobs_last_n needs prompt logprobs and at most len(prompt) - 1', () => {
     // The SDK checks these itself (ValueError) before it sends; the server refuses them too (raw HTTP).
     expect(out.last_n_without_logprobs).to.match(/Error.*prompt_logprobs_last_n/);

@@ -9,6 +9,7 @@ import os
 import sys
 
 import httpx
+import numpy as np
 
 import tinker
 from tinker import types
@@ -29,7 +30,13 @@ def main() -> None:
 
     full = sample(include_prompt_logprobs=True, topk_prompt_logprobs=3)
     last3 = sample(include_prompt_logprobs=True, topk_prompt_logprobs=3, prompt_logprobs_last_n=3)
+    # target_prompt_logprobs: the prompt's own next tokens, the top-1 ids, and -1 (nothing).
+    rows = len(PROMPT) - 1
+    ids = np.array([[PROMPT[i + 1], full.topk_prompt_logprobs[i + 1][0][0], -1] for i in range(rows)], dtype=np.int64)
+    targeted = sample(target_prompt_logprobs=types.TensorData.from_numpy(ids))
     out = {
+        "target_ids": ids.tolist(),
+        "target": targeted.target_prompt_logprobs.to_numpy().tolist(),
         "full": full.prompt_logprobs,
         "full_topk": full.topk_prompt_logprobs,
         "last3": last3.prompt_logprobs,
@@ -45,6 +52,7 @@ def main() -> None:
                        headers={"X-API-Key": os.environ["TINKER_API_KEY"]}, timeout=60)
         return f"{r.status_code} {r.text}"
     out["raw_without_logprobs"] = raw(prompt_logprobs_last_n=2)
+    out["raw_target_bad_shape"] = raw(target_prompt_logprobs={"data": [1, 2], "dtype": "int64", "shape": [2, 1]})
     out["raw_too_long"] = raw(prompt_logprobs=True, prompt_logprobs_last_n=len(PROMPT))
     print(json.dumps(out))
 

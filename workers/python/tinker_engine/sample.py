@@ -19,6 +19,7 @@ import torch
 
 from .errors import UserError
 from .models import BaseModel, Registry
+from .prompt_scores import parse_targets, score_targets
 from .params import (check_token_ids, get_bool, get_float, get_int, get_int_list, get_obj, get_opt_int,
                      get_opt_str, get_str, get_str_list)
 
@@ -182,17 +183,22 @@ def sample(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
         raise UserError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                         f"model's context length {limit}")
 
+    targets = parse_targets(args, len(prompt), base.vocab_size)
+
     adapter = registry.sampler_adapter(base, adapter_dir) if adapter_dir is not None else None
     base.activate(adapter, trainable=False)
-    keep = want_prompt_logprobs or topk > 0
+    keep = want_prompt_logprobs or topk > 0 or targets is not None
     seqs, prompt_logits = generate(base, prompt, num_samples, params, keep_prompt_logits=keep)
     lps: list[Any] | None = None
     tops: list[Any] | None = None
-    if prompt_logits is not None:
+    if prompt_logits is not None and (want_prompt_logprobs or topk > 0):
         all_lps, tops = prompt_logprob_lists(prompt, prompt_logits, topk)
         lps = all_lps if want_prompt_logprobs else None
-    return {
+    out: dict[str, Any] = {
         "sequences": [s.to_json() for s in seqs],
         "prompt_logprobs": lps,
         "topk_prompt_logprobs": tops,
     }
+    if targets is not None and prompt_logits is not None:
+        out["target_prompt_logprobs"] = score_targets(prompt_logits, targets)
+    return out
