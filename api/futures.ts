@@ -1,7 +1,7 @@
 import { Job, QueueEvents } from 'bullmq';
 import type { Redis } from 'ioredis';
 import { decodeJobFailure, type ErrorCategory } from '../queues/errors.js';
-import { decodeRequestId, type FutureRef } from '../queues/futures.js';
+import { decodeRequestId, encodeRequestId, type FutureRef } from '../queues/futures.js';
 import type { OrderingGate } from '../queues/gate.js';
 import type { Names } from '../queues/names.js';
 import type { QueueSet } from '../queues/queues.js';
@@ -93,7 +93,14 @@ export class FutureResolver {
       // repeat of their seq_id is recognised by the gate, not by the job). Others (create_model)
       // stay for the retention, as their job id is what makes them idempotent.
       const seq = (job.data as { seq_id?: number }).seq_id ?? 0;
-      if (op === 'sample' || seq >= 1) await this.redis.call('PEXPIRE', `${this.names.bull}:${ref.queue}:${ref.jobId}`, this.ttlAfterReadS * 1000, 'LT');
+      if (op === 'sample' || seq >= 1) {
+        const ms = this.ttlAfterReadS * 1000;
+        await this.redis
+          .multi()
+          .call('PEXPIRE', `${this.names.bull}:${ref.queue}:${ref.jobId}`, ms, 'LT')
+          .call('PEXPIRE', this.names.futureOwner(encodeRequestId(ref)), ms, 'LT')
+          .exec();
+      }
       if (job.failedReason) return { kind: 'failed', op, ...decodeJobFailure(job.failedReason) };
       return { kind: 'done', op, result: job.returnvalue };
     }

@@ -165,6 +165,10 @@ export const SampleJob = z.object({
   sampling_params: SamplingParams,
   prompt_logprobs: z.boolean(),
   topk_prompt_logprobs: z.number().int().nonnegative(),
+  /** Token ids to score at each prompt position: dense row-major [len(prompt) - 1, k], -1 = none. */
+  target_prompt_logprobs: z.object({ k: z.number().int().positive(), ids: z.array(z.number().int()) }).nullish(),
+  /** Score only the last N prompt tokens: earlier prompt (and top-K) logprobs are null. */
+  prompt_logprobs_last_n: z.number().int().positive().nullish(),
   /** Set when the client asked for record_stability_info: the agent records each sequence. */
   record_stability: RecordStability.nullish(),
 });
@@ -200,6 +204,8 @@ export const SampleResult = z.object({
   ),
   prompt_logprobs: z.array(z.number().nullable()).nullable(),
   topk_prompt_logprobs: z.array(z.array(z.tuple([z.number().int(), z.number()])).nullable()).nullable(),
+  /** The logprobs of the requested target_prompt_logprobs ids, same shape, 0.0 where none was requested. */
+  target_prompt_logprobs: z.object({ shape: z.array(z.number().int()), data: z.array(z.number()) }).nullish(),
 });
 export type SampleResult = z.infer<typeof SampleResult>;
 

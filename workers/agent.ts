@@ -12,7 +12,7 @@ import { Names } from '../queues/names.js';
 import { connect } from '../queues/redis.js';
 import { Registry, type CheckpointRecord, type ModelRecord, type ServedModel } from '../queues/registry.js';
 import { writeStabilityRecords } from '../queues/stability.js';
-import { SampleJob, TrainJob, type AnyJob, type SaveExternalJob, type SaveSamplerJob, type SaveStateJob } from '../queues/schemas.js';
+import { SampleJob, TrainJob, type SampleResult, type AnyJob, type SaveExternalJob, type SaveSamplerJob, type SaveStateJob } from '../queues/schemas.js';
 import type { EngineAdapter } from './adapters/adapter.js';
 import { TorchAdapter } from './adapters/torch.js';
 import { VerlAdapter } from './adapters/verl.js';
@@ -335,7 +335,7 @@ export class Agent {
       await this.ensureEngine();
       const data = SampleJob.parse(job.data);
       const gatherer = this.gatherers.get(data.base_model);
-      const result = gatherer ? await gatherer.submit(data) : await this.adapter.sample(data);
+      const result = keepLastPromptLogprobs(gatherer ? await gatherer.submit(data) : await this.adapter.sample(data), data.prompt_logprobs_last_n ?? null);
       if (data.record_stability) await writeStabilityRecords(this.redis, this.names, data.record_stability, data.prompt, result.sequences);
       return result;
     });
@@ -392,4 +392,15 @@ export class Agent {
     await this.redis?.quit().catch(() => undefined);
     this.log.info('agent stopped');
   }
+}
+
+/**
+ * `prompt_logprobs_last_n`: only the last N prompt positions keep their logprobs (and top-K);
+ * earlier entries become null, as the SDK documents. Every engine scores the whole prompt, so
+ * this is the same for torch and vLLM.
+ */
+export function keepLastPromptLogprobs(r: SampleResult, lastN: number | null): SampleResult {
+  if (lastN === null) return r;
+  const cut = <T>(xs: (T | null)[] | null) => (xs === null ? null : xs.map((v, i) => (i < xs.length - lastN ? null : v)));
+  return { ...r, prompt_logprobs: cut(r.prompt_logprobs), topk_prompt_logprobs: cut(r.topk_prompt_logprobs) };
 }

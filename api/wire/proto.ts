@@ -269,5 +269,7 @@ export function encodeSampleResponse(r: SampleResult): Buffer {
   };
   if (r.prompt_logprobs) obj.prompt_logprobs = le(r.prompt_logprobs.map((v) => (v === null ? NaN : v)), 'f32');
   if (r.topk_prompt_logprobs) obj.topk_prompt_logprobs = encodeTopk(r.topk_prompt_logprobs);
+  if (r.target_prompt_logprobs)
+    obj.target_prompt_logprobs = { dense: le(r.target_prompt_logprobs.data, 'f32'), dtype: DTYPE.FLOAT32, shape: r.target_prompt_logprobs.shape };
   return Buffer.from(SampleResponseT.encode(SampleResponseT.fromObject(obj)).finish());
 }

@@ -32,6 +32,7 @@ function sampleRequest(job: SampleJob): Record<string, unknown> {
     sampling_params: job.sampling_params,
     prompt_logprobs: job.prompt_logprobs,
     topk_prompt_logprobs: job.topk_prompt_logprobs,
+    target_prompt_logprobs: job.target_prompt_logprobs ?? null,
   };
 }
 

@@ -36,6 +36,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .errors import UserError
 from .models import BaseModel, Registry
+from .prompt_scores import parse_targets, score_targets
 from .params import (check_token_ids, get_bool, get_float, get_int, get_int_list, get_obj, get_opt_int,
                      get_opt_str, get_str, get_str_list)
 
@@ -184,6 +185,8 @@ class SampleRequest:
     topk: int
     adapter: str | None = None  # the loaded PEFT adapter name, None: the base model alone
     sequences: list[Sequence] = field(default_factory=list)
+    targets: torch.Tensor | None = None  # target_prompt_logprobs ids (prompt_scores.py)
+    target_prompt_logprobs: dict[str, Any] | None = None
     rows_left: int = 0  # sequences still generating
     error: Exception | None = None  # the generation failed
     prompt_logprobs: list[Any] | None = None
@@ -207,14 +210,22 @@ class SampleRequest:
         if limit and len(prompt) + req.params.max_tokens > limit:
             raise UserError(f"prompt ({len(prompt)} tokens) + max_tokens ({req.params.max_tokens}) exceeds the "
                             f"model's context length {limit}")
+        req.targets = parse_targets(args, len(prompt), base.vocab_size)
         return req
 
+    @property
+    def needs_prompt_logits(self) -> bool:
+        return self.want_prompt_logprobs or self.topk > 0 or self.targets is not None
+
     def result(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "sequences": [s.to_json() for s in self.sequences],
             "prompt_logprobs": self.prompt_logprobs if self.want_prompt_logprobs else None,
             "topk_prompt_logprobs": self.topk_prompt_logprobs,
         }
+        if self.target_prompt_logprobs is not None:
+            out["target_prompt_logprobs"] = self.target_prompt_logprobs
+        return out
 
 
 def _stops(seq: Sequence, token: int, params: SamplingParams, base: BaseModel, stop_window: int) -> bool:
@@ -263,9 +274,10 @@ def _forward(base: BaseModel, names: list[str | None], **kwargs: Any) -> Any:
 
 def _compute_prompt_logprobs(base: BaseModel, req: SampleRequest) -> None:
     out = _forward(base, [req.adapter], input_ids=torch.tensor([req.prompt], device=base.device), use_cache=False)
-    lps, tops = prompt_logprob_lists(req.prompt, out.logits[0], req.topk)
-    req.prompt_logprobs = lps
-    req.topk_prompt_logprobs = tops
+    if req.want_prompt_logprobs or req.topk > 0:
+        req.prompt_logprobs, req.topk_prompt_logprobs = prompt_logprob_lists(req.prompt, out.logits[0], req.topk)
+    if req.targets is not None:
+        req.target_prompt_logprobs = score_targets(out.logits[0], req.targets)
 
 
 def _joinable(cache: DynamicCache) -> bool:
@@ -407,7 +419,7 @@ class Generation:
         self.admitting = admit
         base, device = self.base, self.base.device
         for r in admit:
-            if r.want_prompt_logprobs or r.topk > 0:
+            if r.needs_prompt_logits:
                 _compute_prompt_logprobs(base, r)
         n_req = len(admit)
         longest = max(len(r.prompt) for r in admit)
