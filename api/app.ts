@@ -44,6 +44,7 @@ export function buildApp(config: ApiConfig): BuiltApp {
     queues,
     gate,
     registry,
+    config.retentionS,
   );
   const ctx: ApiContext = { config, redis, names, registry, queues, gate, futures };
 
@@ -74,8 +75,10 @@ export function buildApp(config: ApiConfig): BuiltApp {
   app.use(errorHandler);
 
   const stopSweeper = startCheckpointSweeper(ctx);
+  const stopReaper = futures.startReaper();
   const close = async () => {
     stopSweeper();
+    stopReaper();
     await futures.close();
     await queues.close();
     await Promise.all(blocking.map((c) => c.quit().catch(() => undefined)));

@@ -1,22 +1,29 @@
 import { Job, QueueEvents } from 'bullmq';
 import type { Redis } from 'ioredis';
-import { decodeJobFailure, type ErrorCategory } from '../queues/errors.js';
+import { decodeJobFailure, outcomeUnknownMessage, type ErrorCategory } from '../queues/errors.js';
 import { decodeRequestId, type FutureRef } from '../queues/futures.js';
 import type { OrderingGate } from '../queues/gate.js';
+import { Liveness } from '../queues/liveness.js';
+import { logger } from '../queues/logger.js';
+import { Outcomes, type Outcome } from '../queues/outcomes.js';
 import type { Names } from '../queues/names.js';
 import type { QueueSet } from '../queues/queues.js';
 import type { Registry } from '../queues/registry.js';
 import type { AnyJob, JobOp } from '../queues/schemas.js';
 
 /**
- * Futures are answered from BullMQ job state (the truth) plus one shared completion listener
+ * A training op's future is answered from its outcome record (queues/outcomes.ts), which the agent
+ * writes once; a sample's from BullMQ's job state. A pending training op whose agent was reaped
+ * (queues/liveness.ts) fails with OUTCOME_UNKNOWN. Every API process runs the reaper (`startReaper`).
+ *
+ * Futures are answered from BullMQ job state plus one shared completion listener
  * per queue: a `retrieve_future` reads the job; if it is pending, registers a waiter on the
  * queue's listener, reads again, and sleeps on the waiter for at most the long-poll window.
  * No polling loop. Listeners exist only for queues that hold a real pending job.
  */
 export type FutureState =
   | { kind: 'done'; op: JobOp; result: unknown }
-  | { kind: 'failed'; op: string; category: ErrorCategory; message: string }
+  | { kind: 'failed'; op: string; category: ErrorCategory; message: string; code?: string | undefined }
   | { kind: 'pending'; queueState: 'active' }
   | { kind: 'unknown' };
 
@@ -25,6 +32,8 @@ const QUEUE_NAME = /^(train|sample)-[A-Za-z0-9_.-]{1,128}$/;
 export class FutureResolver {
   private readonly events = new Map<string, Promise<QueueEvents>>();
   private readonly waiters = new Map<string, Set<() => void>>();
+  readonly outcomes: Outcomes;
+  readonly liveness: Liveness;
 
   constructor(
     private readonly redis: Redis,
@@ -33,7 +42,38 @@ export class FutureResolver {
     private readonly queues: QueueSet,
     private readonly gate: OrderingGate,
     private readonly registry: Registry,
-  ) {}
+    retentionS = 86_400,
+  ) {
+    this.outcomes = new Outcomes(redis, names, retentionS);
+    this.liveness = new Liveness(redis, names, registry, this.outcomes);
+  }
+
+  /** Runs the liveness reaper every `everyMs`; returns its stop function. */
+  startReaper(everyMs = 2_000): () => void {
+    let running = false;
+    const t = setInterval(() => {
+      if (running) return;
+      running = true;
+      this.liveness.sweep(logger).finally(() => (running = false));
+    }, everyMs);
+    t.unref();
+    return () => clearInterval(t);
+  }
+
+  private fromOutcome(o: Outcome): FutureState {
+    if (o.state === 'done') return { kind: 'done', op: o.op as JobOp, result: o.result };
+    return { kind: 'failed', op: o.op, category: o.category ?? 'server', message: o.message ?? 'failed', code: o.code };
+  }
+
+  /** A pending training op whose agent was reaped fails (OUTCOME_UNKNOWN), unless its outcome is already final. */
+  private async pendingTrain(ref: FutureRef, op: string): Promise<FutureState> {
+    const agentId = ref.queue.slice('train-'.length);
+    if (await this.liveness.isReaped(agentId)) {
+      const why = `its worker agent '${agentId}' stopped answering`;
+      return this.fromOutcome(await this.liveness.failPending(ref.jobId, op, agentId, why));
+    }
+    return { kind: 'pending', queueState: 'active' };
+  }
 
   private notify(queue: string, jobId: string): void {
     const set = this.waiters.get(`${queue}/${jobId}`);
@@ -67,6 +107,11 @@ export class FutureResolver {
 
   async state(ref: FutureRef): Promise<FutureState> {
     if (!QUEUE_NAME.test(ref.queue)) return { kind: 'unknown' };
+    const train = ref.queue.startsWith('train-');
+    if (train) {
+      const o = await this.outcomes.get(ref.jobId);
+      if (o && o.state !== 'running') return this.fromOutcome(o);
+    }
     const exists = (await this.redis.exists(`${this.names.bull}:${ref.queue}:${ref.jobId}`)) === 1;
     if (!exists) {
       const failed = await this.registry.getFailedFuture(ref.jobId);
@@ -74,16 +119,28 @@ export class FutureResolver {
       const model = await this.gate.heldModel(ref.jobId);
       if (model === null) return { kind: 'unknown' };
       await this.gate.release(model);
-      return { kind: 'pending', queueState: 'active' };
+      return train ? this.pendingTrain(ref, 'training op') : { kind: 'pending', queueState: 'active' };
     }
     const job = (await Job.fromId(this.queues.get(ref.queue), ref.jobId)) as Job<AnyJob> | undefined;
     if (!job) return { kind: 'unknown' };
     const op = job.data.op;
     if (job.finishedOn) {
-      if (job.failedReason) return { kind: 'failed', op, ...decodeJobFailure(job.failedReason) };
+      if (job.failedReason) {
+        const f = decodeJobFailure(job.failedReason);
+        // A training job that failed without the agent's verdict (a stall, a crash) may have run.
+        if (train && !/^\[(user|server|unknown)\] /.test(job.failedReason))
+          return { kind: 'failed', op, category: 'unknown', code: 'OUTCOME_UNKNOWN', message: outcomeUnknownMessage(op, f.message) };
+        return { kind: 'failed', op, ...f };
+      }
+      // A training op's result lives in its outcome record (read again: it may have finished since the
+      // first read); without one it has expired.
+      if (train && job.returnvalue === null) {
+        const o = await this.outcomes.get(ref.jobId);
+        return o && o.state !== 'running' ? this.fromOutcome(o) : { kind: 'unknown' };
+      }
       return { kind: 'done', op, result: job.returnvalue };
     }
-    return { kind: 'pending', queueState: 'active' };
+    return train ? this.pendingTrain(ref, op) : { kind: 'pending', queueState: 'active' };
   }
 
   /** The future's state, waiting up to `timeoutMs` for it to finish; `signal` ends the wait early. */

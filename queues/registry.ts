@@ -29,6 +29,12 @@ export const AgentRecord = z.object({
   engine: z.string(),
   device: z.string(),
   started_at: z.string(),
+  /** One per process start: the liveness key holds it (queues/liveness.ts). */
+  incarnation: z.string().optional(),
+  /** Liveness timeout in seconds: the liveness key's TTL. */
+  timeout_s: z.number().optional(),
+  host: z.string().optional(),
+  pid: z.number().int().optional(),
 });
 export type AgentRecord = z.infer<typeof AgentRecord>;
 
@@ -82,13 +88,11 @@ export type CheckpointRecord = z.infer<typeof CheckpointRecord>;
 
 export const FailedFuture = z.object({
   op: z.string(),
-  category: z.enum(['user', 'server']),
+  category: z.enum(['user', 'server', 'unknown']),
+  code: z.string().optional(),
   message: z.string(),
 });
 export type FailedFuture = z.infer<typeof FailedFuture>;
-
-/** How long an agent's liveness key lives without a refresh. */
-export const AGENT_TTL_MS = 15_000;
 
 export class Registry {
   constructor(
@@ -101,20 +105,7 @@ export class Registry {
     return raw === null ? null : schema.parse(JSON.parse(raw));
   }
 
-  // ---- agents ----
-  async registerAgent(rec: AgentRecord): Promise<void> {
-    await this.redis
-      .multi()
-      .hset(this.names.agents(), rec.agent_id, JSON.stringify(rec))
-      .set(this.names.agentAlive(rec.agent_id), '1', 'PX', AGENT_TTL_MS)
-      .exec();
-  }
-  async heartbeatAgent(agentId: string): Promise<void> {
-    await this.redis.set(this.names.agentAlive(agentId), '1', 'PX', AGENT_TTL_MS);
-  }
-  async removeAgent(agentId: string): Promise<void> {
-    await this.redis.multi().hdel(this.names.agents(), agentId).del(this.names.agentAlive(agentId)).exec();
-  }
+  // ---- agents (registered, refreshed and removed by queues/liveness.ts) ----
   /** Agents whose liveness key is current. */
   async liveAgents(): Promise<AgentRecord[]> {
     const all = await this.redis.hgetall(this.names.agents());

@@ -1,15 +1,19 @@
+import { randomUUID } from 'node:crypto';
 import { existsSync } from 'node:fs';
+import os from 'node:os';
 import { readdir, rename, rm, stat } from 'node:fs/promises';
 import path from 'node:path';
 import { UnrecoverableError, Worker, type Job } from 'bullmq';
 import type { Redis } from 'ioredis';
 import { ZodError } from 'zod';
-import type { AgentConfig } from '../queues/config.js';
-import { encodeJobFailure, isBrokerError, type ErrorCategory } from '../queues/errors.js';
+import { DEFAULT_OP_TIMEOUTS_S, type AgentConfig } from '../queues/config.js';
+import { encodeJobFailure, isBrokerError, outcomeUnknownMessage, type ErrorCategory } from '../queues/errors.js';
+import { heartbeatMs, Liveness } from '../queues/liveness.js';
 import { logger as rootLogger, type Logger } from '../queues/logger.js';
 import { Names } from '../queues/names.js';
+import { Outcomes, type Outcome } from '../queues/outcomes.js';
 import { connect } from '../queues/redis.js';
-import { Registry, type CheckpointRecord, type ModelRecord, type ServedModel } from '../queues/registry.js';
+import { Registry, type AgentRecord, type CheckpointRecord, type ModelRecord, type ServedModel } from '../queues/registry.js';
 import { SampleJob, TrainJob, type AnyJob, type SaveExternalJob, type SaveSamplerJob, type SaveStateJob } from '../queues/schemas.js';
 import type { EngineAdapter } from './adapters/adapter.js';
 import { TorchAdapter } from './adapters/torch.js';
@@ -20,10 +24,20 @@ import { EngineError } from './engine.js';
 /**
  * A worker agent: registers in Redis, supervises its engine, and consumes
  * - its training queue (`train-<agentId>`): the ordered ops of the models placed here, one at
- *   a time, never retried (`maxStalledCount: 0`: a crash fails the op instead of re-running it);
+ *   a time, never retried. Each op's outcome is recorded apart from BullMQ's job state
+ *   (queues/outcomes.ts): claimed before it runs, finished once; no stalled-job check runs on
+ *   this queue, so a lost job lock (a long Redis outage) never turns a completed op into a failure;
  * - the sample queue of each base model it serves, concurrently.
+ * It heartbeats (queues/liveness.ts), holds its agent id against a second process, and kills an
+ * engine that runs an op past its limit (`TB_OP_TIMEOUTS`). docs/reliability.md has the guarantees.
  */
-const HEARTBEAT_MS = 5_000;
+
+/** A failure as the future reports it. */
+type Failure = { category: ErrorCategory; message: string; code?: string };
+
+class OpTimeout extends Error {
+  override readonly name = 'OpTimeout';
+}
 
 export class Agent {
   readonly names: Names;
@@ -36,6 +50,17 @@ export class Agent {
   private heartbeat: NodeJS.Timeout | undefined;
   private stopping = false;
   private restarting: Promise<void> | null = null;
+  /** This process start; the liveness key and outcome claims carry it. */
+  readonly incarnation = randomUUID();
+  private outcomes!: Outcomes;
+  private liveness!: Liveness;
+  private record!: AgentRecord;
+  /** Incremented when the engine dies: an op that saw it change does not know its outcome. */
+  private engineEpoch = 0;
+  /** Why the agent killed its engine (an op past its time limit), for the models' lost reason. */
+  private killReason: string | null = null;
+  /** Set once the agent id is this process's: heartbeats start then. */
+  private registered = false;
   /** Models whose adapters live in the current engine process. */
   private readonly loaded = new Set<string>();
 
@@ -60,18 +85,43 @@ export class Agent {
     return this.names.trainQueue(this.config.agentId);
   }
 
+  get timeoutS(): number {
+    return this.config.agentTimeoutS ?? 30;
+  }
+
   async start(): Promise<void> {
     this.redis = connect(this.config.redisUrl, 'blocking');
     this.registry = new Registry(this.redis, this.names);
+    this.outcomes = new Outcomes(this.redis, this.names, this.config.retentionS);
+    this.liveness = new Liveness(this.redis, this.names, this.registry, this.outcomes);
+    this.record = {
+      agent_id: this.config.agentId,
+      train_queue: this.trainQueue,
+      models: [],
+      engine: this.adapter.kind,
+      device: this.adapter.device,
+      started_at: new Date().toISOString(),
+      incarnation: this.incarnation,
+      timeout_s: this.timeoutS,
+      host: os.hostname(),
+      pid: process.pid,
+    };
+    // The id first: a second process with this id stops here, before it touches the first one's models or jobs.
+    await this.liveness.claimId(this.record, this.incarnation);
+    this.registered = true;
+    this.heartbeat = setInterval(() => void this.beat(), heartbeatMs(this.timeoutS));
+    // Redis came back (restarted, failed over): say so at once, re-registering if it lost the record.
+    this.redis.on('ready', () => void this.beat());
     this.adapter.onExit((reason) => this.onEngineExit(reason));
     await this.startEngine();
     // A new engine holds no adapters: models placed on this agent id before are gone.
     const lost = await this.registry.markModelsLost(this.config.agentId, 'its worker agent restarted; load it from a saved checkpoint');
     if (lost.length) this.log.warn('models from a previous run of this agent are unavailable', { models: lost });
 
-    const common = { connection: this.redis, prefix: this.names.bull, maxStalledCount: 0 };
+    const common = { connection: this.redis, prefix: this.names.bull, maxStalledCount: 0, lockDuration: this.config.jobLockMs ?? 30_000 };
     this.workers.push(
-      new Worker<AnyJob>(this.trainQueue, (job) => this.runTrain(job), { ...common, concurrency: 1 }),
+      // No stalled check on the training queue: outcomes are recorded apart, the reaper handles dead agents.
+      new Worker<AnyJob>(this.trainQueue, (job) => this.runTrain(job), { ...common, concurrency: 1, skipStalledCheck: true }),
       ...this.served.map(
         (m) =>
           new Worker<AnyJob>(this.names.sampleQueue(m.name), (job) => this.runSample(job), {
@@ -85,17 +135,8 @@ export class Agent {
       w.on('failed', (job, err) => this.log.warn('job failed', { queue: w.name, jobId: job?.id, op: job?.name, error: err.message }));
       await w.waitUntilReady();
     }
-    await this.registry.registerAgent({
-      agent_id: this.config.agentId,
-      train_queue: this.trainQueue,
-      models: this.served,
-      engine: this.adapter.kind,
-      device: this.adapter.device,
-      started_at: new Date().toISOString(),
-    });
-    this.heartbeat = setInterval(() => {
-      this.registry.heartbeatAgent(this.config.agentId).catch((e) => this.log.warn('heartbeat failed', { error: String(e) }));
-    }, HEARTBEAT_MS);
+    this.record = { ...this.record, models: this.served, device: this.adapter.device };
+    if ((await this.beat()) !== 'ok') throw new Error(`agent ${this.config.agentId} lost its registration while starting`);
     this.log.info('agent ready', { trainQueue: this.trainQueue, models: this.served.map((m) => m.name), device: this.adapter.device });
   }
 
@@ -105,8 +146,40 @@ export class Agent {
     for (const spec of this.config.models) this.served.push(await this.adapter.loadBase(spec));
   }
 
-  private onEngineExit(reason: string): void {
+  /**
+   * One heartbeat: refreshes the liveness key and the record. A reaped agent (it was silent past
+   * its timeout) drops its models, which were reported unavailable, and registers again; an agent
+   * whose id another process holds now stops.
+   */
+  private async beat(): Promise<'ok' | 'reaped' | 'taken' | 'error'> {
+    if (this.stopping || !this.registered) return 'error';
+    try {
+      const r = await this.liveness.beat(this.record, this.incarnation);
+      if (r === 'reaped') {
+        const models = [...this.loaded];
+        this.loaded.clear();
+        this.log.warn('this agent was reaped (silent past its timeout): its models were reported unavailable and are dropped', { models });
+        for (const m of models) await this.adapter.unloadModel(m).catch(() => undefined);
+        await this.liveness.clearReaped(this.config.agentId, this.incarnation);
+        return await this.liveness.beat(this.record, this.incarnation);
+      }
+      if (r === 'taken') {
+        this.log.error('another process registered this agent id; stopping', { agentId: this.config.agentId });
+        process.exitCode = 1;
+        void this.stop();
+      }
+      return r;
+    } catch (e) {
+      this.log.warn('heartbeat failed', { error: String(e) });
+      return 'error';
+    }
+  }
+
+  private onEngineExit(exitReason: string): void {
     if (this.stopping) return;
+    this.engineEpoch++;
+    const reason = this.killReason ?? exitReason;
+    this.killReason = null;
     this.log.error('engine process died', { reason });
     const models = [...this.loaded];
     this.loaded.clear();
@@ -139,9 +212,63 @@ export class Agent {
     throw new EngineError('server', `model ${modelId} is unavailable: ${why}`);
   }
 
-  private async runTrain(job: Job<AnyJob>): Promise<unknown> {
-    return this.guard(job, async () => {
+  /**
+   * One training op, its outcome recorded exactly once (queues/outcomes.ts). The result lives in the
+   * outcome record; BullMQ's job only says the op finished.
+   */
+  private async runTrain(job: Job<AnyJob>): Promise<null> {
+    const jobId = job.id!;
+    const op = job.name;
+    const token = `${this.incarnation}/${jobId}`;
+    const prev = await this.outcomes.claim(jobId, op, this.config.agentId, token);
+    if (prev) return this.standing(jobId, op, prev);
+    let epoch = -1;
+    let result: unknown;
+    try {
       await this.ensureEngine();
+      epoch = this.engineEpoch;
+      result = await this.timed(op, this.trainOp(job));
+    } catch (err) {
+      let f = this.failure(job, err);
+      if (err instanceof OpTimeout || (epoch >= 0 && epoch !== this.engineEpoch))
+        f = { category: 'unknown', code: 'OUTCOME_UNKNOWN', message: outcomeUnknownMessage(op, err instanceof OpTimeout ? err.message : `the engine process died while running it: ${f.message}`) };
+      const stood = await this.outcomes.finish(jobId, token, { state: 'failed', op, agent_id: this.config.agentId, ...f });
+      return this.standing(jobId, op, stood);
+    }
+    const stood = await this.outcomes.finish(jobId, token, { state: 'done', op, agent_id: this.config.agentId, result });
+    return this.standing(jobId, op, stood);
+  }
+
+  /** Ends the BullMQ job as the recorded outcome says (which may be another's: the reaper's, an earlier run's). */
+  private async standing(jobId: string, op: string, o: Outcome): Promise<null> {
+    if (o.state === 'done') return null;
+    if (o.state === 'running') {
+      // Claimed by an earlier incarnation of this agent that died before finishing it.
+      const why = `the agent process that was running it (${o.token.split('/')[0]}) ended before recording its outcome`;
+      o = await this.liveness.failPending(jobId, op, this.config.agentId, why);
+      if (o.state === 'done') return null;
+    }
+    throw new UnrecoverableError(encodeJobFailure(o.category ?? 'server', o.message ?? 'failed'));
+  }
+
+  /** Rejects with OpTimeout and kills the engine (a hung engine) when the op runs past its limit. */
+  private timed<T>(op: string, p: Promise<T>): Promise<T> {
+    const limitS = this.config.opTimeoutsS?.[op] ?? DEFAULT_OP_TIMEOUTS_S[op] ?? 1800;
+    let timer: NodeJS.Timeout | undefined;
+    const timeout = new Promise<never>((_, reject) => {
+      timer = setTimeout(() => {
+        const why = `${op} ran past its time limit of ${limitS} s (TB_OP_TIMEOUTS); the agent killed its engine as hung`;
+        this.log.error('op timed out; killing the engine', { op, limitS });
+        this.killReason = why;
+        this.adapter.kill?.();
+        reject(new OpTimeout(why));
+      }, limitS * 1000);
+    });
+    return Promise.race([p, timeout]).finally(() => clearTimeout(timer));
+  }
+
+  private async trainOp(job: Job<AnyJob>): Promise<unknown> {
+    {
       const data = TrainJob.parse(job.data);
       switch (data.op) {
         case 'create_model': {
@@ -177,7 +304,7 @@ export class Agent {
           await this.registry.markModelLost(data.model_id, 'it was unloaded (unload_model)');
           return { model_id: data.model_id };
       }
-    });
+    }
   }
 
   /** The model a checkpoint job saves (it exists: create_model ran before any op of the model). */
@@ -269,29 +396,25 @@ export class Agent {
     return { path: job.tinker_path };
   }
 
+  /** A sample has no effect on any model: a failure (a timeout included) is a plain server error the client may retry. */
   private async runSample(job: Job<AnyJob>): Promise<unknown> {
-    return this.guard(job, async () => {
+    try {
       await this.ensureEngine();
-      return this.adapter.sample(SampleJob.parse(job.data));
-    });
+      return await this.timed('sample', this.adapter.sample(SampleJob.parse(job.data)));
+    } catch (err) {
+      const f = this.failure(job, err);
+      throw new UnrecoverableError(encodeJobFailure(f.category, f.message));
+    }
   }
 
-  /** Runs one job; any failure becomes an unrecoverable job failure carrying its category. */
-  private async guard<T>(job: Job<AnyJob>, fn: () => Promise<T>): Promise<T> {
-    const log = this.log.child({ jobId: job.id, op: job.name, queue: job.queueName });
-    const start = Date.now();
-    try {
-      const r = await fn();
-      log.debug('job done', { ms: Date.now() - start });
-      return r;
-    } catch (err) {
-      let category: ErrorCategory = 'server';
-      let message = String((err as Error)?.message ?? err);
-      if (err instanceof EngineError) category = err.category;
-      else if (isBrokerError(err)) category = err.category;
-      else if (err instanceof ZodError) message = `invalid ${job.name} job payload: ${err.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`;
-      throw new UnrecoverableError(encodeJobFailure(category, message));
-    }
+  /** What a failed op reports: the error's category (user or server) and message. */
+  private failure(job: Job<AnyJob>, err: unknown): Failure {
+    let category: ErrorCategory = 'server';
+    let message = String((err as Error)?.message ?? err);
+    if (err instanceof EngineError) category = err.category;
+    else if (isBrokerError(err)) category = err.category;
+    else if (err instanceof ZodError) message = `invalid ${job.name} job payload: ${err.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`;
+    return { category, message };
   }
 
   async stop(): Promise<void> {
@@ -299,7 +422,7 @@ export class Agent {
     this.stopping = true;
     clearInterval(this.heartbeat);
     await Promise.all(this.workers.map((w) => w.close()));
-    await this.registry?.removeAgent(this.config.agentId).catch(() => undefined);
+    await this.liveness?.release(this.config.agentId, this.incarnation).catch(() => undefined);
     await this.adapter.stop().catch(() => undefined);
     await this.redis?.quit().catch(() => undefined);
     this.log.info('agent stopped');

@@ -31,6 +31,8 @@ export interface EngineAdapter {
   loadState(modelId: string, dir: string, optimizer: boolean): Promise<void>;
   unloadModel(modelId: string): Promise<void>;
   sample(job: SampleJob): Promise<SampleResult>;
+  /** Kills a hung engine at once (SIGKILL); its exit is then reported through `onExit`. */
+  kill?(): void;
   /** Called when the engine died: every model it held is gone. */
   onExit(listener: (reason: string) => void): void;
 }

@@ -61,6 +61,10 @@ export class TorchAdapter implements EngineAdapter {
     return this.engine.stop();
   }
 
+  kill(): void {
+    this.engine.kill();
+  }
+
   async loadBase(spec: BaseModelSpec): Promise<ServedModel> {
     const r = await this.engine.call<{ vocab_size: number; arch: string; max_context_length: number }>('load_base', {
       name: spec.name,
