@@ -68,8 +68,8 @@ export class FutureResolver {
   /** A pending training op whose agent was reaped fails (OUTCOME_UNKNOWN), unless its outcome is already final. */
   private async pendingTrain(ref: FutureRef, op: string): Promise<FutureState> {
     const agentId = ref.queue.slice('train-'.length);
-    if (await this.liveness.isReaped(agentId)) {
-      const why = `its worker agent '${agentId}' stopped answering`;
+    const why = await this.liveness.reapedWhy(agentId);
+    if (why !== null) {
       return this.fromOutcome(await this.liveness.failPending(ref.jobId, op, agentId, why));
     }
     return { kind: 'pending', queueState: 'active' };

@@ -24,7 +24,7 @@ import { AgentRecord, type Registry } from './registry.js';
  */
 const BEAT = `
 local r = redis.call('GET', KEYS[2])
-if r == ARGV[1] then return 'reaped' end
+if r and string.sub(r, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then return 'reaped' end
 local v = redis.call('GET', KEYS[1])
 if v and string.sub(v, 1, #ARGV[1] + 1) ~= ARGV[1] .. ' ' then return 'taken' end
 redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. ARGV[2], 'PX', ARGV[3])
@@ -41,6 +41,9 @@ if v and string.sub(v, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
 end
 return 0
 `;
+
+/** The reaper's own observation on top of the key's TTL: longer than an agent's reconnect backoff (1 s). */
+export const REAP_GRACE_MIN_MS = 3_000;
 
 export function heartbeatMs(timeoutS: number): number {
   return Math.max(200, Math.round((timeoutS * 1000) / 5));
@@ -112,7 +115,7 @@ export class Liveness {
   /** After a `reaped` heartbeat: the agent has dropped its models and comes back as alive. */
   async clearReaped(agentId: string, incarnation: string): Promise<void> {
     const key = this.reapedKey(agentId);
-    if ((await this.redis.get(key)) === incarnation) await this.redis.del(key);
+    if ((await this.redis.get(key))?.startsWith(`${incarnation} `)) await this.redis.del(key);
   }
 
   async release(agentId: string, incarnation: string): Promise<boolean> {
@@ -128,13 +131,15 @@ export class Liveness {
 
   // ---- API side ----
 
-  async isReaped(agentId: string): Promise<boolean> {
-    return (await this.redis.exists(this.reapedKey(agentId))) === 1;
+  /** Why the agent was reaped, or null when it was not. */
+  async reapedWhy(agentId: string): Promise<string | null> {
+    const v = await this.redis.get(this.reapedKey(agentId));
+    return v === null ? null : v.slice(v.indexOf(' ') + 1);
   }
 
   /**
    * One pass of the reaper: agents without a liveness key for longer than a third of their timeout
-   * (as observed here, on top of the key's own TTL, which is the timeout) are reaped. Returns the
+   * or REAP_GRACE_MIN_MS (as observed here, on top of the key's own TTL, which is the timeout) are reaped. Returns the
    * agents reaped. A Redis error forgets every observation.
    */
   async sweep(log: Logger, now = Date.now()): Promise<string[]> {
@@ -154,7 +159,7 @@ export class Liveness {
           this.missingSince.set(agentId, now);
           continue;
         }
-        if (now - since < ((rec.timeout_s ?? 30) * 1000) / 3) continue;
+        if (now - since < Math.max(((rec.timeout_s ?? 30) * 1000) / 3, REAP_GRACE_MIN_MS)) continue;
         this.missingSince.delete(agentId);
         await this.reap(rec, log);
         reaped.push(agentId);
@@ -171,7 +176,7 @@ export class Liveness {
     const agentId = rec.agent_id;
     const timeout = rec.timeout_s ?? 30;
     const why = `its worker agent '${agentId}' stopped answering (no heartbeat for over ${timeout} s)`;
-    await this.redis.set(this.reapedKey(agentId), rec.incarnation ?? '?', 'EX', 7 * 86_400);
+    await this.redis.set(this.reapedKey(agentId), `${rec.incarnation ?? '?'} ${why}`, 'EX', 7 * 86_400);
     await this.redis.hdel(this.names.agents(), agentId);
     const lost = await this.registry.markModelsLost(agentId, `${why}; load it from a saved checkpoint`);
     const queue = new Queue(rec.train_queue, { connection: this.redis, prefix: this.names.bull });

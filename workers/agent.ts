@@ -90,7 +90,8 @@ export class Agent {
   }
 
   async start(): Promise<void> {
-    this.redis = connect(this.config.redisUrl, 'blocking');
+    // Reconnect within a second of Redis coming back, well inside the reaper's grace.
+    this.redis = connect(this.config.redisUrl, 'blocking', { retryStrategy: (n) => Math.min(n * 50, 1_000) });
     this.registry = new Registry(this.redis, this.names);
     this.outcomes = new Outcomes(this.redis, this.names, this.config.retentionS);
     this.liveness = new Liveness(this.redis, this.names, this.registry, this.outcomes);
