@@ -63,6 +63,8 @@ const AgentEnv = CommonEnv.extend({
   TB_OP_TIMEOUTS: csv.default([]),
   /** BullMQ's job lock, in ms (a Redis outage longer than this loses the lock; outcomes are recorded apart from it). @defaultValue 30000 */
   TB_JOB_LOCK_MS: z.coerce.number().int().positive().default(30_000),
+  /** How long a drained agent's saved models wait for its restart, in seconds; meanwhile its futures stay pending. @defaultValue 3600 */
+  TB_DRAIN_KEEP_S: z.coerce.number().int().positive().default(3_600),
 });
 
 export type ApiConfig = {
@@ -122,6 +124,8 @@ export type AgentConfig = {
   opTimeoutsS?: Record<string, number> | undefined;
   /** BullMQ job lock in ms. @defaultValue 30000 */
   jobLockMs?: number | undefined;
+  /** Seconds a drain's saved models wait for the agent's restart. @defaultValue 3600 */
+  drainKeepS?: number | undefined;
 };
 
 /** How long one op may keep the engine busy before the agent declares it hung and kills it, in seconds. */
@@ -200,5 +204,6 @@ export function loadAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentConf
     agentTimeoutS: e.TB_AGENT_TIMEOUT_S,
     opTimeoutsS: parseOpTimeouts(e.TB_OP_TIMEOUTS),
     jobLockMs: e.TB_JOB_LOCK_MS,
+    drainKeepS: e.TB_DRAIN_KEEP_S,
   };
 }

@@ -14,7 +14,9 @@ import { AgentRecord, type Registry } from './registry.js';
  *   agents with one id on one Redis fail loudly instead of taking each other's jobs);
  * - a heartbeat that finds another incarnation holding the key stops the agent;
  * - a heartbeat also rewrites the agent's record, so an agent re-registers itself after Redis lost it;
- * - stopping deletes key and record only while they are still this incarnation's.
+ * - stopping deletes the key only while it is still this incarnation's; the record stays, so the
+ *   reaper fails whatever is left queued on a stopped agent that is not coming back (a drained one
+ *   is left alone while its drain record lasts).
  *
  * The reaper (run by every API process) fails the futures of an agent whose key has been gone for a
  * grace it observed itself with Redis answering (a Redis outage stops heartbeats and expiries alike,
@@ -36,7 +38,6 @@ const RELEASE = `
 local v = redis.call('GET', KEYS[1])
 if v and string.sub(v, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
   redis.call('DEL', KEYS[1])
-  redis.call('HDEL', KEYS[2], ARGV[2])
   return 1
 end
 return 0
@@ -64,8 +65,13 @@ export class Liveness {
   reapedKey(agentId: string): string {
     return `${this.names.prefix}:agent:${agentId}:reaped`;
   }
+  /** The models a drained agent saved for its next start (while it exists, the agent is not reaped). */
   drainedKey(agentId: string): string {
     return `${this.names.prefix}:agent:${agentId}:drained`;
+  }
+  /** Set by `tinker-broker drain`; the agent's next heartbeat takes it and drains. */
+  drainRequestKey(agentId: string): string {
+    return `${this.names.prefix}:agent:${agentId}:drain-request`;
   }
 
   // ---- agent side ----

@@ -189,7 +189,7 @@ export class Registry {
     const m = await this.getModel(modelId);
     if (m && m.lost_reason === null) await this.redis.set(this.names.model(modelId), JSON.stringify({ ...m, lost_reason: reason }), 'XX');
   }
-  async markModelsLost(agentId: string, reason: string): Promise<string[]> {
+  async markModelsLost(agentId: string, reason: string, except: ReadonlySet<string> = new Set()): Promise<string[]> {
     const lost: string[] = [];
     let cursor = '0';
     do {
@@ -199,7 +199,7 @@ export class Registry {
         const raw = await this.redis.get(key);
         if (!raw) continue;
         const m = ModelRecord.parse(JSON.parse(raw));
-        if (m.agent_id === agentId && m.lost_reason === null) {
+        if (m.agent_id === agentId && m.lost_reason === null && !except.has(m.model_id)) {
           await this.redis.set(key, JSON.stringify({ ...m, lost_reason: reason }), 'XX');
           lost.push(m.model_id);
         }

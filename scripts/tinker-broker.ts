@@ -20,7 +20,8 @@ export const DEFAULT_PRESET = 'presets/cpu/tiny.yaml';
 
 const USAGE = `usage:
   tinker-broker start [--preset FILE] [--node NAME] [--agent ID]... [--api-only | --agents-only] [--dry-run]
-  tinker-broker validate FILE...`;
+  tinker-broker validate FILE...
+  tinker-broker drain [--agent ID]... [--timeout-s N]`;
 
 function plan(argv: string[]): Plan {
   const { values } = parseArgs({
@@ -85,16 +86,20 @@ async function start(argv: string[]): Promise<void> {
     if (stopping) return;
     stopping = true;
     logger.info('stopping', { signal: sig });
-    const force = setTimeout(() => process.exit(1), 30_000);
-    force.unref();
+    // No forced exit here: agents drain (finish the op in flight, save every model) within the
+    // operator's stop grace (compose stop_grace_period); a second signal exits at once.
+    process.once('SIGTERM', () => process.exit(1));
+    process.once('SIGINT', () => process.exit(1));
     await api?.stop().catch(() => undefined);
-    await Promise.all(agents.map((a) => a.stop().catch(() => undefined)));
+    await Promise.all(agents.map((a) => a.drain().catch(() => undefined)));
     redis?.kill('SIGTERM');
     process.exit(process.exitCode ?? 0);
   };
   process.on('SIGTERM', () => void shutdown('SIGTERM'));
   process.on('SIGINT', () => void shutdown('SIGINT'));
   await Promise.all(agents.map((a) => a.start()));
+  // Agents drained through Redis (`tinker-broker drain`) end this process once all of them stopped.
+  if (agents.length) void Promise.all(agents.map((a) => a.stopped)).then(() => void shutdown('agents drained'));
   logger.info('tinker-broker ready', {
     preset: p.preset,
     node: p.node,
@@ -103,9 +108,26 @@ async function start(argv: string[]): Promise<void> {
   });
 }
 
+/**
+ * `tinker-broker drain [--agent ID]… [--timeout-s N]`: asks running agents (all live ones on
+ * REDIS_URL/TB_PREFIX when no --agent) to drain (docs/reliability.md) and waits until each has stopped;
+ * prints one JSON line per agent. Exit status 1 when an agent is not live or did not stop in time.
+ */
+async function drainCommand(argv: string[]): Promise<void> {
+  const { values } = parseArgs({ args: argv, options: { agent: { type: 'string', multiple: true }, 'timeout-s': { type: 'string', default: '900' } } });
+  const timeoutS = Number(values['timeout-s']);
+  if (!Number.isFinite(timeoutS) || timeoutS <= 0) throw new PresetError(`--timeout-s must be a positive number\n${USAGE}`);
+  const { drainAgents } = await import('../workers/drain.js');
+  const results = await drainAgents(process.env, values.agent ?? [], timeoutS);
+  for (const r of results) process.stdout.write(`${JSON.stringify(r)}\n`);
+  if (results.length === 0) process.stderr.write('no live agent to drain\n');
+  if (results.length === 0 || results.some((r) => r.status !== 'drained')) process.exitCode = 1;
+}
+
 async function main(): Promise<void> {
   const [cmd, ...rest] = process.argv.slice(2);
   if (cmd === 'start') return start(rest);
+  if (cmd === 'drain') return drainCommand(rest);
   if (cmd === 'validate') {
     if (rest.length === 0) throw new PresetError(USAGE);
     for (const f of rest) {

@@ -246,6 +246,56 @@ describe('reliability: worker agents, outcomes and liveness (real processes, own
     await sleep(3_000);
     expect(await api.built.ctx.futures.liveness.reapedWhy(`a-${st.prefix}`)).to.equal(null);
   });
+
+  it('drain: SIGTERM finishes the op in flight, saves every model, and the restarted agent continues with the same losses', async () => {
+    const id = `a-${st.prefix}`;
+    const a = await agent(id);
+    const [m, twin] = [await client.createModel(7), await client.createModel(7)];
+    const reference = await client.train(twin, 5);
+    const before = await client.train(m, 2);
+    expect(before).to.deep.equal(reference.slice(0, 2));
+    const engine = await enginePid(a);
+    process.kill(engine, 'SIGSTOP'); // the op in flight when SIGTERM comes
+    stopped.push(engine);
+    const inFlight = await client.submitFb(m);
+    await waitFor('the op to be taken', () => redisActive(api, id));
+    const t0 = Date.now();
+    a.child.kill('SIGTERM');
+    const queued = await client.submitOptim(m); // queued behind the drain, run by the restarted agent
+    await sleep(1_000);
+    process.kill(engine, 'SIGCONT');
+    expect(await a.exited).to.equal(0);
+    figure('drain (op in flight released 1 s after SIGTERM) -> agent exited (s)', (Date.now() - t0) / 1000);
+    const drained = JSON.parse((await api.built.ctx.redis.get(`${st.prefix}:agent:${id}:drained`))!);
+    expect(drained.models.map((x: { model_id: string }) => x.model_id).sort()).to.deep.equal([m, twin].sort());
+    // Futures stay pending (not failed) while the agent is away, past its liveness timeout.
+    await sleep(3_000 + 3_000 + 2_000);
+    expect((await call(api.baseUrl, 'POST', '/retrieve_future', { request_id: queued })).json.type).to.equal('try_again');
+    const t1 = Date.now();
+    await agent(id);
+    expect(await client.loss(inFlight)).to.equal(reference[2]);
+    expect((await client.result(queued)).json.type).to.equal('optim_step');
+    figure('restart after drain -> queued op answered (s)', (Date.now() - t1) / 1000);
+    const after = await client.train(m, 2);
+    expect(after).to.deep.equal(reference.slice(3));
+  });
+
+  it('tinker-broker drain: drains a running agent, which exits 0 with its models saved', async () => {
+    const id = `a-${st.prefix}`;
+    const a = await agent(id);
+    const m = await client.createModel(1);
+    await client.train(m, 1);
+    const { spawnSync } = await import('node:child_process');
+    const r = spawnSync(process.execPath, ['--import', 'tsx', 'scripts/tinker-broker.ts', 'drain', '--agent', id, '--timeout-s', '60'], { env: { ...process.env, ...st.env }, encoding: 'utf8' });
+    expect(r.status, r.stderr).to.equal(0);
+    const line = JSON.parse(r.stdout.trim().split('\n').pop()!);
+    expect(line).to.include({ agent_id: id, status: 'drained', models_saved: 1 });
+    figure('tinker-broker drain -> agent drained (s)', line.seconds);
+    expect(await a.exited).to.equal(0);
+    const none = spawnSync(process.execPath, ['--import', 'tsx', 'scripts/tinker-broker.ts', 'drain', '--agent', id], { env: { ...process.env, ...st.env }, encoding: 'utf8' });
+    expect(none.status).to.equal(1);
+    expect(JSON.parse(none.stdout.trim())).to.deep.equal({ agent_id: id, status: 'not_live' });
+  });
 });
 
 /** Whether the agent's training queue has an active job (the op was taken). */

@@ -61,6 +61,10 @@ export class Agent {
   private killReason: string | null = null;
   /** Set once the agent id is this process's: heartbeats start then. */
   private registered = false;
+  private draining: Promise<void> | null = null;
+  private resolveStopped!: () => void;
+  /** Resolves when the agent has stopped (a drain asked through Redis ends the process's agent too). */
+  readonly stopped = new Promise<void>((r) => (this.resolveStopped = r));
   /** Models whose adapters live in the current engine process. */
   private readonly loaded = new Set<string>();
 
@@ -115,8 +119,9 @@ export class Agent {
     this.redis.on('ready', () => void this.beat());
     this.adapter.onExit((reason) => this.onEngineExit(reason));
     await this.startEngine();
-    // A new engine holds no adapters: models placed on this agent id before are gone.
-    const lost = await this.registry.markModelsLost(this.config.agentId, 'its worker agent restarted; load it from a saved checkpoint');
+    // A new engine holds no adapters: models placed on this agent id before are gone, except those a drain saved.
+    const restored = await this.restoreDrained();
+    const lost = await this.registry.markModelsLost(this.config.agentId, 'its worker agent restarted; load it from a saved checkpoint', restored);
     if (lost.length) this.log.warn('models from a previous run of this agent are unavailable', { models: lost });
 
     const common = { connection: this.redis, prefix: this.names.bull, maxStalledCount: 0, lockDuration: this.config.jobLockMs ?? 30_000 };
@@ -141,6 +146,34 @@ export class Agent {
     this.log.info('agent ready', { trainQueue: this.trainQueue, models: this.served.map((m) => m.name), device: this.adapter.device });
   }
 
+  /**
+   * Reloads the models the previous incarnation saved when it drained (weights, AdamW state and
+   * accumulated gradients), so their clients go on as if nothing happened; returns their ids.
+   */
+  private async restoreDrained(): Promise<Set<string>> {
+    const restored = new Set<string>();
+    const key = this.liveness.drainedKey(this.config.agentId);
+    const raw = await this.redis.get(key);
+    if (raw === null) return restored;
+    const drained = JSON.parse(raw) as { models: { model_id: string; dir: string }[] };
+    for (const d of drained.models) {
+      const rec = await this.registry.getModel(d.model_id);
+      if (!rec || rec.agent_id !== this.config.agentId || rec.lost_reason !== null) continue;
+      try {
+        await this.adapter.createModel({ op: 'create_model', model_id: rec.model_id, base_model: rec.base_model, lora: rec.lora });
+        await this.adapter.loadState(rec.model_id, d.dir, true, true);
+        this.loaded.add(rec.model_id);
+        restored.add(rec.model_id);
+      } catch (e) {
+        this.log.error('a drained model could not be reloaded; it is unavailable', { model: d.model_id, error: String(e) });
+      }
+      await rm(d.dir, { recursive: true, force: true }).catch(() => undefined);
+    }
+    await this.redis.del(key);
+    this.log.info('models reloaded after a drain', { models: [...restored] });
+    return restored;
+  }
+
   private async startEngine(): Promise<void> {
     await this.adapter.start();
     this.served = [];
@@ -163,6 +196,10 @@ export class Agent {
         for (const m of models) await this.adapter.unloadModel(m).catch(() => undefined);
         await this.liveness.clearReaped(this.config.agentId, this.incarnation);
         return await this.liveness.beat(this.record, this.incarnation);
+      }
+      if (r === 'ok' && (await this.redis.getdel(this.liveness.drainRequestKey(this.config.agentId))) !== null) {
+        this.log.info('drain requested (tinker-broker drain)');
+        void this.drain();
       }
       if (r === 'taken') {
         this.log.error('another process registered this agent id; stopping', { agentId: this.config.agentId });
@@ -418,6 +455,40 @@ export class Agent {
     return { category, message };
   }
 
+  /**
+   * The graceful stop (SIGTERM, `tinker-broker drain`): takes no new work, lets the ops in flight
+   * finish (however long: the operator's stop grace bounds it), saves every model with its AdamW
+   * state and accumulated gradients, records them for the next start of this agent id, and stops.
+   * Ops still queued stay queued: the restarted agent runs them on the reloaded models, and the
+   * reaper leaves the agent's futures pending while the drain record lasts (TB_DRAIN_KEEP_S).
+   */
+  drain(): Promise<void> {
+    this.draining ??= (async () => {
+      if (this.stopping || !this.registered) return this.stop();
+      const t0 = Date.now();
+      this.log.info('draining: finishing the ops in flight');
+      await Promise.all(this.workers.map((w) => w.close()));
+      await this.ensureEngine();
+      const saved: { model_id: string; dir: string }[] = [];
+      if (this.adapter.kind === 'torch') {
+        for (const m of this.loaded) {
+          const dir = path.join(this.config.storageDir, 'drain', this.config.agentId, `${m}-${Date.now()}`);
+          try {
+            await this.adapter.saveState(m, dir, true, true);
+            saved.push({ model_id: m, dir });
+          } catch (e) {
+            this.log.error('could not save a model while draining; it will be unavailable', { model: m, error: String(e) });
+          }
+        }
+      }
+      const keepS = this.config.drainKeepS ?? 3_600;
+      await this.redis.set(this.liveness.drainedKey(this.config.agentId), JSON.stringify({ models: saved, at: new Date().toISOString(), incarnation: this.incarnation }), 'EX', keepS);
+      this.log.info('drained', { models: saved.map((s) => s.model_id), ms: Date.now() - t0 });
+      await this.stop();
+    })();
+    return this.draining;
+  }
+
   async stop(): Promise<void> {
     if (this.stopping) return;
     this.stopping = true;
@@ -427,5 +498,6 @@ export class Agent {
     await this.adapter.stop().catch(() => undefined);
     await this.redis?.quit().catch(() => undefined);
     this.log.info('agent stopped');
+    this.resolveStopped();
   }
 }

@@ -108,13 +108,13 @@ export class TorchAdapter implements EngineAdapter {
     return { size_bytes: r.size_bytes ?? 0 };
   }
 
-  async saveState(modelId: string, dir: string, optimizer: boolean): Promise<{ size_bytes: number }> {
-    const r = await this.engine.call<{ size_bytes: number }>('save_state', { model_id: modelId, dir, optimizer });
+  async saveState(modelId: string, dir: string, optimizer: boolean, gradients = false): Promise<{ size_bytes: number }> {
+    const r = await this.engine.call<{ size_bytes: number }>('save_state', { model_id: modelId, dir, optimizer, gradients });
     return { size_bytes: r.size_bytes };
   }
 
-  async loadState(modelId: string, dir: string, optimizer: boolean): Promise<void> {
-    await this.engine.call('load_state', { model_id: modelId, dir, optimizer });
+  async loadState(modelId: string, dir: string, optimizer: boolean, gradients = false): Promise<void> {
+    await this.engine.call('load_state', { model_id: modelId, dir, optimizer, gradients });
   }
 
   async unloadModel(modelId: string): Promise<void> {
