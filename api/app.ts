@@ -9,7 +9,7 @@ import { connect } from '../queues/redis.js';
 import { Registry } from '../queues/registry.js';
 import { apiKeyAuth } from './auth.js';
 import type { ApiContext } from './context.js';
-import { errorHandler, notFoundHandler } from './errors.js';
+import { errorHandler, notFoundHandler, redisUnavailable } from './errors.js';
 import { FutureResolver } from './futures.js';
 import { startCheckpointSweeper } from './checkpoints.js';
 import { futureRoutes } from './routes/futures.js';
@@ -26,8 +26,32 @@ import { fileDownloadHandler } from './file-urls.js';
  */
 export type BuiltApp = { app: Express; ctx: ApiContext; close: () => Promise<void> };
 
+/**
+ * Logs a connection's errors (ioredis emits 'error' on every failed reconnect; without a listener
+ * it prints them as unhandled) once per outage, and the recovery.
+ */
+const redisDown = new WeakSet<Redis>();
+function watch(c: Redis, role: string): Redis {
+  let logged = false;
+  c.on('error', (err: Error) => {
+    redisDown.add(c);
+    if (logged) return;
+    logged = true;
+    logger.warn('redis unreachable', { role, error: err.message });
+  });
+  // A closed connection counts as down at once; reconnecting and failing then logs the error.
+  c.on('close', () => redisDown.add(c));
+  c.on('ready', () => {
+    redisDown.delete(c);
+    if (!logged) return;
+    logged = false;
+    logger.info('redis reachable again', { role });
+  });
+  return c;
+}
+
 export function buildApp(config: ApiConfig): BuiltApp {
-  const redis: Redis = connect(config.redisUrl, 'producer');
+  const redis: Redis = watch(connect(config.redisUrl, 'producer'), 'producer');
   const blocking: Redis[] = [];
   const names = new Names(config.prefix);
   const registry = new Registry(redis, names);
@@ -36,7 +60,7 @@ export function buildApp(config: ApiConfig): BuiltApp {
   const futures = new FutureResolver(
     redis,
     () => {
-      const c = connect(config.redisUrl, 'blocking');
+      const c = watch(connect(config.redisUrl, 'blocking'), 'blocking');
       blocking.push(c);
       return c;
     },
@@ -58,6 +82,9 @@ export function buildApp(config: ApiConfig): BuiltApp {
     });
     next();
   });
+  // While Redis is unreachable every route (healthz included) answers 503 with Retry-After at once,
+  // instead of waiting for the command to give up; the error handler maps errors that slip through.
+  app.use((_req, _res, next) => next(redisDown.has(redis) || redis.status === 'end' ? redisUnavailable() : undefined));
   const v1 = express.Router();
   v1.use(apiKeyAuth(config.apiKeys));
   v1.use(express.json({ limit: '64mb', type: ['application/json', 'text/json'] }));

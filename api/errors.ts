@@ -10,6 +10,7 @@ import { logger } from '../queues/logger.js';
 export const errorHandler: ErrorRequestHandler = (err, req, res, _next) => {
   let be: BrokerError;
   if (isBrokerError(err)) be = err;
+  else if (isRedisUnavailable(err)) be = redisUnavailable();
   else if (err?.type === 'entity.parse.failed') be = new BrokerError('INVALID_REQUEST', `malformed JSON body: ${err.message}`);
   else if (err?.type === 'entity.too.large') be = new BrokerError('INVALID_REQUEST', `request body too large (limit ${err.limit} bytes)`);
   else if (typeof err?.status === 'number' && err.status >= 400 && err.status < 500)
@@ -19,9 +20,29 @@ export const errorHandler: ErrorRequestHandler = (err, req, res, _next) => {
     be = new BrokerError('INTERNAL', `internal error: ${String(err?.message ?? err)}`);
   }
   if (be.code === 'OVERLOADED') res.setHeader('Retry-After', '1');
+  if (be.code === 'UNAVAILABLE') res.setHeader('Retry-After', String(REDIS_RETRY_AFTER_S));
   res.status(be.status).json({ error: be.message, category: be.category, code: be.code });
 };
 
 export const notFoundHandler: RequestHandler = (req, _res, next) => {
   next(new BrokerError('NOT_FOUND', `no such endpoint: ${req.method} ${req.path}`));
 };
+
+/** Seconds a client is asked to wait while Redis is unreachable. */
+export const REDIS_RETRY_AFTER_S = 2;
+
+export function redisUnavailable(): BrokerError {
+  return new BrokerError('UNAVAILABLE', 'the broker cannot reach Redis right now; retry shortly');
+}
+
+/**
+ * Errors of an unreachable Redis, as ioredis and BullMQ raise them: a command that gave up after
+ * its reconnect attempts, a closed connection, a refused or reset socket.
+ */
+export function isRedisUnavailable(err: unknown): boolean {
+  if (!(err instanceof Error)) return false;
+  if (err.name === 'MaxRetriesPerRequestError') return true;
+  const code = (err as { code?: unknown }).code;
+  if (typeof code === 'string' && ['ECONNREFUSED', 'ECONNRESET', 'ETIMEDOUT', 'EPIPE', 'ENOTCONN', 'EHOSTUNREACH'].includes(code)) return true;
+  return /Connection is closed|Stream isn't writeable|max retries per request|ECONNREFUSED|Socket closed unexpectedly/i.test(err.message);
+}

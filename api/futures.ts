@@ -28,6 +28,8 @@ export type FutureState =
   | { kind: 'unknown' };
 
 const QUEUE_NAME = /^(train|sample)-[A-Za-z0-9_.-]{1,128}$/;
+/** The job ids the API issues (queues/names.ts jobIds); anything else (`events`, `meta`, `id`) names BullMQ's own keys. */
+const JOB_ID = /^[ctuls]-[A-Za-z0-9-]{1,200}$/;
 
 export class FutureResolver {
   private readonly events = new Map<string, Promise<QueueEvents>>();
@@ -95,6 +97,8 @@ export class FutureResolver {
         });
         qe.on('completed', ({ jobId }) => this.notify(queue, jobId));
         qe.on('failed', ({ jobId }) => this.notify(queue, jobId));
+        // Connection errors (Redis unreachable) are reported by the app's own connection watch.
+        qe.on('error', () => undefined);
         await qe.waitUntilReady();
         return qe;
       })();
@@ -106,7 +110,7 @@ export class FutureResolver {
   }
 
   async state(ref: FutureRef): Promise<FutureState> {
-    if (!QUEUE_NAME.test(ref.queue)) return { kind: 'unknown' };
+    if (!QUEUE_NAME.test(ref.queue) || !JOB_ID.test(ref.jobId)) return { kind: 'unknown' };
     const train = ref.queue.startsWith('train-');
     if (train) {
       const o = await this.outcomes.get(ref.jobId);

@@ -34,8 +34,13 @@ export class Names {
   session(sessionId: string): string {
     return `${this.prefix}:session:${sessionId}`;
   }
-  sessions(): string {
-    return `${this.prefix}:sessions`;
+  /** A tenant's listing of its sessions, models (training runs) or checkpoints (sorted sets by time). */
+  tenantIndex(tenant: string, what: 'sessions' | 'models' | 'ckpts'): string {
+    return `${this.prefix}:tenant:${tenant}:${what}`;
+  }
+  /** The tenant that owns a future, by `request_id`. */
+  futureOwner(requestId: string): string {
+    return `${this.prefix}:future-owner:${requestId}`;
   }
   model(modelId: string): string {
     return `${this.prefix}:model:${modelId}`;

@@ -25,6 +25,8 @@ export class QueueSet {
         prefix: this.names.bull,
         defaultJobOptions: this.jobOptions(),
       });
+      // Connection errors surface on the commands that fail; the process's connection logs them.
+      q.on('error', () => undefined);
       this.queues.set(name, q);
     }
     return q;

@@ -50,6 +50,10 @@ export const ModelRecord = z.object({
   created_at: z.string(),
   /** Set when the model's weights were lost (engine restart); training on it then fails. */
   lost_reason: z.string().nullable().default(null),
+  /** The tenant (API key) that owns the model; `''` (records older than tenants) belongs to none. */
+  tenant: z.string().default(''),
+  /** The base model's context length when the model was placed; null for records older than this field. */
+  max_context_length: z.number().int().nullable().default(null),
 });
 export type ModelRecord = z.infer<typeof ModelRecord>;
 
@@ -59,6 +63,8 @@ export const SamplingSessionRecord = z.object({
   base_model: z.string(),
   model_path: z.string().nullable(),
   adapter_dir: z.string().nullable(),
+  /** The owning tenant, as for models. */
+  tenant: z.string().default(''),
 });
 export type SamplingSessionRecord = z.infer<typeof SamplingSessionRecord>;
 
@@ -83,6 +89,8 @@ export const CheckpointRecord = z.object({
   /** The unnamed saves behind save_weights_and_get_sampling_client: not listed, expire with the retention. */
   ephemeral: z.boolean(),
   user_metadata: z.record(z.string(), z.string()).nullable(),
+  /** The owning tenant (the tenant of `model_id`). Other tenants read it only while `public`. */
+  tenant: z.string().default(''),
 });
 export type CheckpointRecord = z.infer<typeof CheckpointRecord>;
 
@@ -156,12 +164,17 @@ export class Registry {
   }
 
   // ---- sessions ----
-  async createSession(sessionId: string, info: Record<string, unknown>, ttlS: number): Promise<void> {
+  async createSession(sessionId: string, tenant: string, info: Record<string, unknown>, ttlS: number): Promise<void> {
     await this.redis
       .multi()
-      .set(this.names.session(sessionId), JSON.stringify({ session_id: sessionId, created_at: new Date().toISOString(), ...info }), 'EX', ttlS)
-      .zadd(this.names.sessions(), Date.now(), sessionId)
+      .set(this.names.session(sessionId), JSON.stringify({ session_id: sessionId, created_at: new Date().toISOString(), ...info, tenant }), 'EX', ttlS)
+      .zadd(this.names.tenantIndex(tenant, 'sessions'), Date.now(), sessionId)
       .exec();
+  }
+  /** The tenant owning a live session, or null when the session does not exist. */
+  async sessionTenant(sessionId: string): Promise<string | null> {
+    const info = await this.sessionInfo(sessionId);
+    return info === null ? null : typeof info.tenant === 'string' ? info.tenant : '';
   }
   async touchSession(sessionId: string, ttlS: number): Promise<boolean> {
     return (await this.redis.expire(this.names.session(sessionId), ttlS)) === 1;
@@ -220,6 +233,18 @@ export class Registry {
     return this.getJson(`${this.names.prefix}:failed-future:${jobId}`, FailedFuture);
   }
 
+  // ---- future ownership ----
+  /**
+   * Records which tenant a future (`request_id`) belongs to. The first owner stays (a repeated
+   * submission by the same tenant changes nothing); the record outlives the job's retention.
+   */
+  async setFutureOwner(requestId: string, tenant: string, ttlS: number): Promise<void> {
+    await this.redis.set(this.names.futureOwner(requestId), tenant, 'EX', ttlS, 'NX');
+  }
+  async futureOwner(requestId: string): Promise<string | null> {
+    return this.redis.get(this.names.futureOwner(requestId));
+  }
+
   // ---- sampling sessions and sampler versions ----
   async putSamplingSession(rec: SamplingSessionRecord, ttlS: number): Promise<SamplingSessionRecord> {
     const key = this.names.samplingSession(rec.sampling_session_id);
@@ -237,8 +262,8 @@ export class Registry {
   private modelCkpts(modelId: string): string {
     return `${this.names.prefix}:model-ckpts:${modelId}`;
   }
-  private allCkpts(): string {
-    return `${this.names.prefix}:ckpts`;
+  private allCkpts(tenant: string): string {
+    return this.names.tenantIndex(tenant, 'ckpts');
   }
   private ckptExpiry(): string {
     return `${this.names.prefix}:ckpt-expiry`;
@@ -249,7 +274,7 @@ export class Registry {
       .multi()
       .set(this.ckptKey(rec.tinker_path), JSON.stringify(rec))
       .zadd(this.modelCkpts(rec.model_id), Date.parse(rec.time), rec.tinker_path);
-    if (!rec.ephemeral) m.zadd(this.allCkpts(), Date.parse(rec.time), rec.tinker_path);
+    if (!rec.ephemeral) m.zadd(this.allCkpts(rec.tenant), Date.parse(rec.time), rec.tinker_path);
     if (rec.expires_at) m.zadd(this.ckptExpiry(), Date.parse(rec.expires_at), rec.tinker_path);
     else m.zrem(this.ckptExpiry(), rec.tinker_path);
     await m.exec();
@@ -265,7 +290,7 @@ export class Registry {
       .multi()
       .del(this.ckptKey(rec.tinker_path))
       .zrem(this.modelCkpts(rec.model_id), rec.tinker_path)
-      .zrem(this.allCkpts(), rec.tinker_path)
+      .zrem(this.allCkpts(rec.tenant), rec.tinker_path)
       .zrem(this.ckptExpiry(), rec.tinker_path)
       .exec();
   }
@@ -274,9 +299,10 @@ export class Registry {
     const paths = await this.redis.zrevrange(this.modelCkpts(modelId), 0, -1);
     return (await this.loadCheckpoints(paths)).filter((c) => !c.ephemeral);
   }
-  /** Every listed checkpoint, newest first, one page. */
-  async listAllCheckpoints(offset: number, limit: number): Promise<{ checkpoints: CheckpointRecord[]; total: number }> {
-    const [paths, total] = await Promise.all([this.redis.zrevrange(this.allCkpts(), offset, offset + limit - 1), this.redis.zcard(this.allCkpts())]);
+  /** Every listed checkpoint of one tenant, newest first, one page. */
+  async listAllCheckpoints(tenant: string, offset: number, limit: number): Promise<{ checkpoints: CheckpointRecord[]; total: number }> {
+    const key = this.allCkpts(tenant);
+    const [paths, total] = await Promise.all([this.redis.zrevrange(key, offset, offset + limit - 1), this.redis.zcard(key)]);
     return { checkpoints: await this.loadCheckpoints(paths), total };
   }
   private async loadCheckpoints(paths: string[]): Promise<CheckpointRecord[]> {
@@ -306,7 +332,7 @@ export class Registry {
   async indexModel(rec: ModelRecord): Promise<void> {
     await this.redis
       .multi()
-      .zadd(`${this.names.prefix}:models`, Date.parse(rec.created_at), rec.model_id)
+      .zadd(this.names.tenantIndex(rec.tenant, 'models'), Date.parse(rec.created_at), rec.model_id)
       .sadd(`${this.names.session(rec.session_id)}:models`, rec.model_id)
       .exec();
   }
@@ -317,8 +343,9 @@ export class Registry {
     if (modelIds.length === 0) return [];
     return this.redis.hmget(`${this.names.prefix}:model-last`, ...modelIds);
   }
-  async listModels(offset: number, limit: number): Promise<{ models: ModelRecord[]; total: number }> {
-    const key = `${this.names.prefix}:models`;
+  /** One tenant's models (training runs), newest first, one page. */
+  async listModels(tenant: string, offset: number, limit: number): Promise<{ models: ModelRecord[]; total: number }> {
+    const key = this.names.tenantIndex(tenant, 'models');
     const [ids, total] = await Promise.all([this.redis.zrevrange(key, offset, offset + limit - 1), this.redis.zcard(key)]);
     const models = (await Promise.all(ids.map((id) => this.getModel(id)))).filter((m): m is ModelRecord => m !== null);
     return { models, total };
@@ -333,8 +360,9 @@ export class Registry {
     ]);
     return { training_run_ids: models.sort(), sampler_ids: samplers.sort() };
   }
-  async listSessions(offset: number, limit: number): Promise<string[]> {
-    return this.redis.zrevrange(this.names.sessions(), offset, offset + limit - 1);
+  /** One tenant's sessions, newest first. */
+  async listSessions(tenant: string, offset: number, limit: number): Promise<string[]> {
+    return this.redis.zrevrange(this.names.tenantIndex(tenant, 'sessions'), offset, offset + limit - 1);
   }
   async finishSession(sessionId: string, finish: Record<string, unknown>): Promise<Record<string, unknown>> {
     const key = `${this.names.session(sessionId)}:finish`;

@@ -2,7 +2,7 @@ import type { ChildProcess } from 'node:child_process';
 import { existsSync } from 'node:fs';
 import path from 'node:path';
 import { parseArgs } from 'node:util';
-import { startApi } from '../api/main.js';
+import { assertSafeKeys, startApi, StartRefused } from '../api/main.js';
 import { parseModelSpec } from '../queues/config.js';
 import { logger } from '../queues/logger.js';
 import { loadPreset, PresetError } from '../presets/schema.js';
@@ -76,6 +76,7 @@ async function start(argv: string[]): Promise<void> {
         throw new Error(`agent ${a.agentId}: model ${m.aliases.join('|') || m.name} has no model directory at ${m.path}`);
     }
   }
+  if (p.api) assertSafeKeys(p.api, process.env);
   let redis: ChildProcess | null = null;
   if (p.redis.embedded && (p.api || p.agents.length)) redis = await ensureRedis(p.redis.url);
 
@@ -140,7 +141,8 @@ async function main(): Promise<void> {
 }
 
 main().catch((err) => {
-  if (err instanceof PresetError) process.stderr.write(`${err.message}\n`);
+  const plain = err instanceof PresetError || err instanceof StartRefused;
+  if (plain) process.stderr.write(`${err.message}\n`);
   else logger.error('tinker-broker failed', { error: String(err?.stack ?? err) });
-  process.exit(err instanceof PresetError ? 2 : 1);
+  process.exit(plain ? 2 : 1);
 });

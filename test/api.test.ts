@@ -63,6 +63,9 @@ describe('API without a worker agent', () => {
     const fb = encodeForwardBackward({ modelId: 'nope:train:0', seqId: 1, data: [{ tokens: [1, 2], targets: [2, 3] }] });
     expectTinkerError(await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: fb }), 404, 'user', /unknown model_id/);
     expectTinkerError(await call(s.baseUrl, 'POST', '/retrieve_future', { request_id: 'train-x/t-abc-1' }), 404, 'user', /unknown or expired future/);
+    // Ids naming BullMQ's own keys (a stream, a hash of another type) are unknown futures, not WRONGTYPE 500s.
+    for (const id of ['train-x/events', 'train-x/meta', 'train-x/id', 'train-x/wait', 'sample-x/events'])
+      expectTinkerError(await call(s.baseUrl, 'POST', '/retrieve_future', { request_id: id }), 404, 'user', /unknown or expired future/);
     expectTinkerError(await call(s.baseUrl, 'POST', '/no_such_endpoint', {}), 404, 'user', /no such endpoint/);
   });
 });
@@ -120,7 +123,7 @@ describe('API with a worker agent and the tiny model', function () {
   it('reports ready on /healthz and lists the model in the capabilities', async () => {
     const h = await call(s.baseUrl, 'GET', '/healthz', undefined, { key: null });
     expect(h.status).to.equal(200);
-    expect(h.json.status).to.equal('ready');
+    expect(h.json).to.deep.equal({ status: 'ready', models: 1 }); // open without a key: no model paths
     const caps = await call(s.baseUrl, 'GET', '/get_server_capabilities');
     expect(caps.json.supported_models).to.deep.include({ model_name: TINY_MODEL_DIR, max_context_length: 2048, trainable: true, sampleable: true });
   });

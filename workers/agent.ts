@@ -371,6 +371,7 @@ export class Agent {
       expires_at: ttl === null ? null : new Date(now + ttl * 1000).toISOString(),
       public: false,
       user_metadata: job.user_metadata,
+      tenant: model.tenant,
       ...extra,
     };
   }
@@ -386,7 +387,14 @@ export class Agent {
     await this.registry.putCheckpoint(this.checkpointRecord(model, job, 'sampler', { size_bytes, has_optimizer: false, ephemeral }));
     if (job.sampling_session_id) {
       await this.registry.putSamplingSession(
-        { sampling_session_id: job.sampling_session_id, session_id: model.session_id, base_model: model.base_model, model_path: job.tinker_path, adapter_dir: job.dir },
+        {
+          sampling_session_id: job.sampling_session_id,
+          session_id: model.session_id,
+          base_model: model.base_model,
+          model_path: job.tinker_path,
+          adapter_dir: job.dir,
+          tenant: model.tenant,
+        },
         this.config.retentionS,
       );
       await this.registry.indexSampler(model.session_id, job.sampling_session_id);

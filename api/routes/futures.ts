@@ -2,6 +2,7 @@ import { Router } from 'express';
 import { BrokerError } from '../../queues/errors.js';
 import { ForwardBackwardResult, ResultSchemas, SampleResult } from '../../queues/schemas.js';
 import type { ApiContext } from '../context.js';
+import { requireFuture } from '../tenants.js';
 import { parseBody, RetrieveFutureBody } from '../http-schemas.js';
 import { encodeForwardBackwardOutput, encodeSampleResponse, PROTOBUF_CONTENT_TYPE } from '../wire/proto.js';
 
@@ -11,6 +12,7 @@ export function futureRoutes(ctx: ApiContext): Router {
 
   r.post('/retrieve_future', async (req, res) => {
     const body = parseBody(RetrieveFutureBody, req.body, 'retrieve_future');
+    await requireFuture(ctx, req, body.request_id);
     const abort = new AbortController();
     res.on('close', () => abort.abort());
     const st = await ctx.futures.retrieve(body.request_id, ctx.config.longPollMs, abort.signal);

@@ -1,10 +1,12 @@
 import { Router } from 'express';
 import { BrokerError } from '../../queues/errors.js';
+import { tenantOf } from '../auth.js';
 import { encodeRequestId } from '../../queues/futures.js';
 import { jobIds, shortHash } from '../../queues/names.js';
 import type { ModelRecord } from '../../queues/registry.js';
 import type { CreateModelJob, LoraConfig } from '../../queues/schemas.js';
 import type { ApiContext } from '../context.js';
+import { issueFuture, requireModel, requireSession } from '../tenants.js';
 import { CreateModelBody, ModelIdBody, parseBody } from '../http-schemas.js';
 
 /**
@@ -13,7 +15,7 @@ import { CreateModelBody, ModelIdBody, parseBody } from '../http-schemas.js';
  */
 export async function placeModel(
   ctx: ApiContext,
-  m: { modelId: string; sessionId: string; baseModel: string; lora: LoraConfig },
+  m: { modelId: string; sessionId: string; baseModel: string; lora: LoraConfig; tenant: string },
 ): Promise<ModelRecord> {
   const { model, trainers } = await ctx.registry.resolveBaseModel(m.baseModel);
   // Only agents that train this model (an actor), never a sampling-only one (vLLM, frozen roles).
@@ -31,6 +33,8 @@ export async function placeModel(
     train_queue: agent.train_queue,
     created_at: new Date().toISOString(),
     lost_reason: null,
+    tenant: m.tenant,
+    max_context_length: model.max_context_length,
   });
   await ctx.registry.indexModel(rec);
   await ctx.gate.open(m.modelId);
@@ -47,8 +51,7 @@ export function modelRoutes(ctx: ApiContext): Router {
       throw new BrokerError('INVALID_REQUEST', 'full-weight training is not supported; pass lora_config (create_lora_training_client)');
     if (body.optimizer_config && body.optimizer_config.type !== 'adamw')
       throw new BrokerError('INVALID_REQUEST', `optimizer '${body.optimizer_config.type}' is not supported; only adamw`);
-    if (!(await ctx.registry.sessionExists(body.session_id)))
-      throw new BrokerError('NOT_FOUND', `unknown session '${body.session_id}': call create_session first`);
+    await requireSession(ctx, req, body.session_id, ': call create_session first');
     const { model } = await ctx.registry.resolveBaseModel(body.base_model);
     if (!model.trainable)
       throw new BrokerError('INVALID_REQUEST', `base model '${body.base_model}' is frozen here (a teacher or reference); it can be sampled but not trained`);
@@ -62,16 +65,17 @@ export function modelRoutes(ctx: ApiContext): Router {
       train_mlp: body.lora_config.train_mlp,
       train_attn: body.lora_config.train_attn,
     };
-    const rec = await placeModel(ctx, { modelId, sessionId: body.session_id, baseModel: model.name, lora });
+    const rec = await placeModel(ctx, { modelId, sessionId: body.session_id, baseModel: model.name, lora, tenant: tenantOf(req) });
     const job: CreateModelJob = { op: 'create_model', model_id: modelId, base_model: rec.base_model, lora: rec.lora };
     const jobId = jobIds.createModel(modelId);
+    const requestId = await issueFuture(ctx, req, encodeRequestId({ queue: rec.train_queue, jobId }));
     await ctx.queues.add(rec.train_queue, jobId, job);
-    res.json({ request_id: encodeRequestId({ queue: rec.train_queue, jobId }), model_id: modelId });
+    res.json({ request_id: requestId, model_id: modelId });
   });
 
   r.post('/get_info', async (req, res) => {
     const body = parseBody(ModelIdBody, req.body, 'get_info');
-    const m = await ctx.registry.requireModel(body.model_id);
+    const m = await requireModel(ctx, req, body.model_id);
     res.json({
       type: 'get_info',
       model_id: m.model_id,

@@ -1,11 +1,13 @@
 import { randomUUID } from 'node:crypto';
 import { cp } from 'node:fs/promises';
-import { Router } from 'express';
+import { Router, type Request } from 'express';
 import { z } from 'zod';
 import { BrokerError } from '../../queues/errors.js';
 import type { ModelRecord } from '../../queues/registry.js';
 import { checkpointView, deleteCheckpoint } from '../checkpoints.js';
+import { tenantOf } from '../auth.js';
 import type { ApiContext } from '../context.js';
+import { requireCheckpoint, requireModel, requireSession } from '../tenants.js';
 import { CheckpointTtlBody, CopyWeightsBody, FinishSessionBody, parseBody, SessionSearchBody, WeightsInfoBody } from '../http-schemas.js';
 import { CHECKPOINT_KINDS, formatTinkerPath, parseTinkerPath, storageDirFor, type CheckpointKind } from '../paths.js';
 import { signedUrls } from '../file-urls.js';
@@ -41,7 +43,7 @@ export function restRoutes(ctx: ApiContext): Router {
 
   r.get('/training_runs', async (req, res) => {
     const page = parseBody(Page, req.query, 'training_runs');
-    const { models, total } = await ctx.registry.listModels(page.offset, page.limit);
+    const { models, total } = await ctx.registry.listModels(tenantOf(req), page.offset, page.limit);
     const last = await ctx.registry.modelLastRequest(models.map((m) => m.model_id));
     res.json({
       training_runs: await Promise.all(models.map((m, i) => trainingRun(m, last[i] ?? null))),
@@ -50,32 +52,30 @@ export function restRoutes(ctx: ApiContext): Router {
   });
 
   r.get('/training_runs/:id', async (req, res) => {
-    const m = await ctx.registry.requireModel(req.params.id);
+    const m = await requireModel(ctx, req, req.params.id);
     res.json(await trainingRun(m, (await ctx.registry.modelLastRequest([m.model_id]))[0] ?? null));
   });
 
   r.get('/training_runs/:id/checkpoints', async (req, res) => {
-    const m = await ctx.registry.requireModel(req.params.id);
+    const m = await requireModel(ctx, req, req.params.id);
     res.json({ checkpoints: (await ctx.registry.listModelCheckpoints(m.model_id)).map(checkpointView) });
   });
 
-  /** The checkpoint named by a REST path (`<kind>/<name>`), or a 404. */
-  async function checkpointAt(modelId: string, kind: string, name: string) {
+  /** The checkpoint named by a REST path (`<kind>/<name>`), or a 404 (also for another tenant's, unless published and only read). */
+  async function checkpointAt(req: Request, access: 'read' | 'write') {
+    const { id: modelId, kind, name } = req.params as { id: string; kind: string; name: string };
     if (!(CHECKPOINT_KINDS as readonly string[]).includes(kind))
       throw new BrokerError('INVALID_REQUEST', `checkpoint ids are ${CHECKPOINT_KINDS.map((k) => `${k}/<name>`).join(', ')}; got ${kind}/${name}`);
-    const tinkerPath = formatTinkerPath({ modelId, kind: kind as CheckpointKind, name });
-    const c = await ctx.registry.getCheckpoint(tinkerPath);
-    if (!c) throw new BrokerError('NOT_FOUND', `checkpoint ${tinkerPath} does not exist`);
-    return c;
+    return requireCheckpoint(ctx, req, formatTinkerPath({ modelId, kind: kind as CheckpointKind, name }), access);
   }
 
   r.delete('/training_runs/:id/checkpoints/:kind/:name', async (req, res) => {
-    await deleteCheckpoint(ctx, await checkpointAt(req.params.id, req.params.kind, req.params.name));
+    await deleteCheckpoint(ctx, await checkpointAt(req, 'write'));
     res.json({});
   });
 
   r.put('/training_runs/:id/checkpoints/:kind/:name/ttl', async (req, res) => {
-    const c = await checkpointAt(req.params.id, req.params.kind, req.params.name);
+    const c = await checkpointAt(req, 'write');
     const body = parseBody(CheckpointTtlBody, req.body, 'checkpoint ttl');
     const expires = body.ttl_seconds === null ? null : new Date(Date.now() + body.ttl_seconds * 1000).toISOString();
     await ctx.registry.putCheckpoint({ ...c, expires_at: expires });
@@ -84,7 +84,7 @@ export function restRoutes(ctx: ApiContext): Router {
 
   for (const [method, value] of [['post', true], ['delete', false]] as const) {
     r[method]('/training_runs/:id/checkpoints/:kind/:name/publish', async (req, res) => {
-      const c = await checkpointAt(req.params.id, req.params.kind, req.params.name);
+      const c = await checkpointAt(req, 'write');
       if (c.public === value)
         throw new BrokerError('CONFLICT', `checkpoint ${c.tinker_path} is already ${value ? 'public' : 'private'}`);
       await ctx.registry.putCheckpoint({ ...c, public: value });
@@ -93,7 +93,7 @@ export function restRoutes(ctx: ApiContext): Router {
   }
 
   r.get('/training_runs/:id/checkpoints/:kind/:name/external_weights_urls', async (req, res) => {
-    const c = await checkpointAt(req.params.id, req.params.kind, req.params.name);
+    const c = await checkpointAt(req, 'read');
     if (c.checkpoint_type !== 'external')
       throw new BrokerError('INVALID_REQUEST', `${c.tinker_path} is not an external weights checkpoint (save it with save_weights_external)`);
     res.json(await signedUrls(ctx, req, c.tinker_path, c.dir));
@@ -103,19 +103,19 @@ export function restRoutes(ctx: ApiContext): Router {
   r.post('/copy_weights', async (req, res) => {
     const body = parseBody(CopyWeightsBody, req.body, 'copy_weights');
     const idem = req.header('x-idempotency-key');
-    const idemKey = idem ? `${ctx.names.prefix}:idem:copy:${idem}` : null;
+    const tenant = tenantOf(req);
+    const idemKey = idem ? `${ctx.names.prefix}:idem:copy:${tenant}:${idem}` : null;
     if (idemKey) {
       const prev = await ctx.redis.get(idemKey);
       if (prev) return void res.json({ tinker_path: prev });
     }
     const src = parseTinkerPath(body.source_path);
-    const c = await ctx.registry.getCheckpoint(body.source_path);
-    if (!c) throw new BrokerError('NOT_FOUND', `checkpoint ${body.source_path} does not exist`);
+    const c = await requireCheckpoint(ctx, req, body.source_path, 'read');
     let sessionId = body.session_id ?? null;
-    if (sessionId && !(await ctx.registry.sessionExists(sessionId))) throw new BrokerError('NOT_FOUND', `unknown session '${sessionId}'`);
+    if (sessionId) await requireSession(ctx, req, sessionId);
     if (!sessionId) {
       sessionId = randomUUID();
-      await ctx.registry.createSession(sessionId, { tags: ['copy_weights'] }, ctx.config.retentionS);
+      await ctx.registry.createSession(sessionId, tenant, { tags: ['copy_weights'] }, ctx.config.retentionS);
     }
     const holderId = `${sessionId}:train:${body.model_seq_id ?? 0}`;
     const holder: ModelRecord = await ctx.registry.putModelIfAbsent({
@@ -129,6 +129,8 @@ export function restRoutes(ctx: ApiContext): Router {
       train_queue: '',
       created_at: new Date().toISOString(),
       lost_reason: `it holds copied weights (copy_weights) and cannot be trained; use create_training_client_from_state`,
+      tenant,
+      max_context_length: null,
     });
     await ctx.registry.indexModel(holder);
     const tp = { modelId: holderId, kind: src.kind, name: src.name };
@@ -145,6 +147,7 @@ export function restRoutes(ctx: ApiContext): Router {
       expires_at: body.ttl_seconds ? new Date(now + body.ttl_seconds * 1000).toISOString() : null,
       public: false,
       ephemeral: false,
+      tenant,
     });
     if (idemKey) await ctx.redis.set(idemKey, tinkerPath, 'EX', 86_400);
     res.json({ tinker_path: tinkerPath });
@@ -152,14 +155,13 @@ export function restRoutes(ctx: ApiContext): Router {
 
   r.get('/checkpoints', async (req, res) => {
     const page = parseBody(Page.extend({ limit: z.coerce.number().int().min(1).max(1000).default(100) }), req.query, 'checkpoints');
-    const { checkpoints, total } = await ctx.registry.listAllCheckpoints(page.offset, page.limit);
+    const { checkpoints, total } = await ctx.registry.listAllCheckpoints(tenantOf(req), page.offset, page.limit);
     res.json({ checkpoints: checkpoints.map(checkpointView), cursor: { offset: page.offset, limit: page.limit, total_count: total } });
   });
 
   r.post('/weights_info', async (req, res) => {
     const body = parseBody(WeightsInfoBody, req.body, 'weights_info');
-    const c = await ctx.registry.getCheckpoint(body.tinker_path);
-    if (!c) throw new BrokerError('NOT_FOUND', `checkpoint ${body.tinker_path} does not exist (never saved, deleted or expired)`);
+    const c = await requireCheckpoint(ctx, req, body.tinker_path, 'read');
     res.json({
       base_model: c.base_model,
       is_lora: true,
@@ -172,18 +174,18 @@ export function restRoutes(ctx: ApiContext): Router {
 
   r.get('/sessions', async (req, res) => {
     const page = parseBody(Page, req.query, 'sessions');
-    res.json({ sessions: await ctx.registry.listSessions(page.offset, page.limit) });
+    res.json({ sessions: await ctx.registry.listSessions(tenantOf(req), page.offset, page.limit) });
   });
 
   r.get('/sessions/:id', async (req, res) => {
-    if (!(await ctx.registry.sessionExists(req.params.id))) throw new BrokerError('NOT_FOUND', `unknown session '${req.params.id}'`);
+    await requireSession(ctx, req, req.params.id);
     res.json(await ctx.registry.sessionMembers(req.params.id));
   });
 
   // ServiceClient.close(): the first finish reason wins; later heartbeats get 410.
   r.post('/sessions/:id/finish', async (req, res) => {
     const body = parseBody(FinishSessionBody, req.body, 'finish session');
-    if (!(await ctx.registry.sessionExists(req.params.id))) throw new BrokerError('NOT_FOUND', `unknown session '${req.params.id}'`);
+    await requireSession(ctx, req, req.params.id);
     res.json(
       await ctx.registry.finishSession(req.params.id, { reason: body.reason, detail: body.detail ?? null, finished_at: new Date().toISOString() }),
     );
@@ -191,7 +193,7 @@ export function restRoutes(ctx: ApiContext): Router {
 
   r.post('/sessions/search', async (req, res) => {
     const body = parseBody(SessionSearchBody, req.body, 'sessions/search');
-    const ids = await ctx.registry.listSessions(0, 10_000);
+    const ids = await ctx.registry.listSessions(tenantOf(req), 0, 10_000);
     const out = [];
     for (const id of ids) {
       if (body.session_id && id !== body.session_id) continue;
@@ -221,13 +223,13 @@ export function restRoutes(ctx: ApiContext): Router {
 
   // No trace recorder runs here: the export reports that, and the SDK raises it to the caller.
   r.get('/sessions/:id/trace_export', async (req, res) => {
-    if (!(await ctx.registry.sessionExists(req.params.id))) throw new BrokerError('NOT_FOUND', `unknown session '${req.params.id}'`);
+    await requireSession(ctx, req, req.params.id);
     res.json({ status: 'failed', error: 'session trace export is not available on this server (tinker-broker records no traces)' });
   });
 
   // The audit log: checkpoint creations, from the checkpoint registry.
-  r.get('/audit', async (_req, res) => {
-    const { checkpoints } = await ctx.registry.listAllCheckpoints(0, 1000);
+  r.get('/audit', async (req, res) => {
+    const { checkpoints } = await ctx.registry.listAllCheckpoints(tenantOf(req), 0, 1000);
     res.json({
       entries: checkpoints.map((c) => ({ timestamp: c.time, event: 'checkpoint_created', event_details: { checkpoint_type: c.checkpoint_type }, model_id: c.model_id, tinker_path: c.tinker_path })),
     });
@@ -237,8 +239,8 @@ export function restRoutes(ctx: ApiContext): Router {
   r.get('/billing/usage/events', (_req, res) => {
     res.json({ data: [], sessions: {} });
   });
-  r.get('/billing/usage/checkpoints/current', async (_req, res) => {
-    const { checkpoints } = await ctx.registry.listAllCheckpoints(0, 100_000);
+  r.get('/billing/usage/checkpoints/current', async (req, res) => {
+    const { checkpoints } = await ctx.registry.listAllCheckpoints(tenantOf(req), 0, 100_000);
     const bytes = checkpoints.reduce((a, c) => a + (c.size_bytes ?? 0), 0);
     res.json({
       effective_rate_usd_per_gigabyte_month: null,
@@ -247,7 +249,7 @@ export function restRoutes(ctx: ApiContext): Router {
   });
 
   r.put('/sessions/:id/project', async (req, res) => {
-    if (!(await ctx.registry.sessionExists(req.params.id))) throw new BrokerError('NOT_FOUND', `unknown session '${req.params.id}'`);
+    await requireSession(ctx, req, req.params.id);
     res.json({});
   });
 

@@ -6,7 +6,10 @@ import { encodeRequestId } from '../../queues/futures.js';
 import { jobIds } from '../../queues/names.js';
 import type { SamplingSessionRecord } from '../../queues/registry.js';
 import type { SampleJob, SamplingParams } from '../../queues/schemas.js';
+import { tenantOf } from '../auth.js';
 import type { ApiContext } from '../context.js';
+import { issueFuture, requireCheckpoint, requireSamplingSession, requireSession } from '../tenants.js';
+import type { Request } from 'express';
 import { CreateSamplingSessionBody, JoinSamplingSessionBody, parseBody, SampleBody, SamplingParamsBody } from '../http-schemas.js';
 import { parseTinkerPath } from '../paths.js';
 
@@ -20,6 +23,7 @@ const invalid = (m: string) => new BrokerError('INVALID_REQUEST', m);
 /** A session for a base model or a saved sampler version, resolved from the registries. */
 async function resolveTarget(
   ctx: ApiContext,
+  req: Request,
   baseModel: string | null | undefined,
   modelPath: string | null | undefined,
 ): Promise<Pick<SamplingSessionRecord, 'base_model' | 'model_path' | 'adapter_dir'>> {
@@ -27,8 +31,7 @@ async function resolveTarget(
     const tp = parseTinkerPath(modelPath);
     if (tp.kind !== 'sampler_weights')
       throw invalid(`'${modelPath}' holds training state; sample from a sampler_weights path (save_weights_for_sampler)`);
-    const v = await ctx.registry.getCheckpoint(modelPath);
-    if (!v) throw new BrokerError('NOT_FOUND', `sampler weights '${modelPath}' do not exist (never saved, deleted or expired)`);
+    const v = await requireCheckpoint(ctx, req, modelPath, 'read', 'sampler weights');
     return { base_model: v.base_model, model_path: modelPath, adapter_dir: v.dir };
   }
   const { model } = await ctx.registry.resolveBaseModel(baseModel!);
@@ -56,11 +59,10 @@ export function samplingRoutes(ctx: ApiContext): Router {
 
   r.post('/create_sampling_session', async (req, res) => {
     const body = parseBody(CreateSamplingSessionBody, req.body, 'create_sampling_session');
-    if (!(await ctx.registry.sessionExists(body.session_id)))
-      throw new BrokerError('NOT_FOUND', `unknown session '${body.session_id}': call create_session first`);
-    const target = await resolveTarget(ctx, body.base_model, body.model_path);
+    await requireSession(ctx, req, body.session_id, ': call create_session first');
+    const target = await resolveTarget(ctx, req, body.base_model, body.model_path);
     const id = `${body.session_id}:sample:${body.sampling_session_seq_id}`;
-    await ctx.registry.putSamplingSession({ sampling_session_id: id, session_id: body.session_id, ...target }, ctx.config.retentionS);
+    await ctx.registry.putSamplingSession({ sampling_session_id: id, session_id: body.session_id, ...target, tenant: tenantOf(req) }, ctx.config.retentionS);
     await ctx.registry.indexSampler(body.session_id, id);
     res.json({ type: 'create_sampling_session', sampling_session_id: id });
   });
@@ -68,15 +70,13 @@ export function samplingRoutes(ctx: ApiContext): Router {
   // An unpickled SamplingClient asks for its clone number; its seq_ids then start at 1e9·n.
   r.post('/join_sampling_session', async (req, res) => {
     const body = parseBody(JoinSamplingSessionBody, req.body, 'join_sampling_session');
-    if (!(await ctx.registry.getSamplingSession(body.sampling_session_id)))
-      throw new BrokerError('NOT_FOUND', `unknown sampling_session_id '${body.sampling_session_id}'`);
+    await requireSamplingSession(ctx, req, body.sampling_session_id);
     const n = await ctx.redis.incr(`${ctx.names.samplingSession(body.sampling_session_id)}:clones`);
     res.json({ type: 'join_sampling_session', client_counter: n });
   });
 
   r.get('/samplers/:id', async (req, res) => {
-    const s = await ctx.registry.getSamplingSession(req.params.id);
-    if (!s) throw new BrokerError('NOT_FOUND', `unknown sampler '${req.params.id}'`);
+    const s = await requireSamplingSession(ctx, req, req.params.id);
     res.json({ sampler_id: s.sampling_session_id, base_model: s.base_model, model_path: s.model_path });
   });
 
@@ -91,12 +91,11 @@ export function samplingRoutes(ctx: ApiContext): Router {
     let session: Pick<SamplingSessionRecord, 'base_model' | 'model_path' | 'adapter_dir'>;
     let sessionId: string;
     if (body.sampling_session_id) {
-      const s = await ctx.registry.getSamplingSession(body.sampling_session_id);
-      if (!s) throw new BrokerError('NOT_FOUND', `unknown sampling_session_id '${body.sampling_session_id}'`);
+      const s = await requireSamplingSession(ctx, req, body.sampling_session_id);
       session = s;
       sessionId = s.sampling_session_id;
     } else if (body.base_model || body.model_path) {
-      session = await resolveTarget(ctx, body.base_model, body.model_path);
+      session = await resolveTarget(ctx, req, body.base_model, body.model_path);
       sessionId = `adhoc-${randomUUID()}`;
     } else throw invalid('asample needs sampling_session_id (or base_model / model_path)');
 
@@ -119,7 +118,7 @@ export function samplingRoutes(ctx: ApiContext): Router {
     // A seq_id JSON cannot carry exactly (past 2^53) cannot de-duplicate: such a request gets a fresh job.
     const seqId = body.seq_id != null && Number.isSafeInteger(body.seq_id) ? body.seq_id : null;
     const jobId = body.sampling_session_id && seqId !== null ? jobIds.sample(sessionId, seqId) : `s-${randomUUID()}`;
-    const requestId = encodeRequestId({ queue, jobId });
+    const requestId = await issueFuture(ctx, req, encodeRequestId({ queue, jobId }));
     const reply = () => res.json({ request_id: requestId, sample_sequence_ids: Array.from({ length: body.num_samples }, (_, i) => `${requestId}#${i}`) });
     // A session is pinned to one sampler version; never sample silently from other weights.
     if (session.model_path && !(await ctx.registry.getCheckpoint(session.model_path))) {

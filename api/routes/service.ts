@@ -1,7 +1,9 @@
 import { randomUUID } from 'node:crypto';
 import { Router, type RequestHandler } from 'express';
 import { BrokerError } from '../../queues/errors.js';
+import { tenantOf } from '../auth.js';
 import type { ApiContext } from '../context.js';
+import { requireSession } from '../tenants.js';
 import { CreateSessionBody, parseBody, SessionHeartbeatBody } from '../http-schemas.js';
 
 /** Client bootstrap, sessions, telemetry, health and capabilities. */
@@ -33,6 +35,7 @@ export function serviceRoutes(ctx: ApiContext): Router {
     const sessionId = randomUUID();
     await ctx.registry.createSession(
       sessionId,
+      tenantOf(req),
       { tags: body.tags, user_metadata: body.user_metadata ?? {}, sdk_version: body.sdk_version ?? null, project_id: body.project_id ?? null },
       ctx.config.retentionS,
     );
@@ -41,6 +44,7 @@ export function serviceRoutes(ctx: ApiContext): Router {
 
   r.post('/session_heartbeat', async (req, res) => {
     const body = parseBody(SessionHeartbeatBody, req.body, 'session_heartbeat');
+    await requireSession(ctx, req, body.session_id);
     if (!(await ctx.registry.touchSession(body.session_id, ctx.config.retentionS)))
       throw new BrokerError('NOT_FOUND', `unknown session '${body.session_id}'`);
     // A finished session (ServiceClient.close) answers 410, which stops the SDK's heartbeat loop.
@@ -69,7 +73,10 @@ export function serviceRoutes(ctx: ApiContext): Router {
   return r;
 }
 
-/** Ready once live agents serve every required model (any agent when none is configured). */
+/**
+ * Ready once live agents serve every required model (any agent when none is configured). Open
+ * without a key, so it names no model (canonical names are absolute paths on the server): only counts.
+ */
 export function healthHandler(ctx: ApiContext): RequestHandler {
   return async (_req, res) => {
     const served = await ctx.registry.servedModels();
@@ -77,11 +84,11 @@ export function healthHandler(ctx: ApiContext): RequestHandler {
     for (const { model } of served.values()) [model.name, ...model.aliases].forEach((n) => names.add(n));
     const missing = ctx.config.requiredModels.filter((m) => !names.has(m));
     if (served.size > 0 && missing.length === 0) {
-      res.json({ status: 'ready', models: [...served.keys()] });
+      res.json({ status: 'ready', models: served.size });
     } else {
       res.status(503).json({
         status: 'starting',
-        detail: served.size === 0 ? 'no worker agent is serving a model yet' : `waiting for an agent serving ${missing.join(', ')}`,
+        detail: served.size === 0 ? 'no worker agent is serving a model yet' : `waiting for agents serving ${missing.length} required model(s)`,
       });
     }
   };

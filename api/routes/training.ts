@@ -1,10 +1,12 @@
-import express, { Router, type RequestHandler } from 'express';
+import express, { Router, type Request, type RequestHandler } from 'express';
 import { BrokerError } from '../../queues/errors.js';
 import { encodeRequestId } from '../../queues/futures.js';
 import { jobIds } from '../../queues/names.js';
 import type { ModelRecord } from '../../queues/registry.js';
 import type { Datum, TrainJob } from '../../queues/schemas.js';
 import type { ApiContext } from '../context.js';
+import { tenantOf } from '../auth.js';
+import { issueFuture, ownsModel, requireCheckpoint, requireModel, requireSession } from '../tenants.js';
 import { parseRecipient } from '../../queues/age.js';
 import type { z } from 'zod';
 import type { CheckpointRecord } from '../../queues/registry.js';
@@ -73,7 +75,7 @@ export function validateBatch(lossFn: string, data: Datum[], vocabSize: number):
  */
 export function unknownEndpointGuard(ctx: ApiContext): RequestHandler {
   return async (req, _res, next) => {
-    await guardSeq(ctx, req.body?.model_id, req.body?.seq_id, async () => {
+    await guardSeq(ctx, req, req.body?.model_id, req.body?.seq_id, async () => {
       throw new BrokerError('NOT_FOUND', `no such endpoint: ${req.method} ${req.path} (not supported by this server)`);
     }).catch(next);
   };
@@ -82,21 +84,29 @@ export function unknownEndpointGuard(ctx: ApiContext): RequestHandler {
 /**
  * Runs a route's checks. The SDK has used up a `seq_id` even when the server refuses the request
  * (it does not resend a 400), so once model_id and seq_id are known a refusal skips that seq_id
- * in the gate: later ops of the model must not wait behind it.
+ * in the gate: later ops of the model must not wait behind it. Only the model's own tenant can
+ * use up its seq_ids.
  */
-async function guardSeq<T>(ctx: ApiContext, modelId: unknown, seqId: unknown, fn: () => Promise<T>): Promise<T> {
+async function guardSeq<T>(ctx: ApiContext, req: Request, modelId: unknown, seqId: unknown, fn: () => Promise<T>): Promise<T> {
   try {
     return await fn();
   } catch (e) {
-    if (typeof modelId === 'string' && typeof seqId === 'number' && Number.isInteger(seqId) && seqId >= 1 && (await ctx.gate.isOpen(modelId)))
+    if (
+      typeof modelId === 'string' &&
+      typeof seqId === 'number' &&
+      Number.isInteger(seqId) &&
+      seqId >= 1 &&
+      (await ctx.gate.isOpen(modelId)) &&
+      (await ownsModel(ctx, req, modelId))
+    )
       await ctx.gate.skip(modelId, seqId, jobIds.train(modelId, seqId));
     throw e;
   }
 }
 
-async function submitTrainOp(ctx: ApiContext, model: ModelRecord, seqId: number, job: TrainJob): Promise<string> {
+async function submitTrainOp(ctx: ApiContext, req: Request, model: ModelRecord, seqId: number, job: TrainJob): Promise<string> {
   const jobId = jobIds.train(model.model_id, seqId);
-  const requestId = encodeRequestId({ queue: model.train_queue, jobId });
+  const requestId = await issueFuture(ctx, req, encodeRequestId({ queue: model.train_queue, jobId }));
   let lost = model.lost_reason;
   if (!lost && !(await ctx.registry.isAgentAlive(model.agent_id))) {
     lost = `its worker agent ${model.agent_id} is not running; load it from a saved checkpoint`;
@@ -114,11 +124,15 @@ async function submitTrainOp(ctx: ApiContext, model: ModelRecord, seqId: number,
 }
 
 /** The training checkpoint at `path`, checked for loading into a model of `base` with `lora`. */
-async function loadableCheckpoint(ctx: ApiContext, path: string, target?: { model_id: string; base_model: string; lora: LoraConfig }): Promise<CheckpointRecord> {
+async function loadableCheckpoint(
+  ctx: ApiContext,
+  req: Request,
+  path: string,
+  target?: { model_id: string; base_model: string; lora: LoraConfig },
+): Promise<CheckpointRecord> {
   const tp = parseTinkerPath(path);
   if (tp.kind !== 'weights') throw invalid(`${path} is not a training checkpoint (weights/<name>); load one saved with save_state`);
-  const c = await ctx.registry.getCheckpoint(path);
-  if (!c) throw new BrokerError('NOT_FOUND', `checkpoint ${path} does not exist (never saved, deleted or expired)`);
+  const c = await requireCheckpoint(ctx, req, path, 'read');
   if (target) {
     if (c.base_model !== target.base_model)
       throw invalid(`checkpoint ${path} is of base model ${c.base_model}; model ${target.model_id} is of ${target.base_model}`);
@@ -134,21 +148,21 @@ async function loadableCheckpoint(ctx: ApiContext, path: string, target?: { mode
  * (its seq 0) and loads the checkpoint into it. Both jobs go onto the agent's queue in order; the
  * load's job is the future.
  */
-async function createViaLoad(ctx: ApiContext, body: z.output<typeof CreateViaLoadBody>): Promise<{ request_id: string; model_id: string }> {
-  if (!(await ctx.registry.sessionExists(body.session_id)))
-    throw new BrokerError('NOT_FOUND', `unknown session '${body.session_id}': call create_session first`);
+async function createViaLoad(ctx: ApiContext, req: Request, body: z.output<typeof CreateViaLoadBody>): Promise<{ request_id: string; model_id: string }> {
+  await requireSession(ctx, req, body.session_id, ': call create_session first');
   if (body.optimizer_config && body.optimizer_config.type !== 'adamw')
     throw invalid(`optimizer '${body.optimizer_config.type}' is not supported; only adamw`);
-  const c = await loadableCheckpoint(ctx, body.path);
+  const c = await loadableCheckpoint(ctx, req, body.path);
   if (body.base_model) {
     const { model } = await ctx.registry.resolveBaseModel(body.base_model);
     if (model.name !== c.base_model) throw invalid(`checkpoint ${body.path} is of base model ${c.base_model}, not ${body.base_model}`);
   }
   const modelId = `${body.session_id}:train:${body.model_seq_id}`;
-  const rec = await placeModel(ctx, { modelId, sessionId: body.session_id, baseModel: c.base_model, lora: c.lora });
+  const rec = await placeModel(ctx, { modelId, sessionId: body.session_id, baseModel: c.base_model, lora: c.lora, tenant: tenantOf(req) });
   const jobId = jobIds.createModel(modelId);
   await ctx.queues.add(rec.train_queue, jobId, { op: 'create_model', model_id: modelId, base_model: rec.base_model, lora: rec.lora });
   const loadId = jobIds.loadOnCreate(modelId);
+  const requestId = await issueFuture(ctx, req, encodeRequestId({ queue: rec.train_queue, jobId: loadId }));
   await ctx.queues.add(rec.train_queue, loadId, {
     op: 'load_weights',
     model_id: modelId,
@@ -157,7 +171,7 @@ async function createViaLoad(ctx: ApiContext, body: z.output<typeof CreateViaLoa
     dir: c.dir,
     optimizer: body.optimizer,
   });
-  return { request_id: encodeRequestId({ queue: rec.train_queue, jobId: loadId }), model_id: modelId };
+  return { request_id: requestId, model_id: modelId };
 }
 
 export function trainingRoutes(ctx: ApiContext): Router {
@@ -168,31 +182,31 @@ export function trainingRoutes(ctx: ApiContext): Router {
     const fb = decodeForwardBackwardRequest(req.body);
     if (!fb.model_id) throw invalid('forward_backward: model_id is required');
     if (fb.seq_id < 1) throw invalid(`forward_backward: seq_id must be ≥ 1, got ${fb.seq_id}`);
-    const model = await ctx.registry.requireModel(fb.model_id);
-    await guardSeq(ctx, fb.model_id, fb.seq_id, async () => {
+    const model = await requireModel(ctx, req, fb.model_id);
+    await guardSeq(ctx, req, fb.model_id, fb.seq_id, async () => {
       validateBatch(fb.loss_fn, fb.data, model.vocab_size);
       if (fb.loss_fn === 'dro' && typeof fb.loss_fn_config.beta !== 'number') throw invalid("loss_fn 'dro' needs loss_fn_config.beta");
     });
-    const requestId = await submitTrainOp(ctx, model, fb.seq_id, { op: 'forward_backward', ...fb });
+    const requestId = await submitTrainOp(ctx, req, model, fb.seq_id, { op: 'forward_backward', ...fb });
     res.json({ request_id: requestId, model_id: fb.model_id });
   });
 
   r.post('/optim_step', async (req, res) => {
-    const body = await guardSeq(ctx, req.body?.model_id, req.body?.seq_id, async () => parseBody(OptimStepBody, req.body, 'optim_step'));
-    const model = await ctx.registry.requireModel(body.model_id);
+    const body = await guardSeq(ctx, req, req.body?.model_id, req.body?.seq_id, async () => parseBody(OptimStepBody, req.body, 'optim_step'));
+    const model = await requireModel(ctx, req, body.model_id);
     const adam = (body.adam_params ?? body.optim_params)!;
-    const requestId = await submitTrainOp(ctx, model, body.seq_id, { op: 'optim_step', model_id: body.model_id, seq_id: body.seq_id, adam });
+    const requestId = await submitTrainOp(ctx, req, model, body.seq_id, { op: 'optim_step', model_id: body.model_id, seq_id: body.seq_id, adam });
     res.json({ request_id: requestId, model_id: body.model_id });
   });
 
   r.post('/save_weights_for_sampler', async (req, res) => {
-    const body = await guardSeq(ctx, req.body?.model_id, req.body?.seq_id, async () =>
+    const body = await guardSeq(ctx, req, req.body?.model_id, req.body?.seq_id, async () =>
       parseBody(SaveWeightsForSamplerBody, req.body, 'save_weights_for_sampler'),
     );
-    const model = await ctx.registry.requireModel(body.model_id);
+    const model = await requireModel(ctx, req, body.model_id);
     const named = (body.path ?? null) !== null;
     const tp = { modelId: model.model_id, kind: 'sampler_weights' as const, name: named ? body.path! : `ephemeral-${body.seq_id}` };
-    const requestId = await submitTrainOp(ctx, model, body.seq_id, {
+    const requestId = await submitTrainOp(ctx, req, model, body.seq_id, {
       op: 'save_weights_for_sampler',
       model_id: model.model_id,
       seq_id: body.seq_id,
@@ -207,15 +221,15 @@ export function trainingRoutes(ctx: ApiContext): Router {
 
   // save_state / save_weights: adapter and optimizer as tinker://<model_id>/weights/<name>.
   r.post('/save_weights', async (req, res) => {
-    const body = await guardSeq(ctx, req.body?.model_id, req.body?.seq_id, async () => parseBody(SaveWeightsBody, req.body, 'save_weights'));
-    const model = await ctx.registry.requireModel(body.model_id);
+    const body = await guardSeq(ctx, req, req.body?.model_id, req.body?.seq_id, async () => parseBody(SaveWeightsBody, req.body, 'save_weights'));
+    const model = await requireModel(ctx, req, body.model_id);
     const tp = { modelId: model.model_id, kind: 'weights' as const, name: body.path };
     const tinkerPath = formatTinkerPath(tp);
-    await guardSeq(ctx, body.model_id, body.seq_id, async () => {
+    await guardSeq(ctx, req, body.model_id, body.seq_id, async () => {
       if (!body.overwrite && (await ctx.registry.getCheckpoint(tinkerPath)))
         throw invalid(`checkpoint ${tinkerPath} already exists; pass overwrite=True to replace it`);
     });
-    const requestId = await submitTrainOp(ctx, model, body.seq_id, {
+    const requestId = await submitTrainOp(ctx, req, model, body.seq_id, {
       op: 'save_weights',
       model_id: model.model_id,
       seq_id: body.seq_id,
@@ -231,13 +245,13 @@ export function trainingRoutes(ctx: ApiContext): Router {
   // load_state / load_state_with_optimizer, and the load behind create_training_client_from_state.
   r.post('/load_weights', async (req, res) => {
     if (req.body && req.body.model_id === undefined && req.body.session_id !== undefined) {
-      res.json(await createViaLoad(ctx, parseBody(CreateViaLoadBody, req.body, 'load_weights')));
+      res.json(await createViaLoad(ctx, req, parseBody(CreateViaLoadBody, req.body, 'load_weights')));
       return;
     }
-    const body = await guardSeq(ctx, req.body?.model_id, req.body?.seq_id, async () => parseBody(LoadWeightsBody, req.body, 'load_weights'));
-    const model = await ctx.registry.requireModel(body.model_id);
-    const ckpt = await guardSeq(ctx, body.model_id, body.seq_id, () => loadableCheckpoint(ctx, body.path, model));
-    const requestId = await submitTrainOp(ctx, model, body.seq_id, {
+    const body = await guardSeq(ctx, req, req.body?.model_id, req.body?.seq_id, async () => parseBody(LoadWeightsBody, req.body, 'load_weights'));
+    const model = await requireModel(ctx, req, body.model_id);
+    const ckpt = await guardSeq(ctx, req, body.model_id, body.seq_id, () => loadableCheckpoint(ctx, req, body.path, model));
+    const requestId = await submitTrainOp(ctx, req, model, body.seq_id, {
       op: 'load_weights',
       model_id: model.model_id,
       seq_id: body.seq_id,
@@ -250,7 +264,7 @@ export function trainingRoutes(ctx: ApiContext): Router {
 
   // save_weights_external: the adapter as plain (or age-encrypted) files, downloadable through signed URLs.
   r.post('/save_weights_external', async (req, res) => {
-    const body = await guardSeq(ctx, req.body?.model_id, req.body?.seq_id, async () => {
+    const body = await guardSeq(ctx, req, req.body?.model_id, req.body?.seq_id, async () => {
       const b = parseBody(SaveWeightsExternalBody, req.body, 'save_weights_external');
       for (const rcp of b.age_encryption_recipients ?? []) {
         try {
@@ -261,13 +275,13 @@ export function trainingRoutes(ctx: ApiContext): Router {
       }
       return b;
     });
-    const model = await ctx.registry.requireModel(body.model_id);
+    const model = await requireModel(ctx, req, body.model_id);
     const tp = { modelId: model.model_id, kind: 'external_weights' as const, name: body.path };
     const tinkerPath = formatTinkerPath(tp);
-    await guardSeq(ctx, body.model_id, body.seq_id, async () => {
+    await guardSeq(ctx, req, body.model_id, body.seq_id, async () => {
       if (await ctx.registry.getCheckpoint(tinkerPath)) throw invalid(`external weights ${tinkerPath} already exist; save under a new name`);
     });
-    const requestId = await submitTrainOp(ctx, model, body.seq_id, {
+    const requestId = await submitTrainOp(ctx, req, model, body.seq_id, {
       op: 'save_weights_external',
       model_id: model.model_id,
       seq_id: body.seq_id,
@@ -282,10 +296,11 @@ export function trainingRoutes(ctx: ApiContext): Router {
   // unload_model carries no seq_id: it runs after whatever the model's queue already holds.
   r.post('/unload_model', async (req, res) => {
     const body = parseBody(ModelIdBody, req.body, 'unload_model');
-    const model = await ctx.registry.requireModel(body.model_id);
+    const model = await requireModel(ctx, req, body.model_id);
     const jobId = jobIds.unload(model.model_id);
+    const requestId = await issueFuture(ctx, req, encodeRequestId({ queue: model.train_queue, jobId }));
     await ctx.queues.add(model.train_queue, jobId, { op: 'unload_model', model_id: model.model_id });
-    res.json({ request_id: encodeRequestId({ queue: model.train_queue, jobId }), model_id: model.model_id });
+    res.json({ request_id: requestId, model_id: model.model_id });
   });
 
   return r;

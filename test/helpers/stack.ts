@@ -11,6 +11,8 @@ import { defaultPython, ensureTinyModel, TINY_MODEL_ALIAS, TINY_MODEL_DIR } from
 
 export const REDIS_URL = process.env.REDIS_URL ?? 'redis://127.0.0.1:6379';
 export const API_KEY = 'tml-test-key';
+/** A second tenant's key, accepted by every test stack. */
+export const API_KEY_B = 'tml-test-key-b';
 
 /** A whole stack in this process, isolated by a fresh key prefix: the API on a free port and, optionally, one agent. */
 export type TestStack = {
@@ -22,14 +24,14 @@ export type TestStack = {
   stop: () => Promise<void>;
 };
 
-export async function startStack(opts: { agent?: boolean; longPollMs?: number } = {}): Promise<TestStack> {
+export async function startStack(opts: { agent?: boolean; longPollMs?: number; redisUrl?: string } = {}): Promise<TestStack> {
   const prefix = `test-${randomUUID().slice(0, 8)}`;
   const storageDir = mkdtempSync(path.join(os.tmpdir(), 'tb-storage-'));
   const env = {
-    REDIS_URL,
+    REDIS_URL: opts.redisUrl ?? REDIS_URL,
     TB_PREFIX: prefix,
     TB_STORAGE_DIR: storageDir,
-    TB_API_KEYS: API_KEY,
+    TB_API_KEYS: `${API_KEY},${API_KEY_B}`,
     TB_LONG_POLL_MS: String(opts.longPollMs ?? 5_000),
     TB_AGENT_ID: `agent-${prefix}`,
     TB_AGENT_MODELS: `${TINY_MODEL_DIR}=${TINY_MODEL_ALIAS}`,
@@ -58,7 +60,7 @@ export async function startStack(opts: { agent?: boolean; longPollMs?: number } 
       await new Promise<void>((resolve) => server.close(() => resolve()));
       await built.close();
       await agent?.stop();
-      await deletePrefix(prefix);
+      if (!opts.redisUrl) await deletePrefix(prefix);
       rmSync(storageDir, { recursive: true, force: true });
     },
   };

@@ -1,0 +1,71 @@
+import type { Request } from 'express';
+import { BrokerError } from '../queues/errors.js';
+import type { CheckpointRecord, ModelRecord, SamplingSessionRecord } from '../queues/registry.js';
+import { tenantOf } from './auth.js';
+import type { ApiContext } from './context.js';
+
+/**
+ * The one tenant guard. Every route that names a session, model, sampling session, checkpoint or
+ * future resolves it here: a resource of another tenant answers exactly as a resource that does
+ * not exist (404, same message), so no tenant can learn what another holds. The only deliberate
+ * exception: a published (`public`) checkpoint can be *read* by any tenant (sampled, loaded,
+ * copied, described, downloaded), never changed.
+ */
+
+const notFound = (m: string) => new BrokerError('NOT_FOUND', m);
+
+function owns(req: Request, owner: string | null | undefined): boolean {
+  // Records older than tenants (owner '') belong to no tenant.
+  return !!owner && owner === tenantOf(req);
+}
+
+export async function requireSession(ctx: ApiContext, req: Request, sessionId: string, hint = ''): Promise<void> {
+  if (!owns(req, await ctx.registry.sessionTenant(sessionId))) throw notFound(`unknown session '${sessionId}'${hint}`);
+}
+
+export async function requireModel(ctx: ApiContext, req: Request, modelId: string): Promise<ModelRecord> {
+  const m = await ctx.registry.getModel(modelId);
+  if (!m || !owns(req, m.tenant)) throw notFound(`unknown model_id '${modelId}': create it with create_model first`);
+  return m;
+}
+
+/** Whether the model exists and belongs to the caller (no error). */
+export async function ownsModel(ctx: ApiContext, req: Request, modelId: string): Promise<boolean> {
+  const m = await ctx.registry.getModel(modelId);
+  return !!m && owns(req, m.tenant);
+}
+
+export async function requireSamplingSession(ctx: ApiContext, req: Request, id: string): Promise<SamplingSessionRecord> {
+  const s = await ctx.registry.getSamplingSession(id);
+  if (!s || !owns(req, s.tenant)) throw notFound(`unknown sampling_session_id '${id}'`);
+  return s;
+}
+
+/**
+ * A checkpoint by tinker path. `read` also admits another tenant's published checkpoint; `write`
+ * (delete, TTL, publish) only the owner's.
+ */
+export async function requireCheckpoint(
+  ctx: ApiContext,
+  req: Request,
+  tinkerPath: string,
+  access: 'read' | 'write',
+  what = 'checkpoint',
+): Promise<CheckpointRecord> {
+  const c = await ctx.registry.getCheckpoint(tinkerPath);
+  if (!c || !(owns(req, c.tenant) || (access === 'read' && c.public)))
+    throw notFound(`${what} ${tinkerPath} does not exist (never saved, deleted or expired)`);
+  return c;
+}
+
+/** A future (request_id) issued to the caller. */
+export async function requireFuture(ctx: ApiContext, req: Request, requestId: string): Promise<void> {
+  if (!owns(req, await ctx.registry.futureOwner(requestId))) throw notFound(`unknown or expired future '${requestId}'`);
+}
+
+/** Records the caller as the owner of a future it is handed; returns the request_id. */
+export async function issueFuture(ctx: ApiContext, req: Request, requestId: string): Promise<string> {
+  // Owner records outlive the job (kept for the retention after it finishes).
+  await ctx.registry.setFutureOwner(requestId, tenantOf(req), ctx.config.retentionS * 2);
+  return requestId;
+}
