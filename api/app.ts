@@ -1,3 +1,5 @@
+import { randomUUID } from 'node:crypto';
+import { readFileSync } from 'node:fs';
 import express, { type Express } from 'express';
 import type { Redis } from 'ioredis';
 import type { ApiConfig } from '../queues/config.js';
@@ -19,10 +21,17 @@ import { samplingRoutes } from './routes/sampling.js';
 import { healthHandler, serviceRoutes } from './routes/service.js';
 import { trainingRoutes, unknownEndpointGuard } from './routes/training.js';
 import { fileDownloadHandler } from './file-urls.js';
+import { ADMIN_PATH, adminRoutes } from './admin.js';
+import { metricsHandler } from './metrics.js';
+import { openApiDocument } from './openapi.js';
+
+const VERSION: string = JSON.parse(readFileSync(new URL('../package.json', import.meta.url), 'utf8')).version;
 
 /**
  * Builds the Express app of the Tinker HTTP API. Every route lives under `/api/v1` and is
- * found in `routes/<resource>.ts`; `close()` releases the Redis connections.
+ * found in `routes/<resource>.ts`; `close()` releases the Redis connections. Beside it:
+ * `/healthz`, `/metrics` (Prometheus, api/metrics.ts), `/admin` (queue dashboard, api/admin.ts)
+ * and `/api/v1/openapi.json` (api/openapi.ts).
  */
 export type BuiltApp = { app: Express; ctx: ApiContext; close: () => Promise<void> };
 
@@ -74,11 +83,34 @@ export function buildApp(config: ApiConfig): BuiltApp {
 
   const app = express();
   app.disable('x-powered-by');
+  // Every request gets an id (the caller's X-Request-Id, or a new one), echoed in the reply and
+  // carried by its log lines with the model and the future (queue/job) it touched.
   app.use((req, res, next) => {
     const start = Date.now();
+    const requestId = /^[\w.:-]{1,128}$/.test(req.header('x-request-id') ?? '') ? req.header('x-request-id')! : randomUUID();
+    res.setHeader('x-request-id', requestId);
+    res.locals.log = logger.child({ requestId });
+    let future: string | undefined;
+    let modelId: string | undefined;
+    const json = res.json.bind(res);
+    res.json = (body: unknown) => {
+      const b = body as { request_id?: unknown; model_id?: unknown } | null;
+      if (b && typeof b.request_id === 'string') future = b.request_id;
+      if (b && typeof b.model_id === 'string') modelId = b.model_id;
+      return json(body);
+    };
     res.on('finish', () => {
-      if (req.path !== '/api/v1/retrieve_future' || res.statusCode >= 400)
-        logger.debug('http', { method: req.method, path: req.path, status: res.statusCode, ms: Date.now() - start });
+      if (req.path === '/api/v1/retrieve_future' && res.statusCode < 400) return;
+      const level = res.statusCode >= 500 ? 'warn' : res.statusCode >= 400 ? 'info' : 'debug';
+      const bodyModel = (req.body as { model_id?: unknown } | undefined)?.model_id;
+      res.locals.log.log(level, 'http', {
+        method: req.method,
+        path: req.path,
+        status: res.statusCode,
+        ms: Date.now() - start,
+        ...((modelId ?? (typeof bodyModel === 'string' ? bodyModel : undefined)) ? { modelId: modelId ?? bodyModel } : {}),
+        ...(future ? { future } : {}),
+      });
     });
     next();
   });
@@ -95,8 +127,15 @@ export function buildApp(config: ApiConfig): BuiltApp {
   v1.use(futureRoutes(ctx));
   v1.use(restRoutes(ctx));
   v1.use(unknownEndpointGuard(ctx));
+  // The OpenAPI document is open, like /healthz: it describes the API, nothing of its state.
+  let openapi: Record<string, unknown> | undefined;
+  app.get('/api/v1/openapi.json', (_req, res) => {
+    res.json((openapi ??= openApiDocument(v1, VERSION)));
+  });
   app.use('/api/v1', v1);
   app.get('/healthz', healthHandler(ctx));
+  app.get('/metrics', metricsHandler(ctx));
+  app.use(ADMIN_PATH, adminRoutes(ctx));
   app.get('/files/:token', fileDownloadHandler(ctx));
   app.use(notFoundHandler);
   app.use(errorHandler);

@@ -16,7 +16,7 @@ export const errorHandler: ErrorRequestHandler = (err, req, res, _next) => {
   else if (typeof err?.status === 'number' && err.status >= 400 && err.status < 500)
     be = new BrokerError('INVALID_REQUEST', String(err.message ?? 'bad request'));
   else {
-    logger.error('unhandled error', { path: req.path, error: String(err?.stack ?? err) });
+    ((res.locals.log as typeof logger | undefined) ?? logger).error('unhandled error', { path: req.path, error: String(err?.stack ?? err) });
     be = new BrokerError('INTERNAL', `internal error: ${String(err?.message ?? err)}`);
   }
   if (be.code === 'OVERLOADED') res.setHeader('Retry-After', '1');

@@ -16,6 +16,10 @@ export type Plan = {
   agents: (AgentConfig & { engine: Engine; device: string; roles: Record<string, ModelRole[]> })[];
   /** Every model of the preset: name → resolved path, role, engine. */
   models: { name: string; path: string; role: ModelRole; engine: Engine; served_by: string[] }[];
+  /** Every agent of the preset, on every node; `here`: started by this command. */
+  layout: { id: string; node: string; device: string; engine: Engine; models: string[]; here: boolean }[];
+  /** Storage directory and how long futures and unnamed sampler weights are kept. */
+  storage: { dir: string; retentionS: number };
 };
 
 export type PlanOptions = {
@@ -63,6 +67,7 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
           longPollMs: env.TB_LONG_POLL_MS ? Number(env.TB_LONG_POLL_MS) : 25_000,
           requiredModels: preset.models.map((m) => m.name),
           maxQueuedSamples: 2000,
+          adminKeys: env.TB_ADMIN_KEYS ? env.TB_ADMIN_KEYS.split(',').map((k) => k.trim()).filter(Boolean) : undefined,
         };
 
   const chosen = preset.agents.filter((a) => (opts.agentIds?.length ? opts.agentIds.includes(a.id) : a.node === node));
@@ -83,6 +88,7 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
             topkMax: m.topk_max,
             dtype: m.dtype,
             tensorParallel: m.parallelism.tensor,
+            ...(m.engine === 'verl' ? { strategy: m.parallelism.strategy, offload: m.offload } : {}),
             roles: [],
           };
           e.aliases.push(m.name);
@@ -128,5 +134,91 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
       engine: m.engine,
       served_by: preset.agents.filter((a) => a.models.includes(m.name)).map((a) => `${a.id}@${a.node}(${a.device})`),
     })),
+    layout: preset.agents.map((a) => ({
+      id: a.id,
+      node: a.node,
+      device: a.device,
+      engine: byName.get(a.models[0]!)!.engine,
+      models: a.models,
+      here: !opts.apiOnly && chosen.includes(a),
+    })),
+    storage: { dir: storageDir, retentionS },
   };
+}
+
+/**
+ * What `start` would refuse in a plan, one plain line each with the fix: verl agents off the GPUs, vLLM agents
+ * asked to train, model directories that do not exist (`generated(path)`: directories start
+ * creates itself, such as the tiny model).
+ */
+export function planProblems(p: Plan, generated: (modelPath: string) => boolean = () => false): string[] {
+  const out: string[] = [];
+  if (p.agents.length === 0 && !p.api) out.push(`nothing to start on node '${p.node}' (no API and no agent placed there); pass --node with a node of the preset`);
+  for (const a of p.agents) {
+    const device = a.engineDevice ?? a.device;
+    if (a.engine === 'verl' && deviceGpus(device).length === 0)
+      out.push(`agent ${a.agentId}: engine 'verl' runs on GPUs; its device is '${device}' (use cuda, cuda:N or cuda:N,M,…)`);
+    if (a.engine === 'vllm') {
+      const trainable = a.models.filter((m) => m.trainable);
+      if (trainable.length)
+        out.push(`agent ${a.agentId}: engine 'vllm' samples only, but model ${trainable.map((m) => m.aliases.join('|') || m.name).join(', ')} has role actor; train it on a torch agent`);
+    }
+    for (const m of a.models)
+      if (!generated(m.path) && !existsSync(path.join(m.path, 'config.json')))
+        out.push(`agent ${a.agentId}: model ${m.aliases.join('|') || m.name} has no model directory at ${m.path} (no config.json); download it there or fix its path in the preset`);
+  }
+  return out;
+}
+
+/** GPUs named by a device string: `cuda` is GPU 0, `cuda:0,1` two GPUs, `cpu` none. */
+export function deviceGpus(device: string): number[] {
+  const m = /^cuda(?::([\d,]+))?$/.exec(device);
+  return m ? (m[1] ?? '0').split(',').map(Number) : [];
+}
+
+function pad(rows: string[][]): string {
+  const widths = rows[0]!.map((_, i) => Math.max(...rows.map((r) => (r[i] ?? '').length)));
+  return rows.map((r) => '  ' + r.map((c, i) => (i === r.length - 1 ? c : c.padEnd(widths[i]!))).join('  ').trimEnd()).join('\n');
+}
+
+/** `start --dry-run`: the plan as tables, API keys left out, then the problems start would refuse. */
+export function formatPlan(p: Plan, problems: string[]): string {
+  const lines: string[] = [];
+  lines.push(`preset   ${p.preset}`);
+  lines.push(`node     ${p.node} (start --node NAME picks another node of the preset)`);
+  lines.push(`redis    ${p.redis.url} prefix '${p.redis.prefix}'${p.redis.embedded ? ' (started here when nothing answers and the URL is local)' : ' (external)'}`);
+  lines.push(
+    p.api
+      ? `api      http://${p.api.host}:${p.api.port}/api/v1 (${p.api.apiKeys.length} API key${p.api.apiKeys.length === 1 ? '' : 's'}, not shown)`
+      : 'api      not on this node',
+  );
+  lines.push(`storage  ${p.storage.dir} (futures and unnamed sampler weights kept ${+(p.storage.retentionS / 3600).toFixed(2)} h)`);
+  lines.push('', 'agents:');
+  const roleOf = new Map(p.models.map((m) => [m.name, m.role]));
+  lines.push(
+    pad([
+      ['AGENT', 'NODE', 'DEVICE', 'GPUS', 'ENGINE', 'STARTS HERE', 'MODELS (ROLE)'],
+      ...p.layout.map((a) => [
+        a.id,
+        a.node,
+        a.device,
+        String(deviceGpus(a.device).length || '-'),
+        a.engine,
+        a.here ? 'yes' : 'no',
+        a.models.map((m) => `${m} (${roleOf.get(m) ?? '?'})`).join(', '),
+      ]),
+    ]),
+  );
+  lines.push('', 'models:');
+  lines.push(
+    pad([
+      ['MODEL', 'ROLE', 'ENGINE', 'DIRECTORY', 'SERVED BY'],
+      ...p.models.map((m) => [m.name, m.role, m.engine, `${m.path}${existsSync(path.join(m.path, 'config.json')) ? '' : ' (missing)'}`, m.served_by.join(', ')]),
+    ]),
+  );
+  const nodes = [...new Set(p.layout.map((a) => a.node))];
+  if (nodes.length > 1) lines.push('', `nodes: ${nodes.join(', ')}; run 'tinker-broker start --preset ${p.preset} --node NAME' on each (the API runs on '${p.api ? p.node : 'its node'}')`);
+  if (problems.length) lines.push('', 'start would refuse this plan:', ...problems.map((x) => `  ! ${x}`));
+  else lines.push('', 'start would accept this plan.');
+  return lines.join('\n');
 }

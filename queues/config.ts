@@ -35,6 +35,8 @@ const ApiEnv = CommonEnv.extend({
   TB_LONG_POLL_MS: z.coerce.number().int().positive().default(25_000),
   /** Base models that must be served before `/healthz` reports `ready`; empty: any agent. */
   TB_REQUIRED_MODELS: csv.default([]),
+  /** Keys that open the /admin queue dashboard (it shows every tenant's jobs). @defaultValue the API key when exactly one is configured, else none */
+  TB_ADMIN_KEYS: csv.optional(),
   /** Most waiting sample jobs per base model before `asample` answers 429. @defaultValue 2000 */
   TB_MAX_QUEUED_SAMPLES: z.coerce.number().int().positive().default(2000),
 });
@@ -78,6 +80,8 @@ export type ApiConfig = {
   longPollMs: number;
   requiredModels: string[];
   maxQueuedSamples: number;
+  /** Keys of the /admin dashboard; unset: the API key when there is exactly one. */
+  adminKeys?: string[] | undefined;
 };
 
 export type BaseModelSpec = {
@@ -96,11 +100,15 @@ export type BaseModelSpec = {
   dtype?: string | undefined;
   /** GPUs the engine splits the model over (the preset's `parallelism.tensor`; vLLM `--tensor-parallel-size`). @defaultValue 1 */
   tensorParallel?: number | undefined;
+  /** verl engine: the preset's `parallelism.strategy` (fsdp2 when unset). */
+  strategy?: string | undefined;
+  /** verl engine: the preset's `offload` (parameters and optimizer state in CPU memory between steps). */
+  offload?: boolean | undefined;
 };
 
 export const MODEL_DEFAULTS = { trainable: true, loraMaxRank: 64, topkMax: 20 } as const;
 
-/** The engine an agent drives: `torch` (workers/adapters/torch.ts), `vllm` (workers/adapters/vllm.ts, sampling only); `verl` is not available yet. */
+/** The engine an agent drives: `torch` (workers/adapters/torch.ts), `vllm` (workers/adapters/vllm.ts, sampling only), `verl` (workers/adapters/verl.ts, training only, GPUs). */
 export type EngineKind = 'torch' | 'vllm' | 'verl';
 
 export type AgentConfig = {
@@ -175,6 +183,7 @@ export function loadApiConfig(env: NodeJS.ProcessEnv = process.env): ApiConfig {
     longPollMs: e.TB_LONG_POLL_MS,
     requiredModels: e.TB_REQUIRED_MODELS,
     maxQueuedSamples: e.TB_MAX_QUEUED_SAMPLES,
+    adminKeys: e.TB_ADMIN_KEYS?.length ? e.TB_ADMIN_KEYS : undefined,
   };
 }
 

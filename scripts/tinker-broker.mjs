@@ -1,12 +1,8 @@
 #!/usr/bin/env node
-// `npx tinker-broker …`: runs the TypeScript command line (scripts/tinker-broker.ts) through tsx.
-import { spawnSync } from 'node:child_process';
-import path from 'node:path';
-import { fileURLToPath } from 'node:url';
+// `npx tinker-broker …`: runs the TypeScript command line (scripts/tinker-broker.ts) in this
+// process through tsx's loader, so signals (SIGTERM, Ctrl-C) reach its shutdown handler directly.
+import { register } from 'tsx/esm/api';
 
-const root = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..');
-const r = spawnSync(process.execPath, ['--import', 'tsx', path.join(root, 'scripts/tinker-broker.ts'), ...process.argv.slice(2)], {
-  stdio: 'inherit',
-  cwd: process.cwd(),
-});
-process.exit(r.status ?? 1);
+register();
+const { cli } = await import('./tinker-broker.ts');
+cli(process.argv.slice(2));

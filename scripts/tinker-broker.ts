@@ -1,148 +1,250 @@
 import type { ChildProcess } from 'node:child_process';
-import { existsSync } from 'node:fs';
-import path from 'node:path';
-import { parseArgs } from 'node:util';
+import { pathToFileURL } from 'node:url';
 import { assertSafeKeys, startApi, StartRefused } from '../api/main.js';
 import { parseModelSpec } from '../queues/config.js';
 import { logger } from '../queues/logger.js';
 import { loadPreset, PresetError } from '../presets/schema.js';
-import { planPreset, type Plan } from '../presets/plan.js';
+import { formatPlan, planPreset, planProblems, type Plan } from '../presets/plan.js';
 import { Agent } from '../workers/agent.js';
-import { defaultPython, ensureRedis, ensureTinyModel, TINY_MODEL_DIR } from './stack.js';
+import { commandUsage, parseCommand, programUsage, UsageError, type Command, type CommandTable, type OptionSpec, type Parsed } from './cli.js';
+import { inspectCommands } from './inspect.js';
+import { assertPortFree, defaultPython, ensureRedis, ensureTinyModel, stopChild, TINY_MODEL_DIR } from './stack.js';
 
 /**
- * The command line: `tinker-broker start [--preset FILE] [--node NAME] [--agent ID]… [--api-only]
- * [--agents-only] [--dry-run]` and `tinker-broker validate FILE…`. With no preset, the embedded
- * default presets/cpu/tiny.yaml. Environment variables (REDIS_URL, TB_PREFIX, TB_HOST, TB_PORT,
- * TB_API_KEYS, TB_STORAGE_DIR, TB_LONG_POLL_MS, TB_AGENT_ID, TB_AGENT_MODELS, TB_VLLM_URL) override the preset.
+ * The command line, `tinker-broker <command>`: one entry per command in COMMANDS below (options,
+ * help text, defaults and overriding environment variables are declared there; `--help` is
+ * derived from them). Operator mistakes print one line and exit with code 2; other failures
+ * exit with 1.
  */
 export const DEFAULT_PRESET = 'presets/cpu/tiny.yaml';
+const PROG = 'tinker-broker';
 
-const USAGE = `usage:
-  tinker-broker start [--preset FILE] [--node NAME] [--agent ID]... [--api-only | --agents-only] [--dry-run]
-  tinker-broker validate FILE...
-  tinker-broker drain [--agent ID]... [--timeout-s N]`;
+/** `--preset`, shared by the commands that read a preset. */
+export const presetOption: OptionSpec = { type: 'string', arg: 'FILE', default: DEFAULT_PRESET, help: 'launch preset (YAML, see presets/README.md)' };
 
-function plan(argv: string[]): Plan {
-  const { values } = parseArgs({
-    args: argv,
-    options: {
-      preset: { type: 'string', default: DEFAULT_PRESET },
-      node: { type: 'string' },
-      agent: { type: 'string', multiple: true },
-      'api-only': { type: 'boolean', default: false },
-      'agents-only': { type: 'boolean', default: false },
-      'dry-run': { type: 'boolean', default: false },
-    },
-  });
-  const { preset, dir } = loadPreset(values.preset!);
-  const p = planPreset(preset, dir, values.preset!, {
-    node: values.node,
-    agentIds: values.agent,
-    apiOnly: values['api-only'],
-    agentsOnly: values['agents-only'],
-    python: process.env.TB_PYTHON ?? defaultPython(),
-    env: process.env,
-  });
-  // A one-agent plan may have its models replaced from the environment (tests, quick experiments).
-  if (process.env.TB_AGENT_MODELS && p.agents.length === 1) {
-    const samplingOnly = p.agents[0]!.engine === 'vllm';
-    const specs = process.env.TB_AGENT_MODELS.split(',').map((s) => ({ ...parseModelSpec(s.trim()), ...(samplingOnly ? { trainable: false } : {}) }));
-    p.agents[0]!.models = specs;
-    if (p.api) p.api.requiredModels = specs.map((m) => m.aliases[0] ?? m.name);
+const START_DETAILS = `
+Environment variables override the preset:
+  REDIS_URL          redis.url            TB_PREFIX         redis.prefix
+  TB_HOST            api.host             TB_PORT           api.port
+  TB_API_KEYS        api.keys (comma separated)
+  TB_ADMIN_KEYS      keys of the /admin dashboard (default: the API key, when there is exactly one)
+  TB_STORAGE_DIR     storage.dir          TB_LONG_POLL_MS   longest retrieve_future wait (default 25000)
+  TB_REDIS_DIR       data directory of a Redis started here (default var/redis)
+  TB_PYTHON          engine interpreter (default .venv/bin/python, else python3)
+  TB_LOG_LEVEL       error|warn|info|debug (default info)
+  TB_LOG_FORMAT      json|text (default text; json when NODE_ENV=production)
+For a start with exactly one agent: TB_AGENT_ID, TB_AGENT_MODELS (path[=alias],...),
+TB_ENGINE_DEVICE, TB_VLLM_URL.
+
+SIGTERM or SIGINT (Ctrl-C) stops the API, drains the agents (the ops in flight finish, every
+model is saved and reloaded by their next start; no time limit but the operator's stop grace),
+then stops their engines and a Redis started here; a second signal stops at once.
+
+examples:
+  tinker-broker start                                   # tiny CPU model on 127.0.0.1:8000
+  tinker-broker start --preset presets/quick_start/actor.yaml --dry-run
+  tinker-broker start --preset my.yaml --node gpu-node-2 # the agents of one node`;
+
+function plan(p: Parsed): Plan {
+  const file = p.values.preset as string;
+  const { preset, dir } = loadPreset(file);
+  let pl: Plan;
+  try {
+    pl = planPreset(preset, dir, file, {
+      node: p.values.node as string | undefined,
+      agentIds: p.values.agent as string[] | undefined,
+      apiOnly: p.values['api-only'] === true,
+      agentsOnly: p.values['agents-only'] === true,
+      python: process.env.TB_PYTHON ?? defaultPython(),
+      env: process.env,
+    });
+  } catch (e) {
+    throw new UsageError((e as Error).message);
   }
-  return p;
+  if (pl.api && (!Number.isInteger(pl.api.port) || pl.api.port < 0 || pl.api.port > 65535))
+    throw new UsageError(`TB_PORT must be a port number (0-65535), got '${process.env.TB_PORT}'`);
+  // A one-agent plan may have its models replaced from the environment (tests, quick experiments).
+  if (process.env.TB_AGENT_MODELS && pl.agents.length === 1) {
+    const samplingOnly = pl.agents[0]!.engine === 'vllm';
+    const specs = process.env.TB_AGENT_MODELS.split(',').map((s) => ({ ...parseModelSpec(s.trim()), ...(samplingOnly ? { trainable: false } : {}) }));
+    pl.agents[0]!.models = specs;
+    if (pl.api) pl.api.requiredModels = specs.map((m) => m.aliases[0] ?? m.name);
+  }
+  return pl;
 }
 
-async function start(argv: string[]): Promise<void> {
-  const dryRun = argv.includes('--dry-run');
-  const p = plan(argv);
-  if (dryRun) {
-    process.stdout.write(`${JSON.stringify(p, null, 2)}\n`);
+/** Model directories that start generates itself (the tiny test models). */
+const generated = (p: string) => p === TINY_MODEL_DIR || p.startsWith(`${TINY_MODEL_DIR}-`);
+
+/** Set once a stop signal arrived: a failure of a half-started piece is then part of stopping. */
+let stopping = false;
+
+async function start(p: Parsed): Promise<void> {
+  const pl = plan(p);
+  const problems = planProblems(pl, generated);
+  if (pl.api)
+    try {
+      assertSafeKeys(pl.api, process.env);
+    } catch (e) {
+      problems.push((e as Error).message);
+    }
+  if (p.values['dry-run']) {
+    if (p.values.json) {
+      const { api, ...rest } = pl;
+      process.stdout.write(`${JSON.stringify({ ...rest, api: api && { ...api, apiKeys: `(${api.apiKeys.length} hidden)` }, problems }, null, 2)}\n`);
+    } else process.stdout.write(`${formatPlan(pl, problems)}\n`);
     return;
   }
-  if (p.agents.length === 0 && !p.api) throw new Error(`nothing to start on node '${p.node}' (no API and no agent placed there)`);
-  for (const a of p.agents) {
-    if (a.engine === 'verl')
-      throw new Error(`agent ${a.agentId}: engine 'verl' is not available in this version; use engine: torch (see README, Engines)`);
-    if (a.engine === 'vllm') {
-      const trainable = a.models.filter((m) => m.trainable);
-      if (trainable.length)
-        throw new Error(`agent ${a.agentId}: engine 'vllm' samples only; model ${trainable.map((m) => m.aliases.join('|') || m.name).join(', ')} has role actor (train it on a torch agent)`);
-    }
-    for (const m of a.models) {
-      if (m.path === TINY_MODEL_DIR || m.path.startsWith(`${TINY_MODEL_DIR}-`)) ensureTinyModel(a.python, m.path, m.path === TINY_MODEL_DIR ? 0 : 1);
-      else if (!existsSync(path.join(m.path, 'config.json')))
-        throw new Error(`agent ${a.agentId}: model ${m.aliases.join('|') || m.name} has no model directory at ${m.path}`);
-    }
-  }
-  if (p.api) assertSafeKeys(p.api, process.env);
-  let redis: ChildProcess | null = null;
-  if (p.redis.embedded && (p.api || p.agents.length)) redis = await ensureRedis(p.redis.url);
+  if (problems.length) throw new UsageError(problems.join('\n'));
+  if (pl.api) await assertPortFree(pl.api.host, pl.api.port);
 
-  const agents = p.agents.map((a) => new Agent(a));
-  const api = p.api ? await startApi({ config: p.api }) : null;
-  let stopping = false;
+  // Everything started so far, stopped in reverse on a signal or when starting fails.
+  let redis: ChildProcess | null = null;
+  let api: Awaited<ReturnType<typeof startApi>> | null = null;
+  const agents: Agent[] = [];
+  const cleanup = async (drain = false) => {
+    await api?.stop().catch((e) => logger.warn('api stop failed', { error: String(e) }));
+    await Promise.all(agents.map((a) => (drain ? a.drain() : a.stop()).catch((e) => logger.warn('agent stop failed', { agentId: a.config.agentId, error: String(e) }))));
+    if (redis) await stopChild(redis, 10_000);
+  };
+  let signals = 0;
   const shutdown = async (sig: string) => {
-    if (stopping) return;
+    signals += 1;
+    if (signals > 1) {
+      logger.warn('second signal: stopping at once', { signal: sig });
+      redis?.kill('SIGKILL');
+      process.exit(1);
+    }
     stopping = true;
     logger.info('stopping', { signal: sig });
-    // No forced exit here: agents drain (finish the op in flight, save every model) within the
-    // operator's stop grace (compose stop_grace_period); a second signal exits at once.
-    process.once('SIGTERM', () => process.exit(1));
-    process.once('SIGINT', () => process.exit(1));
-    await api?.stop().catch(() => undefined);
-    await Promise.all(agents.map((a) => a.drain().catch(() => undefined)));
-    redis?.kill('SIGTERM');
+    // No forced exit: agents drain within the operator's stop grace (docs/reliability.md).
+    await cleanup(true);
+    logger.info('stopped');
     process.exit(process.exitCode ?? 0);
   };
   process.on('SIGTERM', () => void shutdown('SIGTERM'));
   process.on('SIGINT', () => void shutdown('SIGINT'));
-  await Promise.all(agents.map((a) => a.start()));
-  // Agents drained through Redis (`tinker-broker drain`) end this process once all of them stopped.
-  if (agents.length) void Promise.all(agents.map((a) => a.stopped)).then(() => void shutdown('agents drained'));
+  process.on('SIGHUP', () => void shutdown('SIGHUP'));
+
+  try {
+    for (const a of pl.agents) for (const m of a.models) if (generated(m.path)) ensureTinyModel(a.python, m.path, m.path === TINY_MODEL_DIR ? 0 : 1);
+    if (pl.redis.embedded && (pl.api || pl.agents.length)) redis = await ensureRedis(pl.redis.url, process.env.TB_REDIS_DIR ?? 'var/redis');
+    if (stopping) return;
+    for (const a of pl.agents) agents.push(new Agent(a));
+    api = pl.api ? await startApi({ config: pl.api }) : null;
+    await Promise.all(agents.map((a) => a.start()));
+    // Agents drained through Redis (`tinker-broker drain`) end this process once all of them stopped.
+    if (agents.length) void Promise.all(agents.map((a) => a.stopped)).then(() => void shutdown('agents drained'));
+  } catch (e) {
+    if (stopping) return; // a piece failed because a signal stopped it; shutdown() ends the process
+    stopping = true;
+    await cleanup();
+    throw e;
+  }
+  if (stopping) return;
   logger.info('tinker-broker ready', {
-    preset: p.preset,
-    node: p.node,
-    ...(api ? { base_url: `http://${p.api!.host}:${api.port}` } : {}),
-    agents: p.agents.map((a) => a.agentId),
+    preset: pl.preset,
+    node: pl.node,
+    ...(api ? { base_url: `http://${pl.api!.host}:${api.port}` } : {}),
+    agents: pl.agents.map((a) => a.agentId),
   });
 }
 
 /**
- * `tinker-broker drain [--agent ID]… [--timeout-s N]`: asks running agents (all live ones on
- * REDIS_URL/TB_PREFIX when no --agent) to drain (docs/reliability.md) and waits until each has stopped;
- * prints one JSON line per agent. Exit status 1 when an agent is not live or did not stop in time.
+ * `tinker-broker drain`: asks running agents (all live ones on REDIS_URL/TB_PREFIX without --agent)
+ * to drain (docs/reliability.md) and waits until each has stopped; one JSON line per agent; exit
+ * status 1 when an agent is not live or did not stop in time.
  */
-async function drainCommand(argv: string[]): Promise<void> {
-  const { values } = parseArgs({ args: argv, options: { agent: { type: 'string', multiple: true }, 'timeout-s': { type: 'string', default: '900' } } });
-  const timeoutS = Number(values['timeout-s']);
-  if (!Number.isFinite(timeoutS) || timeoutS <= 0) throw new PresetError(`--timeout-s must be a positive number\n${USAGE}`);
+async function drainCommand(p: Parsed): Promise<void> {
+  const timeoutS = Number(p.values['timeout-s']);
+  if (!Number.isFinite(timeoutS) || timeoutS <= 0) throw new UsageError(`--timeout-s must be a positive number, got '${p.values['timeout-s']}'`);
   const { drainAgents } = await import('../workers/drain.js');
-  const results = await drainAgents(process.env, values.agent ?? [], timeoutS);
+  const results = await drainAgents(process.env, (p.values.agent as string[] | undefined) ?? [], timeoutS);
   for (const r of results) process.stdout.write(`${JSON.stringify(r)}\n`);
   if (results.length === 0) process.stderr.write('no live agent to drain\n');
   if (results.length === 0 || results.some((r) => r.status !== 'drained')) process.exitCode = 1;
 }
 
-async function main(): Promise<void> {
-  const [cmd, ...rest] = process.argv.slice(2);
-  if (cmd === 'start') return start(rest);
-  if (cmd === 'drain') return drainCommand(rest);
-  if (cmd === 'validate') {
-    if (rest.length === 0) throw new PresetError(USAGE);
-    for (const f of rest) {
-      loadPreset(f);
-      process.stdout.write(`${f}: ok\n`);
-    }
-    return;
+const drainCommandSpec: Command = {
+  summary: 'drain running agents: finish their ops in flight, save every model for their next start, stop',
+  options: {
+    agent: { type: 'string', arg: 'ID', multiple: true, help: 'drain this agent (default: every live agent of REDIS_URL / TB_PREFIX)' },
+    'timeout-s': { type: 'string', arg: 'N', default: '900', help: 'give up waiting after N seconds' },
+  },
+  details: `
+Prints one JSON line per agent: {"agent_id", "status": "drained"|"not_live"|"timeout", "models_saved", "seconds"}.
+The agents' processes exit 0; their next start (same agent id) reloads the saved models.`,
+  run: drainCommand,
+};
+
+async function validate(p: Parsed): Promise<void> {
+  for (const f of p.positionals) {
+    loadPreset(f);
+    process.stdout.write(`${f}: ok\n`);
   }
-  throw new PresetError(USAGE);
 }
 
-main().catch((err) => {
-  const plain = err instanceof PresetError || err instanceof StartRefused;
-  if (plain) process.stderr.write(`${err.message}\n`);
-  else logger.error('tinker-broker failed', { error: String(err?.stack ?? err) });
-  process.exit(plain ? 2 : 1);
-});
+/** The commands. To add one, add an entry (see scripts/cli.ts, Command). */
+export const COMMANDS: CommandTable = {
+  start: {
+    summary: 'start the API, the worker agents and Redis of a preset on this node',
+    options: {
+      preset: presetOption,
+      node: { type: 'string', arg: 'NAME', help: "start the API and agents placed on this node of the preset (default: the API's node)" },
+      agent: { type: 'string', arg: 'ID', multiple: true, help: 'start only this agent of the preset (any node), e.g. one per GPU container' },
+      'api-only': { type: 'boolean', help: 'start the API only, no agent' },
+      'agents-only': { type: 'boolean', help: 'start the agents only, no API' },
+      'dry-run': { type: 'boolean', help: 'print what would start (agents, GPUs, models, engines, roles) and what start would refuse; start nothing' },
+      json: { type: 'boolean', help: 'with --dry-run: the plan as JSON (API keys hidden)' },
+    },
+    details: START_DETAILS,
+    run: start,
+  },
+  validate: {
+    summary: 'check preset files against the schema',
+    args: 'FILE...',
+    minArgs: 1,
+    maxArgs: Infinity,
+    options: {},
+    run: validate,
+  },
+  ...inspectCommands,
+  drain: drainCommandSpec,
+};
+
+const INTRO = `A Tinker-compatible training and sampling server: the API, BullMQ queues in Redis, and worker
+agents beside PyTorch (or vLLM) engines. 'start' runs a preset; the other commands read the
+state of a running deployment from its Redis.`;
+
+export async function main(argv: string[], table: CommandTable = COMMANDS): Promise<void> {
+  const [name, ...rest] = argv;
+  if (name === undefined || name === '--help' || name === '-h' || name === 'help') {
+    const sub = name === 'help' ? rest[0] : undefined;
+    if (sub && table[sub]) process.stdout.write(`${commandUsage(PROG, sub, table[sub])}\n`);
+    else process.stdout.write(`${programUsage(PROG, INTRO, table)}\n`);
+    if (name === undefined) process.exitCode = 2;
+    return;
+  }
+  const cmd: Command | undefined = table[name];
+  if (!cmd) throw new UsageError(`unknown command '${name}'; commands: ${Object.keys(table).join(', ')} (see '${PROG} --help')`);
+  const parsed = parseCommand(PROG, name, cmd, rest);
+  if (parsed === 'help') {
+    process.stdout.write(`${commandUsage(PROG, name, cmd)}\n`);
+    return;
+  }
+  await cmd.run(parsed);
+}
+
+/** Runs the command line and exits with its code: 2 for an operator mistake, 1 for a failure. */
+export function cli(argv: string[]): void {
+  main(argv).catch((err) => {
+    if (err instanceof UsageError || err instanceof PresetError || err instanceof StartRefused) {
+      process.stderr.write(`${err.message}\n`);
+      process.exit(2);
+    }
+    logger.error('tinker-broker failed', { error: String(err?.stack ?? err) });
+    process.exit(1);
+  });
+}
+
+if (process.argv[1] && import.meta.url === pathToFileURL(process.argv[1]).href) cli(process.argv.slice(2));

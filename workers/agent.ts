@@ -10,6 +10,7 @@ import { DEFAULT_OP_TIMEOUTS_S, type AgentConfig } from '../queues/config.js';
 import { encodeJobFailure, isBrokerError, outcomeUnknownMessage, type ErrorCategory } from '../queues/errors.js';
 import { heartbeatMs, Liveness } from '../queues/liveness.js';
 import { logger as rootLogger, type Logger } from '../queues/logger.js';
+import { publishAgentStats, recordJob, recordTokens, removeAgentStats, type JobStatus } from '../queues/metrics.js';
 import { Names } from '../queues/names.js';
 import { Outcomes, type Outcome } from '../queues/outcomes.js';
 import { connect } from '../queues/redis.js';
@@ -17,9 +18,11 @@ import { Registry, type AgentRecord, type CheckpointRecord, type ModelRecord, ty
 import { SampleJob, TrainJob, type AnyJob, type SaveExternalJob, type SaveSamplerJob, type SaveStateJob } from '../queues/schemas.js';
 import type { EngineAdapter } from './adapters/adapter.js';
 import { TorchAdapter } from './adapters/torch.js';
+import { VerlAdapter } from './adapters/verl.js';
 import { VllmAdapter } from './adapters/vllm.js';
 import { encryptFileInPlace } from '../queues/age.js';
 import { EngineError } from './engine.js';
+import { engineMemory } from './stats.js';
 
 /**
  * A worker agent: registers in Redis, supervises its engine, and consumes
@@ -77,12 +80,13 @@ export class Agent {
     this.adapter = adapter ?? Agent.adapterFor(config, this.log);
   }
 
-  /** The engine adapter of the agent's models: torch (trains and samples) or vLLM (samples only). */
+  /** The engine adapter of the agent's models: torch (trains and samples), vLLM (samples only) or verl (trains only). */
   static adapterFor(config: AgentConfig, log: Logger): EngineAdapter {
     const engine = config.engine ?? 'torch';
     if (engine === 'torch') return new TorchAdapter({ python: config.python, device: config.engineDevice, log });
     if (engine === 'vllm') return new VllmAdapter({ device: config.engineDevice, urls: config.vllmUrls, log });
-    throw new Error(`agent ${config.agentId}: engine '${engine}' is not available in this version (torch and vllm are)`);
+    if (engine === 'verl') return new VerlAdapter({ python: config.python, device: config.engineDevice, log, models: config.models });
+    throw new Error(`agent ${config.agentId}: engine '${String(engine)}' is not available in this version (torch, vllm and verl are)`);
   }
 
   get trainQueue(): string {
@@ -114,7 +118,10 @@ export class Agent {
     // The id first: a second process with this id stops here, before it touches the first one's models or jobs.
     await this.liveness.claimId(this.record, this.incarnation);
     this.registered = true;
-    this.heartbeat = setInterval(() => void this.beat(), heartbeatMs(this.timeoutS));
+    this.heartbeat = setInterval(() => {
+      void this.beat();
+      void this.publishStats();
+    }, heartbeatMs(this.timeoutS));
     // Redis came back (restarted, failed over): say so at once, re-registering if it lost the record.
     this.redis.on('ready', () => void this.beat());
     this.adapter.onExit((reason) => this.onEngineExit(reason));
@@ -128,7 +135,8 @@ export class Agent {
     this.workers.push(
       // No stalled check on the training queue: outcomes are recorded apart, the reaper handles dead agents.
       new Worker<AnyJob>(this.trainQueue, (job) => this.runTrain(job), { ...common, concurrency: 1, skipStalledCheck: true }),
-      ...this.served.map(
+      // An engine that only trains (verl) takes no sample jobs: they wait for agents that sample.
+      ...(this.adapter.samples === false ? [] : this.served).map(
         (m) =>
           new Worker<AnyJob>(this.names.sampleQueue(m.name), (job) => this.runSample(job), {
             ...common,
@@ -143,6 +151,7 @@ export class Agent {
     }
     this.record = { ...this.record, models: this.served, device: this.adapter.device };
     if ((await this.beat()) !== 'ok') throw new Error(`agent ${this.config.agentId} lost its registration while starting`);
+    await this.publishStats();
     this.log.info('agent ready', { trainQueue: this.trainQueue, models: this.served.map((m) => m.name), device: this.adapter.device });
   }
 
@@ -172,6 +181,44 @@ export class Agent {
     await this.redis.del(key);
     this.log.info('models reloaded after a drain', { models: [...restored] });
     return restored;
+  }
+
+  /** Engine memory for /metrics and `tinker-broker agents`; a failure to read it is not an error of the agent. */
+  private async publishStats(): Promise<void> {
+    if (!this.registered || this.stopping) return;
+    try {
+      const mem = await engineMemory(this.adapter.enginePids?.() ?? [], this.adapter.device.startsWith('cuda'));
+      await publishAgentStats(this.redis, this.names, {
+        agent_id: this.config.agentId,
+        engine: this.adapter.kind,
+        device: this.adapter.device,
+        engine_rss_bytes: mem.rss,
+        gpu_memory_bytes: mem.gpu,
+        updated_at: new Date().toISOString(),
+      });
+    } catch (e) {
+      this.log.debug('engine stats not published', { error: String(e) });
+    }
+  }
+
+  /** Counts one finished job in the metrics (and its tokens when it succeeded). */
+  private meter(job: Job<AnyJob>, start: number, status: JobStatus, result?: unknown): void {
+    if (status === 'ok') void this.countTokens(job, result);
+    recordJob(this.redis, this.names, { op: job.name, status, enqueuedAt: job.timestamp, startedAt: job.processedOn ?? start, finishedAt: Date.now() }).catch((e) =>
+      this.log.debug('metrics not recorded', { error: String(e) }),
+    );
+  }
+
+  /** Sampled tokens (generated sequences) and trained tokens (forward_backward inputs, not forward-only). */
+  private async countTokens(job: Job<AnyJob>, result: unknown): Promise<void> {
+    try {
+      const d = job.data;
+      if (d.op === 'forward_backward' && !d.forward_only) await recordTokens(this.redis, this.names, 'trained', d.data.reduce((s, x) => s + x.tokens.length, 0));
+      const seqs = (result as { sequences?: { tokens: unknown[] }[] } | null)?.sequences;
+      if (d.op === 'sample' && Array.isArray(seqs)) await recordTokens(this.redis, this.names, 'sampled', seqs.reduce((s, x) => s + x.tokens.length, 0));
+    } catch (e) {
+      this.log.debug('token counts not recorded', { error: String(e) });
+    }
   }
 
   private async startEngine(): Promise<void> {
@@ -260,6 +307,7 @@ export class Agent {
     const token = `${this.incarnation}/${jobId}`;
     const prev = await this.outcomes.claim(jobId, op, this.config.agentId, token);
     if (prev) return this.standing(jobId, op, prev);
+    const start = Date.now();
     let epoch = -1;
     let result: unknown;
     try {
@@ -271,9 +319,11 @@ export class Agent {
       if (err instanceof OpTimeout || (epoch >= 0 && epoch !== this.engineEpoch))
         f = { category: 'unknown', code: 'OUTCOME_UNKNOWN', message: outcomeUnknownMessage(op, err instanceof OpTimeout ? err.message : `the engine process died while running it: ${f.message}`) };
       const stood = await this.outcomes.finish(jobId, token, { state: 'failed', op, agent_id: this.config.agentId, ...f });
+      this.meter(job, start, f.category === 'user' ? 'user_error' : 'server_error');
       return this.standing(jobId, op, stood);
     }
     const stood = await this.outcomes.finish(jobId, token, { state: 'done', op, agent_id: this.config.agentId, result });
+    this.meter(job, start, stood.state === 'done' ? 'ok' : 'server_error', result);
     return this.standing(jobId, op, stood);
   }
 
@@ -444,11 +494,15 @@ export class Agent {
 
   /** A sample has no effect on any model: a failure (a timeout included) is a plain server error the client may retry. */
   private async runSample(job: Job<AnyJob>): Promise<unknown> {
+    const start = Date.now();
     try {
       await this.ensureEngine();
-      return await this.timed('sample', this.adapter.sample(SampleJob.parse(job.data)));
+      const r = await this.timed('sample', this.adapter.sample(SampleJob.parse(job.data)));
+      this.meter(job, start, 'ok', r);
+      return r;
     } catch (err) {
       const f = this.failure(job, err);
+      this.meter(job, start, f.category === 'user' ? 'user_error' : 'server_error');
       throw new UnrecoverableError(encodeJobFailure(f.category, f.message));
     }
   }
@@ -503,6 +557,7 @@ export class Agent {
     clearInterval(this.heartbeat);
     await Promise.all(this.workers.map((w) => w.close()));
     await this.liveness?.release(this.config.agentId, this.incarnation).catch(() => undefined);
+    if (this.redis) await removeAgentStats(this.redis, this.names, this.config.agentId).catch(() => undefined);
     await this.adapter.stop().catch(() => undefined);
     await this.redis?.quit().catch(() => undefined);
     this.log.info('agent stopped');

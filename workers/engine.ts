@@ -30,6 +30,8 @@ export type EngineOptions = {
   log: Logger;
   /** Extra environment for the engine process. */
   env?: NodeJS.ProcessEnv;
+  /** Arguments after the interpreter. @defaultValue `['-m', 'tinker_engine']` (the torch engine) */
+  args?: string[];
 };
 
 const PYTHON_DIR = path.join(path.dirname(fileURLToPath(import.meta.url)), 'python');
@@ -59,7 +61,7 @@ export class EngineProcess extends EventEmitter<EngineEvents> {
       TRANSFORMERS_OFFLINE: '1',
     };
     if (this.opts.device) env.TB_ENGINE_DEVICE = this.opts.device;
-    const child = spawn(this.opts.python, ['-m', 'tinker_engine'], { env, stdio: ['pipe', 'pipe', 'pipe'] });
+    const child = spawn(this.opts.python, this.opts.args ?? ['-m', 'tinker_engine'], { env, stdio: ['pipe', 'pipe', 'pipe'] });
     this.child = child;
     child.stdout.on('data', (chunk: Buffer) => this.onData(chunk));
     let errTail = '';

@@ -17,6 +17,8 @@ import type { BaseModelSpec } from '../../queues/config.js';
 export interface EngineAdapter {
   readonly kind: string;
   readonly device: string;
+  /** Whether the engine serves sample jobs. @defaultValue true (verl trains only) */
+  readonly samples?: boolean;
   start(): Promise<void>;
   stop(): Promise<void>;
   loadBase(spec: BaseModelSpec): Promise<ServedModel>;
@@ -33,6 +35,8 @@ export interface EngineAdapter {
   sample(job: SampleJob): Promise<SampleResult>;
   /** Kills a hung engine at once (SIGKILL); its exit is then reported through `onExit`. */
   kill?(): void;
+  /** Process ids of the engine (for its memory in /metrics and `tinker-broker agents`); descendants are found from them. */
+  enginePids?(): number[];
   /** Called when the engine died: every model it held is gone. */
   onExit(listener: (reason: string) => void): void;
 }

@@ -27,18 +27,33 @@ function parseResult<S extends z.ZodType>(schema: S, r: unknown, op: string): z.
  * The torch engine (transformers + PEFT; CPU or one GPU): the one place where Tinker jobs
  * become engine requests (docs/engine-protocol.md). Results are parsed before they leave.
  */
+export type TorchAdapterOptions = {
+  python: string;
+  device?: string | undefined;
+  log: Logger;
+  /** How the engine process is started (another engine speaking the same protocol, e.g. verl under torchrun). */
+  launch?: { args: string[]; env?: NodeJS.ProcessEnv } | undefined;
+};
+
 export class TorchAdapter implements EngineAdapter {
-  readonly kind = 'torch';
+  readonly kind: string = 'torch';
+  /** The torch engine samples; an engine that only trains (verl) says false and takes no sample jobs. */
+  readonly samples: boolean = true;
   device = 'unknown';
   private engine: EngineProcess;
   private readonly exitListeners: ((reason: string) => void)[] = [];
 
-  constructor(private readonly opts: { python: string; device?: string | undefined; log: Logger }) {
+  constructor(private readonly opts: TorchAdapterOptions) {
     this.engine = this.makeEngine();
   }
 
   private makeEngine(): EngineProcess {
-    const e = new EngineProcess({ python: this.opts.python, device: this.opts.device, log: this.opts.log });
+    const e = new EngineProcess({
+      python: this.opts.python,
+      device: this.opts.device,
+      log: this.opts.log,
+      ...(this.opts.launch ? { args: this.opts.launch.args, env: this.opts.launch.env ?? {} } : {}),
+    });
     e.on('exit', (code, signal) => {
       for (const l of this.exitListeners) l(`the engine process exited (code ${code}, signal ${signal})`);
     });
@@ -49,11 +64,16 @@ export class TorchAdapter implements EngineAdapter {
     this.exitListeners.push(listener);
   }
 
+  enginePids(): number[] {
+    return this.engine.pid ? [this.engine.pid] : [];
+  }
+
   async start(): Promise<void> {
     this.engine = this.makeEngine();
     this.engine.start();
     const hello = await this.engine.call<{ protocol: number; engine: string; device: string }>('hello', {});
     if (hello.protocol !== 1) throw new Error(`engine speaks protocol ${hello.protocol}; this agent speaks 1`);
+    if (hello.engine !== this.kind) throw new Error(`the ${this.kind} adapter started a '${hello.engine}' engine`);
     this.device = hello.device;
   }
 

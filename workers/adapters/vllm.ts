@@ -533,6 +533,10 @@ class VllmServer {
     }
   }
 
+  get pid(): number | undefined {
+    return this.exited ? undefined : this.child?.pid;
+  }
+
   private readonly killGroup = (signal: NodeJS.Signals = 'SIGKILL') => {
     if (!this.exited) this.signalGroup(signal);
   };
@@ -598,6 +602,10 @@ export class VllmAdapter implements EngineAdapter {
 
   onExit(listener: (reason: string) => void): void {
     this.exitListeners.push(listener);
+  }
+
+  enginePids(): number[] {
+    return this.servers.map((s) => s.pid).filter((p): p is number => p !== undefined);
   }
 
   /** (Re)starts from nothing: servers of a previous start are stopped; loadBase starts or attaches one per model. */

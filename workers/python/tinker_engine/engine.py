@@ -77,45 +77,54 @@ class Engine:
 
     def reply(self, body: bytes) -> dict[str, Any]:
         """The reply to one request frame; never raises for a bad request or a failing op."""
-        request_id: Any = None
-        op = "?"
-        subject = ""
-        start = time.perf_counter()
-        try:
-            request = json.loads(body.decode("utf-8"))
-            if not isinstance(request, dict):
-                raise ValueError("a request must be a JSON object")
-            request_id = request.get("id")
-            if not is_int(request_id):
-                raise ValueError("request id must be an integer")
-            op = request.get("op")
-            if not isinstance(op, str):
-                raise ValueError("request op must be a string")
-            args = request.get("args", {})
-            if args is None:
-                args = {}
-            if not isinstance(args, dict):
-                raise ValueError("request args must be an object")
-            if args.get("model_id"):
-                subject = f"model_id={args['model_id']}"
-            elif args.get("base_model") or args.get("name"):
-                subject = f"base={args.get('base_model') or args.get('name')}"
-            result = self.call(op, args)
-            self._log(op, subject, start, "ok")
-            return {"id": request_id, "ok": True, "result": result}
-        except UserError as exc:
-            self._log(op, subject, start, f"user_error: {exc}")
-            return {"id": request_id, "ok": False, "error": {"category": "user", "message": str(exc)}}
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a reply; the engine keeps serving
-            log.error("op=%s failed:\n%s", op, traceback.format_exc().rstrip())
-            self._log(op, subject, start, "server_error")
-            if isinstance(exc, torch.OutOfMemoryError) and torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
-            return {"id": request_id, "ok": False,
-                    "error": {"category": "server", "message": f"{type(exc).__name__}: {message}"}}
+        return reply(self.call, body)
 
-    @staticmethod
-    def _log(op: str, subject: str, start: float, outcome: str) -> None:
-        ms = (time.perf_counter() - start) * 1000.0
-        log.info("op=%s %s ms=%.1f %s", op, subject or "model_id=-", ms, outcome)
+
+def reply(call: Callable[[str, dict[str, Any]], dict[str, Any]], body: bytes) -> dict[str, Any]:
+    """The reply to one request frame, running it with ``call(op, args)``; never raises.
+
+    Shared by every engine speaking this protocol (torch, verl): a ``UserError`` becomes a
+    ``user`` error reply, any other exception a ``server`` one; the engine keeps serving.
+    """
+    request_id: Any = None
+    op = "?"
+    subject = ""
+    start = time.perf_counter()
+    try:
+        request = json.loads(body.decode("utf-8"))
+        if not isinstance(request, dict):
+            raise ValueError("a request must be a JSON object")
+        request_id = request.get("id")
+        if not is_int(request_id):
+            raise ValueError("request id must be an integer")
+        op = request.get("op")
+        if not isinstance(op, str):
+            raise ValueError("request op must be a string")
+        args = request.get("args", {})
+        if args is None:
+            args = {}
+        if not isinstance(args, dict):
+            raise ValueError("request args must be an object")
+        if args.get("model_id"):
+            subject = f"model_id={args['model_id']}"
+        elif args.get("base_model") or args.get("name"):
+            subject = f"base={args.get('base_model') or args.get('name')}"
+        result = call(op, args)
+        _log(op, subject, start, "ok")
+        return {"id": request_id, "ok": True, "result": result}
+    except UserError as exc:
+        _log(op, subject, start, f"user_error: {exc}")
+        return {"id": request_id, "ok": False, "error": {"category": "user", "message": str(exc)}}
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a reply; the engine keeps serving
+        log.error("op=%s failed:\n%s", op, traceback.format_exc().rstrip())
+        _log(op, subject, start, "server_error")
+        if isinstance(exc, torch.OutOfMemoryError) and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+        return {"id": request_id, "ok": False,
+                "error": {"category": "server", "message": f"{type(exc).__name__}: {message}"}}
+
+
+def _log(op: str, subject: str, start: float, outcome: str) -> None:
+    ms = (time.perf_counter() - start) * 1000.0
+    log.info("op=%s %s ms=%.1f %s", op, subject or "model_id=-", ms, outcome)

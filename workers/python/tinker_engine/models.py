@@ -94,17 +94,30 @@ def safe_adapter_name(prefix: str, key: str) -> str:
     return f"tb_{prefix}_{readable}_{digest}"
 
 
+def seeded_lora_values(shapes: list[tuple[str, tuple[int, ...]]], seed: int) -> list[torch.Tensor]:
+    """The deterministic LoRA init (see the module docstring) as float32 CPU tensors.
+
+    ``shapes``: (name, full shape) of each LoRA matrix in name order; a name containing
+    ``.lora_A.`` gets U(-1/sqrt(fan_in), 1/sqrt(fan_in)), any other zeros. Engines that shard
+    parameters (verl) draw the full values here and copy their shard.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    values: list[torch.Tensor] = []
+    for name, shape in shapes:
+        if ".lora_A." in name:
+            bound = 1.0 / math.sqrt(shape[1])
+            values.append((torch.rand(shape, generator=gen, dtype=torch.float32) * 2.0 - 1.0) * bound)
+        else:
+            values.append(torch.zeros(shape, dtype=torch.float32))
+    return values
+
+
 def init_lora_weights(params: list[tuple[str, torch.nn.Parameter]], seed: int) -> None:
     """Deterministic LoRA init (see the module docstring); ``params`` in name order."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    values = seeded_lora_values([(name, tuple(p.shape)) for name, p in params], seed)
     with torch.no_grad():
-        for name, p in params:
-            if ".lora_A." in name:
-                bound = 1.0 / math.sqrt(p.shape[1])
-                values = (torch.rand(p.shape, generator=gen, dtype=torch.float32) * 2.0 - 1.0) * bound
-                p.copy_(values.to(device=p.device, dtype=p.dtype))
-            else:
-                p.zero_()
+        for (_, p), value in zip(params, values):
+            p.copy_(value.to(device=p.device, dtype=p.dtype))
 
 
 class BaseModel:

@@ -1,0 +1,61 @@
+import type { BaseModelSpec } from '../../queues/config.js';
+import type { Logger } from '../../queues/logger.js';
+import { EngineError } from '../engine.js';
+import { TorchAdapter } from './torch.js';
+import type { SampleJob, SampleResult } from '../../queues/schemas.js';
+
+/** The GPUs of an agent's device (`cuda` = the first one, `cuda:N`, `cuda:N,M,…`); null for anything else. */
+export function gpusOf(device: string | undefined): number[] | null {
+  if (device === 'cuda') return [0];
+  const m = /^cuda:(\d+(?:,\d+)*)$/.exec(device ?? '');
+  return m ? m[1]!.split(',').map(Number) : null;
+}
+
+export type VerlLaunch = { args: string[]; env: NodeJS.ProcessEnv; nproc: number };
+
+/**
+ * How the agent starts the verl engine: one process per GPU of the agent's device under torchrun,
+ * `CUDA_VISIBLE_DEVICES` set to those GPUs; rank 0 speaks the engine channel (workers/python/tinker_engine_verl).
+ * The preset's strategy (fsdp2 by default; fsdp) and offload of the agent's models become
+ * `TB_VERL_STRATEGY` / `TB_VERL_OFFLOAD`.
+ */
+export function verlLaunch(device: string | undefined, models: BaseModelSpec[]): VerlLaunch {
+  const gpus = gpusOf(device);
+  if (!gpus) throw new Error(`the verl engine runs on GPUs: device '${device ?? ''}' is not cuda, cuda:N or cuda:N,M,…`);
+  const strategies = [...new Set(models.map((m) => m.strategy ?? 'fsdp2'))];
+  if (strategies.length > 1) throw new Error(`one verl engine runs one strategy; the agent's models ask for ${strategies.join(', ')}`);
+  const strategy = strategies[0] ?? 'fsdp2';
+  if (strategy !== 'fsdp2' && strategy !== 'fsdp')
+    throw new Error(`verl strategy '${strategy}' is not available in this version (fsdp2 and fsdp are)`);
+  const nproc = gpus.length;
+  return {
+    nproc,
+    args: ['-m', 'torch.distributed.run', '--standalone', `--nproc_per_node=${nproc}`, '-m', 'tinker_engine_verl'],
+    env: {
+      CUDA_VISIBLE_DEVICES: gpus.join(','),
+      TB_VERL_STRATEGY: strategy,
+      TB_VERL_OFFLOAD: models.some((m) => m.offload) ? '1' : '0',
+      OMP_NUM_THREADS: process.env.OMP_NUM_THREADS ?? '4',
+    },
+  };
+}
+
+/**
+ * The verl engine (verl's FSDP engine, LoRA, one process per GPU): the torch engine's protocol for
+ * the training ops (docs/engine-protocol.md), so the job translation is the torch adapter's. It
+ * does not sample: sample jobs of its models go to vLLM or torch agents serving the same base.
+ */
+export class VerlAdapter extends TorchAdapter {
+  override readonly kind: string = 'verl';
+  override readonly samples: boolean = false;
+
+  constructor(opts: { python: string; device?: string | undefined; log: Logger; models: BaseModelSpec[] }) {
+    const launch = verlLaunch(opts.device, opts.models);
+    // The engine picks its device from CUDA_VISIBLE_DEVICES and LOCAL_RANK, not TB_ENGINE_DEVICE.
+    super({ python: opts.python, device: undefined, log: opts.log, launch });
+  }
+
+  override sample(_job: SampleJob): Promise<SampleResult> {
+    return Promise.reject(new EngineError('server', 'the verl engine trains only; sample through a vLLM or torch agent'));
+  }
+}
