@@ -279,6 +279,10 @@ export class Registry {
     else m.zrem(this.ckptExpiry(), rec.tinker_path);
     await m.exec();
   }
+  /** Whether Redis holds the checkpoint's record at all (expired or not). */
+  async hasCheckpointRecord(tinkerPath: string): Promise<boolean> {
+    return (await this.redis.exists(this.ckptKey(tinkerPath))) === 1;
+  }
   /** The checkpoint, or null when it does not exist or has expired. */
   async getCheckpoint(tinkerPath: string): Promise<CheckpointRecord | null> {
     const rec = await this.getJson(this.ckptKey(tinkerPath), CheckpointRecord);

@@ -296,6 +296,32 @@ describe('reliability: worker agents, outcomes and liveness (real processes, own
     expect(none.status).to.equal(1);
     expect(JSON.parse(none.stdout.trim())).to.deep.equal({ agent_id: id, status: 'not_live' });
   });
+
+  it('rebuilds checkpoint records lost from Redis from the files on disk at agent start', async () => {
+    const id = `a-${st.prefix}`;
+    const a = await agent(id);
+    const m = await client.createModel(1);
+    await client.train(m, 1);
+    const seq = 4; // create 0, fb 1, optim 2 used; the client's counter is at 3
+    const w = await call(api.baseUrl, 'POST', '/save_weights', { model_id: m, seq_id: 3, path: 'w1' });
+    expect((await client.result(w.json.request_id)).json.path).to.equal(`tinker://${m}/weights/w1`);
+    const sw = await call(api.baseUrl, 'POST', '/save_weights_for_sampler', { model_id: m, seq_id: seq, path: 's1' });
+    expect((await client.result(sw.json.request_id)).json.path).to.equal(`tinker://${m}/sampler_weights/s1`);
+    const list = async () => (await call(api.baseUrl, 'GET', `/training_runs/${m}/checkpoints`)).json.checkpoints.map((c: { checkpoint_id: string }) => c.checkpoint_id).sort();
+    expect(await list()).to.deep.equal(['sampler_weights/s1', 'weights/w1']);
+    const before = await api.built.ctx.registry.getCheckpoint(`tinker://${m}/weights/w1`);
+    // Lose the records (not the files), then restart the agent.
+    const r = api.built.ctx.redis;
+    const keys = await r.keys(`${st.prefix}:ckpt*`);
+    await r.del(...keys, `${st.prefix}:model-ckpts:${m}`);
+    expect(await list()).to.deep.equal([]);
+    a.child.kill('SIGTERM');
+    expect(await a.exited).to.equal(0);
+    const b = await agent(id);
+    expect(await list(), b.log()).to.deep.equal(['sampler_weights/s1', 'weights/w1']);
+    const after = await api.built.ctx.registry.getCheckpoint(`tinker://${m}/weights/w1`);
+    expect(after).to.deep.include({ checkpoint_type: 'training', has_optimizer: true, dir: before!.dir, size_bytes: before!.size_bytes, tenant: before!.tenant, public: false, expires_at: null });
+  });
 });
 
 /** Whether the agent's training queue has an active job (the op was taken). */

@@ -22,6 +22,7 @@ import { VerlAdapter } from './adapters/verl.js';
 import { VllmAdapter } from './adapters/vllm.js';
 import { encryptFileInPlace } from '../queues/age.js';
 import { EngineError } from './engine.js';
+import { rebuildCheckpoints } from './rebuild.js';
 import { engineMemory } from './stats.js';
 
 /**
@@ -130,6 +131,7 @@ export class Agent {
     const restored = await this.restoreDrained();
     const lost = await this.registry.markModelsLost(this.config.agentId, 'its worker agent restarted; load it from a saved checkpoint', restored);
     if (lost.length) this.log.warn('models from a previous run of this agent are unavailable', { models: lost });
+    await rebuildCheckpoints(this.registry, this.config.storageDir, this.log).catch((e) => this.log.error('rebuilding checkpoint records failed', { error: String(e) }));
 
     const common = { connection: this.redis, prefix: this.names.bull, maxStalledCount: 0, lockDuration: this.config.jobLockMs ?? 30_000 };
     this.workers.push(
