@@ -1,24 +1,57 @@
-# One image for the API and the worker agents: Node.js for the TypeScript processes,
-# Python with torch + transformers + PEFT for the engine. The default torch wheel from
-# PyPI is the CUDA build; pass --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# style mirrors for a CPU-only image.
+# One image for the API and the worker agents: Node.js 20 for the TypeScript processes, Python 3.11
+# (Debian 12's) with torch + transformers + PEFT for the engine, and the tiny test model generated at
+# build time (models/tiny-qwen3, for the CPU variant). Needs BuildKit (Docker 23+, or DOCKER_BUILDKIT=1
+# on Docker 20.10); scripts/docker-build.sh builds it, also on machines without Docker Hub.
+#
+# torch: by default the wheel from PyPI (the CUDA build, for GPU agents). For a CPU-only image pass
+#   --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# or put a torch wheel for cp311 (e.g. torch-2.13.0+cpu-cp311-...whl) into docker/wheels/: a wheel
+# there wins over both indexes. It is mounted for the install step only, never copied into the image.
+#
+# A machine that reaches the registries through a TLS-intercepting proxy passes its CA bundle as a
+# build secret (used by npm and pip during the build, not stored in the image):
+#   docker build --secret id=ca_bundle,src=/etc/ssl/certs/ca-certificates.crt .
 FROM node:20-bookworm-slim
 
+ARG TORCH_INDEX_URL=
+
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv python3-pip curl tini \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv ca-certificates tini \
  && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app
+
 COPY package.json package-lock.json ./
-RUN npm ci --no-audit --no-fund
+RUN --mount=type=secret,id=ca_bundle \
+    if [ -f /run/secrets/ca_bundle ]; then export NODE_EXTRA_CA_CERTS=/run/secrets/ca_bundle; fi \
+ && npm ci --omit=dev --no-audit --no-fund \
+ && npm cache clean --force
 
 COPY workers/python/requirements.txt workers/python/requirements.txt
-RUN python3 -m venv /app/.venv \
- && /app/.venv/bin/pip install --no-cache-dir -r workers/python/requirements.txt
+RUN --mount=type=secret,id=ca_bundle --mount=type=bind,source=docker/wheels,target=/wheels \
+    if [ -f /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi \
+ && python3 -m venv /app/.venv \
+ && torch_req="$(grep '^torch==' workers/python/requirements.txt)" \
+ && torch_whl="$(ls /wheels/torch-"${torch_req#torch==}"[+-]*cp311*.whl 2>/dev/null | head -n1)" \
+ && if [ -n "$torch_whl" ]; then /app/.venv/bin/pip install --no-cache-dir "$torch_whl"; \
+    elif [ -n "$TORCH_INDEX_URL" ]; then /app/.venv/bin/pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" "$torch_req"; \
+    fi \
+ && /app/.venv/bin/pip install --no-cache-dir -r workers/python/requirements.txt \
+ && /app/.venv/bin/python -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 
-COPY . .
+COPY tsconfig.json ./
+COPY scripts scripts
+COPY presets presets
+COPY queues queues
+COPY api api
+COPY workers workers
+RUN /app/.venv/bin/python scripts/make_tiny_model.py --out models/tiny-qwen3 \
+ && node --import tsx scripts/tinker-broker.ts validate presets/*/*.yaml
 
-ENV NODE_ENV=production TB_LOG_FORMAT=json TB_PYTHON=/app/.venv/bin/python TB_HOST=0.0.0.0
+ENV NODE_ENV=production \
+    TB_PYTHON=/app/.venv/bin/python \
+    TB_LOG_FORMAT=json \
+    TB_STORAGE_DIR=/data/storage
 ENTRYPOINT ["/usr/bin/tini", "--"]
 # docker-compose.yml gives each service its own `start --preset … --api-only | --agent ID` command.
 CMD ["node", "--import", "tsx", "scripts/tinker-broker.ts", "start"]

@@ -65,7 +65,11 @@ export function buildApp(config: ApiConfig): BuiltApp {
   const names = new Names(config.prefix);
   const registry = new Registry(redis, names);
   const queues = new QueueSet(redis, names, config.retentionS);
-  const gate = new OrderingGate(redis, names, queues);
+  const gate = new OrderingGate(redis, names, queues, {
+    window: config.seqWindow,
+    gapTimeoutMs: config.seqGapTimeoutMs,
+    failedTtlS: config.retentionS,
+  });
   const futures = new FutureResolver(
     redis,
     () => {
@@ -78,6 +82,7 @@ export function buildApp(config: ApiConfig): BuiltApp {
     gate,
     registry,
     config.retentionS,
+    config.resultTtlAfterReadS,
   );
   const ctx: ApiContext = { config, redis, names, registry, queues, gate, futures };
 
@@ -142,7 +147,11 @@ export function buildApp(config: ApiConfig): BuiltApp {
 
   const stopSweeper = startCheckpointSweeper(ctx);
   const stopReaper = futures.startReaper();
+  // Ops waiting behind a gap fail at its deadline even when nobody polls them.
+  const gapTimer = setInterval(() => void gate.expireGaps().catch(() => undefined), Math.min(5_000, gate.gapTimeoutMs));
+  gapTimer.unref();
   const close = async () => {
+    clearInterval(gapTimer);
     stopSweeper();
     stopReaper();
     await futures.close();

@@ -24,7 +24,7 @@ import type { AnyJob, JobOp } from '../queues/schemas.js';
 export type FutureState =
   | { kind: 'done'; op: JobOp; result: unknown }
   | { kind: 'failed'; op: string; category: ErrorCategory; message: string; code?: string | undefined }
-  | { kind: 'pending'; queueState: 'active' }
+  | { kind: 'pending'; queueState: 'active'; heldModel?: string }
   | { kind: 'unknown' };
 
 const QUEUE_NAME = /^(train|sample)-[A-Za-z0-9_.-]{1,128}$/;
@@ -45,6 +45,8 @@ export class FutureResolver {
     private readonly gate: OrderingGate,
     private readonly registry: Registry,
     retentionS = 86_400,
+    /** Seconds a finished training op's or sample's job (payload and result) stays once read. */
+    private readonly ttlAfterReadS = 300,
   ) {
     this.outcomes = new Outcomes(redis, names, retentionS);
     this.liveness = new Liveness(redis, names, registry, this.outcomes);
@@ -65,6 +67,19 @@ export class FutureResolver {
   private fromOutcome(o: Outcome): FutureState {
     if (o.state === 'done') return { kind: 'done', op: o.op as JobOp, result: o.result };
     return { kind: 'failed', op: o.op, category: o.category ?? 'server', message: o.message ?? 'failed', code: o.code };
+  }
+
+  /**
+   * A final outcome, read: the outcome record and the job (payload) of an ordered op then leave Redis
+   * soon (create_model's stay for the retention: its job id makes it idempotent).
+   */
+  private async readOutcome(ref: FutureRef, o: Outcome): Promise<FutureState> {
+    if (o.op !== 'create_model') {
+      const ms = this.ttlAfterReadS * 1000;
+      await this.redis.call('PEXPIRE', this.outcomes.key(ref.jobId), ms, 'LT');
+      await this.redis.call('PEXPIRE', `${this.names.bull}:${ref.queue}:${ref.jobId}`, ms, 'LT');
+    }
+    return this.fromOutcome(o);
   }
 
   /** A pending training op whose agent was reaped fails (OUTCOME_UNKNOWN), unless its outcome is already final. */
@@ -114,7 +129,7 @@ export class FutureResolver {
     const train = ref.queue.startsWith('train-');
     if (train) {
       const o = await this.outcomes.get(ref.jobId);
-      if (o && o.state !== 'running') return this.fromOutcome(o);
+      if (o && o.state !== 'running') return this.readOutcome(ref, o);
     }
     const exists = (await this.redis.exists(`${this.names.bull}:${ref.queue}:${ref.jobId}`)) === 1;
     if (!exists) {
@@ -123,12 +138,24 @@ export class FutureResolver {
       const model = await this.gate.heldModel(ref.jobId);
       if (model === null) return { kind: 'unknown' };
       await this.gate.release(model);
-      return train ? this.pendingTrain(ref, 'training op') : { kind: 'pending', queueState: 'active' };
+      // The release may have failed it (a gap past its deadline).
+      const failedNow = await this.registry.getFailedFuture(ref.jobId);
+      if (failedNow) return { kind: 'failed', ...failedNow };
+      if (train) {
+        const st = await this.pendingTrain(ref, 'training op');
+        return st.kind === 'pending' ? { ...st, heldModel: model } : st;
+      }
+      return { kind: 'pending', queueState: 'active', heldModel: model };
     }
     const job = (await Job.fromId(this.queues.get(ref.queue), ref.jobId)) as Job<AnyJob> | undefined;
     if (!job) return { kind: 'unknown' };
     const op = job.data.op;
     if (job.finishedOn) {
+      // Payloads and results of ordered training ops and samples are not kept long once read (a
+      // repeat of their seq_id is recognised by the gate, not by the job). Others (create_model)
+      // stay for the retention, as their job id is what makes them idempotent.
+      const seq = (job.data as { seq_id?: number }).seq_id ?? 0;
+      if (op === 'sample' || seq >= 1) await this.redis.call('PEXPIRE', `${this.names.bull}:${ref.queue}:${ref.jobId}`, this.ttlAfterReadS * 1000, 'LT');
       if (job.failedReason) {
         const f = decodeJobFailure(job.failedReason);
         // A training job that failed without the agent's verdict (a stall, a crash) may have run.
@@ -140,7 +167,7 @@ export class FutureResolver {
       // first read); without one it has expired.
       if (train && job.returnvalue === null) {
         const o = await this.outcomes.get(ref.jobId);
-        return o && o.state !== 'running' ? this.fromOutcome(o) : { kind: 'unknown' };
+        return o && o.state !== 'running' ? this.readOutcome(ref, o) : { kind: 'unknown' };
       }
       return { kind: 'done', op, result: job.returnvalue };
     }
@@ -164,7 +191,13 @@ export class FutureResolver {
     try {
       const second = await this.state(ref);
       if (second.kind !== 'pending') return second;
-      const timeout = new Promise<void>((resolve) => (timer = setTimeout(resolve, timeoutMs)));
+      // An op held behind a gap wakes at the gap's deadline, when it may have failed.
+      let wait = timeoutMs;
+      if (second.heldModel) {
+        const deadline = await this.gate.gapDeadline(second.heldModel);
+        if (deadline !== null) wait = Math.max(10, Math.min(timeoutMs, deadline - Date.now() + 50));
+      }
+      const timeout = new Promise<void>((resolve) => (timer = setTimeout(resolve, wait)));
       const aborted = new Promise<void>((resolve) => signal?.addEventListener('abort', () => resolve(), { once: true }));
       await Promise.race([woken, timeout, aborted]);
       return await this.state(ref);

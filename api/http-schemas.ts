@@ -66,7 +66,7 @@ export const OptimStepBody = z
   })
   .superRefine((b, ctx) => {
     if (b.optimizer_params)
-      ctx.addIssue({ code: 'custom', path: ['optimizer_params'], message: `optimizer '${b.optimizer_params.type}' is not supported; only Adam (adam_params)` });
+      ctx.addIssue({ code: 'custom', path: ['optimizer_params'], message: `optimizer '${b.optimizer_params.type}' is not supported by this server; supported: adamw (adam_params)` });
     else if (!b.adam_params && !b.optim_params) ctx.addIssue({ code: 'custom', path: ['adam_params'], message: 'required' });
   });
 
@@ -193,6 +193,7 @@ export const SampleBody = z.object({
   target_prompt_logprobs: z.unknown().optional(),
   prompt_alt_tokens_k: z.number().int().nonnegative().default(0),
   prompt_logprobs_last_n: z.number().int().positive().nullable().optional(),
+  record_stability_info: z.boolean().nullable().optional(),
 });
 
 export const RetrieveFutureBody = z.object({

@@ -39,6 +39,12 @@ const ApiEnv = CommonEnv.extend({
   TB_ADMIN_KEYS: csv.optional(),
   /** Most waiting sample jobs per base model before `asample` answers 429. @defaultValue 2000 */
   TB_MAX_QUEUED_SAMPLES: z.coerce.number().int().positive().default(2000),
+  /** Training seq_ids accepted ahead of a model's next op (more are refused); replays are recognised this far back. @defaultValue 1024 */
+  TB_SEQ_WINDOW: z.coerce.number().int().min(16).default(1024),
+  /** Seconds ops wait behind a missing seq_id before they fail. @defaultValue 120 */
+  TB_SEQ_GAP_TIMEOUT_S: z.coerce.number().positive().default(120),
+  /** Seconds a training or sample result stays in Redis once it has been read. @defaultValue 300 */
+  TB_RESULT_TTL_AFTER_READ_S: z.coerce.number().int().positive().default(300),
 });
 
 const AgentEnv = CommonEnv.extend({
@@ -80,6 +86,12 @@ export type ApiConfig = {
   longPollMs: number;
   requiredModels: string[];
   maxQueuedSamples: number;
+  /** @defaultValue 1024 (TB_SEQ_WINDOW) */
+  seqWindow?: number | undefined;
+  /** @defaultValue 120 000 (TB_SEQ_GAP_TIMEOUT_S) */
+  seqGapTimeoutMs?: number | undefined;
+  /** @defaultValue 300 (TB_RESULT_TTL_AFTER_READ_S) */
+  resultTtlAfterReadS?: number | undefined;
   /** Keys of the /admin dashboard; unset: the API key when there is exactly one. */
   adminKeys?: string[] | undefined;
 };
@@ -183,6 +195,9 @@ export function loadApiConfig(env: NodeJS.ProcessEnv = process.env): ApiConfig {
     longPollMs: e.TB_LONG_POLL_MS,
     requiredModels: e.TB_REQUIRED_MODELS,
     maxQueuedSamples: e.TB_MAX_QUEUED_SAMPLES,
+    seqWindow: e.TB_SEQ_WINDOW,
+    seqGapTimeoutMs: Math.round(e.TB_SEQ_GAP_TIMEOUT_S * 1000),
+    resultTtlAfterReadS: e.TB_RESULT_TTL_AFTER_READ_S,
     adminKeys: e.TB_ADMIN_KEYS?.length ? e.TB_ADMIN_KEYS : undefined,
   };
 }

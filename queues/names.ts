@@ -48,6 +48,14 @@ export class Names {
   samplingSession(id: string): string {
     return `${this.prefix}:sampler:${id}`;
   }
+  /** A training model's inflight sampler target (its newest `kind: inflight` save). */
+  inflight(modelId: string): string {
+    return `${this.prefix}:inflight:${modelId}`;
+  }
+  /** What stable_reinforce needs of one sampled sequence (queues/stability.ts). */
+  stability(sequenceId: string): string {
+    return `${this.prefix}:stability:${sequenceId}`;
+  }
 
   // The per-model ordering gate (see queues/gate.ts).
   gateNext(modelId: string): string {

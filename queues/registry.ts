@@ -63,10 +63,15 @@ export const SamplingSessionRecord = z.object({
   base_model: z.string(),
   model_path: z.string().nullable(),
   adapter_dir: z.string().nullable(),
+  /** An inflight session samples its model's current inflight target (Registry.inflightTarget). */
+  inflight_model_id: z.string().nullish(),
   /** The owning tenant, as for models. */
   tenant: z.string().default(''),
 });
 export type SamplingSessionRecord = z.infer<typeof SamplingSessionRecord>;
+
+export const InflightTarget = z.object({ model_path: z.string(), adapter_dir: z.string(), seq_id: z.number().int() });
+export type InflightTarget = z.infer<typeof InflightTarget>;
 
 /**
  * A saved checkpoint: training state (`weights/<name>`: adapter + optimizer) or a sampler
@@ -252,6 +257,14 @@ export class Registry {
     if (ok === 'OK') return rec;
     return (await this.getSamplingSession(rec.sampling_session_id))!;
   }
+  /** The model's inflight sampler target: its newest `kind: inflight` save (saves of a model run in order). */
+  async setInflightTarget(modelId: string, target: InflightTarget, ttlS: number): Promise<void> {
+    await this.redis.set(this.names.inflight(modelId), JSON.stringify(target), 'EX', ttlS);
+  }
+  async inflightTarget(modelId: string): Promise<InflightTarget | null> {
+    return this.getJson(this.names.inflight(modelId), InflightTarget);
+  }
+
   async getSamplingSession(id: string): Promise<SamplingSessionRecord | null> {
     return this.getJson(this.names.samplingSession(id), SamplingSessionRecord);
   }

@@ -1,4 +1,5 @@
 import { z } from 'zod';
+import { RecordStability } from './stability.js';
 
 /**
  * The contract between the API and the agents: one schema per job type and per result,
@@ -84,6 +85,11 @@ export const SaveSamplerJob = z.object({
   dir: z.string(),
   /** Set for the unnamed save behind `save_weights_and_get_sampling_client`. */
   sampling_session_id: z.string().nullable(),
+  /**
+   * `inflight`: the save also becomes the model's inflight target, and the new sampling session
+   * follows that target (it samples the newest inflight save of the model, never an older one).
+   */
+  kind: z.enum(['snapshot', 'inflight']).optional(),
   ttl_seconds: z.number().int().positive().nullable(),
   user_metadata: z.record(z.string(), z.string()).nullable(),
 });
@@ -159,6 +165,8 @@ export const SampleJob = z.object({
   sampling_params: SamplingParams,
   prompt_logprobs: z.boolean(),
   topk_prompt_logprobs: z.number().int().nonnegative(),
+  /** Set when the client asked for record_stability_info: the agent records each sequence. */
+  record_stability: RecordStability.nullish(),
 });
 export type SampleJob = z.infer<typeof SampleJob>;
 

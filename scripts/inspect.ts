@@ -3,7 +3,7 @@ import { Redis } from 'ioredis';
 import { decodeJobFailure } from '../queues/errors.js';
 import { decodeRequestId } from '../queues/futures.js';
 import { queueCounts } from '../queues/inspect.js';
-import { readAgentStats } from '../queues/metrics.js';
+import { readAgentStats, readMetrics } from '../queues/metrics.js';
 import { Names } from '../queues/names.js';
 import { Outcomes } from '../queues/outcomes.js';
 import { Registry, type ModelRecord } from '../queues/registry.js';
@@ -121,10 +121,26 @@ async function apiHealth(url: string): Promise<{ reachable: boolean; status: str
 
 async function status(p: Parsed): Promise<void> {
   await withTarget(p, async (t) => {
-    const [health, agents, queues, tot] = await Promise.all([apiHealth(t.apiUrl), agentRows(t), queueCounts(t.redis, t.names), totals(t)]);
+    const [health, agents, queues, tot, m] = await Promise.all([
+      apiHealth(t.apiUrl),
+      agentRows(t),
+      queueCounts(t.redis, t.names),
+      totals(t),
+      readMetrics(t.redis, t.names),
+    ]);
+    const ops = [...new Set(m.jobs.map((j) => j.op))].sort().map((op) => {
+      const count = (st: string) => m.jobs.filter((j) => j.op === op && j.status === st).reduce((a, j) => a + j.count, 0);
+      const mean = (phase: 'queue_wait' | 'engine' | 'total') => {
+        const h = m.latency[phase].get(op);
+        return h && h.count ? h.sumMs / h.count : null;
+      };
+      return { op, ok: count('ok'), user_errors: count('user_error'), server_errors: count('server_error'), mean_ms: { queue_wait: mean('queue_wait'), engine: mean('engine'), total: mean('total') } };
+    });
     const { models, sessions, tenants } = tot;
     if (p.values.json) {
-      out(JSON.stringify({ redis: { url: t.redisUrl, prefix: t.prefix }, api: { url: t.apiUrl, ...health }, agents, queues, training_models: models, sessions, tenants }, null, 2));
+      out(
+        JSON.stringify({ redis: { url: t.redisUrl, prefix: t.prefix }, api: { url: t.apiUrl, ...health }, agents, queues, training_models: models, sessions, tenants, ops, tokens: m.tokens }, null, 2),
+      );
       return;
     }
     out(`redis    ${t.redisUrl} prefix '${t.prefix}' (reachable)`);
@@ -132,6 +148,7 @@ async function status(p: Parsed): Promise<void> {
     const alive = agents.filter((a) => a.alive);
     out(`agents   ${alive.length} alive${alive.length ? `: ${alive.map((a) => `${a.agent_id} (${a.engine}, ${a.device})`).join(', ')}` : ''}${agents.length > alive.length ? `; ${agents.length - alive.length} not answering` : ''}`);
     out(`models   ${models} training model${models === 1 ? '' : 's'}, ${sessions} session${sessions === 1 ? '' : 's'}, ${tenants} API key${tenants === 1 ? '' : 's'} in use`);
+    out(`tokens   sampled ${m.tokens.sampled.total} (${m.tokens.sampled.perSecond.toFixed(1)}/s over the last minute), trained ${m.tokens.trained.total} (${m.tokens.trained.perSecond.toFixed(1)}/s)`);
     out('');
     if (queues.length === 0) out('queues   none yet');
     else
@@ -141,6 +158,16 @@ async function status(p: Parsed): Promise<void> {
           queues.map((q) => [q.queue, q.waiting + q.prioritized, q.active, q.delayed, q.completed, q.failed]),
         ),
       );
+    if (ops.length) {
+      const ms = (v: number | null) => (v === null ? '-' : v < 10_000 ? `${Math.round(v)} ms` : `${(v / 1000).toFixed(1)} s`);
+      out('');
+      out(
+        table(
+          ['OP', 'OK', 'USER ERRORS', 'SERVER ERRORS', 'MEAN WAIT', 'MEAN ENGINE', 'MEAN TOTAL'],
+          ops.map((o) => [o.op, o.ok, o.user_errors, o.server_errors, ms(o.mean_ms.queue_wait), ms(o.mean_ms.engine), ms(o.mean_ms.total)]),
+        ),
+      );
+    }
   });
 }
 
@@ -273,7 +300,7 @@ async function futures(p: Parsed): Promise<void> {
 }
 
 export const inspectCommands: CommandTable = {
-  status: { summary: 'the API, agents, training models and queue depths of a running deployment', options: { ...common }, details: ENV_DETAILS, run: status },
+  status: { summary: 'the API, agents, training models, queue depths and per-op counts and latencies of a running deployment', options: { ...common }, details: ENV_DETAILS, run: status },
   agents: { summary: 'the worker agents: engine, device, models, engine memory, liveness', options: { ...common }, details: ENV_DETAILS, run: agents },
   models: {
     summary: 'base models served and training models created (of every API key)',

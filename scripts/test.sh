@@ -14,9 +14,15 @@ if ! (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; then
   for _ in $(seq 50); do (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null && break; sleep 0.1; done
 fi
 
-# The compose tests validate docker-compose.yml with `docker compose config` or docker-compose.
+# The compose tests validate docker-compose.yml with `docker compose config` or docker-compose; they then
+# build the image and run the stack in containers (scripts/docker-ensure.sh installs and starts Docker).
 if ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev/null; then
   apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null
+fi
+
+# The dashboard test (test/e2e/operations.test.ts) loads /admin in headless Chromium.
+if ! command -v chromium >/dev/null; then
+  apt-get update -qq && apt-get install -y -qq chromium >/dev/null
 fi
 
 bash scripts/setup.sh || { echo "tests: 0 passed, 1 failed"; exit 1; }

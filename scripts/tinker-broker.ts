@@ -36,9 +36,10 @@ Environment variables override the preset:
 For a start with exactly one agent: TB_AGENT_ID, TB_AGENT_MODELS (path[=alias],...),
 TB_ENGINE_DEVICE, TB_VLLM_URL.
 
-SIGTERM or SIGINT (Ctrl-C) stops the API, drains the agents (the ops in flight finish, every
-model is saved and reloaded by their next start; no time limit but the operator's stop grace),
-then stops their engines and a Redis started here; a second signal stops at once.
+SIGTERM or SIGINT (Ctrl-C) stops the API and drains the agents: the ops in flight finish, every
+model is saved and reloaded by their next start (docs/reliability.md); then their engines and a
+Redis started here stop. No time limit but the operator's stop grace, unless TB_STOP_GRACE_S is
+set; a second signal stops at once.
 
 examples:
   tinker-broker start                                   # tiny CPU model on 127.0.0.1:8000
@@ -75,6 +76,25 @@ function plan(p: Parsed): Plan {
 
 /** Model directories that start generates itself (the tiny test models). */
 const generated = (p: string) => p === TINY_MODEL_DIR || p.startsWith(`${TINY_MODEL_DIR}-`);
+
+/**
+ * Under `npx tinker-broker` (and `npm start` in npm versions that keep a shell) npm forwards
+ * SIGTERM to the `sh -c` it ran, which dies without passing it on: this process would be left
+ * running. So when npm started us, the end of our parent is a stop signal too.
+ */
+function watchNpmParent(stop: () => void): void {
+  if (!process.env.npm_command) return;
+  const parent = process.ppid;
+  const t = setInterval(() => {
+    try {
+      process.kill(parent, 0);
+    } catch {
+      clearInterval(t);
+      stop();
+    }
+  }, 500);
+  t.unref();
+}
 
 /** Set once a stop signal arrived: a failure of a half-started piece is then part of stopping. */
 let stopping = false;
@@ -116,8 +136,18 @@ async function start(p: Parsed): Promise<void> {
       process.exit(1);
     }
     stopping = true;
-    logger.info('stopping', { signal: sig });
-    // No forced exit: agents drain within the operator's stop grace (docs/reliability.md).
+    // Agents finish the ops in flight and save every model (a forward_backward on a GPU may take
+    // minutes): no forced exit but the operator's stop grace, unless TB_STOP_GRACE_S is set.
+    const graceS = process.env.TB_STOP_GRACE_S ? Number(process.env.TB_STOP_GRACE_S) : null;
+    logger.info('stopping', { signal: sig, ...(agents.length ? { note: 'agents drain: running jobs finish and models are saved first; signal again to stop at once' } : {}) });
+    if (graceS !== null) {
+      const force = setTimeout(() => {
+        logger.error(`shutdown took longer than ${graceS} s (TB_STOP_GRACE_S); exiting`);
+        redis?.kill('SIGKILL');
+        process.exit(1);
+      }, graceS * 1000);
+      force.unref();
+    }
     await cleanup(true);
     logger.info('stopped');
     process.exit(process.exitCode ?? 0);
@@ -125,6 +155,7 @@ async function start(p: Parsed): Promise<void> {
   process.on('SIGTERM', () => void shutdown('SIGTERM'));
   process.on('SIGINT', () => void shutdown('SIGINT'));
   process.on('SIGHUP', () => void shutdown('SIGHUP'));
+  watchNpmParent(() => void shutdown('parent exited'));
 
   try {
     for (const a of pl.agents) for (const m of a.models) if (generated(m.path)) ensureTinyModel(a.python, m.path, m.path === TINY_MODEL_DIR ? 0 : 1);

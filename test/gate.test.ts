@@ -2,7 +2,8 @@ import { randomUUID } from 'node:crypto';
 import { expect } from 'chai';
 import { Worker } from 'bullmq';
 import { Redis } from 'ioredis';
-import { OrderingGate } from '../queues/gate.js';
+import { OrderingGate, type GateOptions } from '../queues/gate.js';
+import { Registry } from '../queues/registry.js';
 import { jobIds, Names } from '../queues/names.js';
 import { QueueSet } from '../queues/queues.js';
 import type { TrainJob } from '../queues/schemas.js';
@@ -16,21 +17,21 @@ describe('ordering gate', () => {
   const modelId = 'sess:train:0';
   const queue = 'train-a';
 
-  const optim = (seq: number): TrainJob => ({
+  const optim = (seq: number, lr = seq / 1000): TrainJob => ({
     op: 'optim_step',
     model_id: modelId,
     seq_id: seq,
-    adam: { learning_rate: seq / 1000, beta1: 0.9, beta2: 0.95, eps: 1e-12, weight_decay: 0, grad_clip_norm: 0 },
+    adam: { learning_rate: lr, beta1: 0.9, beta2: 0.95, eps: 1e-12, weight_decay: 0, grad_clip_norm: 0 },
   });
 
   /** One "API process": its own Redis connection, queues and gate. */
-  const process = () => {
+  const process = (opts: GateOptions = {}) => {
     const c = new Redis(REDIS_URL, { maxRetriesPerRequest: null });
     conns.push(c);
     const names = new Names(prefix);
     const qs = new QueueSet(c, names, 3600);
     sets.push(qs);
-    return { gate: new OrderingGate(c, names, qs), qs };
+    return { gate: new OrderingGate(c, names, qs, opts), qs, redis: c, names };
   };
 
   beforeEach(() => {
@@ -136,5 +137,71 @@ describe('ordering gate', () => {
       err = e;
     }
     expect(String(err)).to.match(/not open/);
+  });
+
+  const refusal = async (p: Promise<unknown>): Promise<string> => {
+    try {
+      await p;
+    } catch (e) {
+      return String((e as Error).message);
+    }
+    return 'not refused';
+  };
+
+  it('refuses seq_ids beyond the window ahead, without holding anything for them', async () => {
+    const { gate, redis, names } = process({ window: 16 });
+    await gate.open(modelId);
+    expect(await refusal(gate.submit(modelId, 17, queue, jobIds.train(modelId, 17), optim(17)))).to.match(/seq_id 17 .* too far ahead: the next op to run is seq_id 1, and at most 16/);
+    expect(await refusal(gate.submit(modelId, 4e9, queue, jobIds.train(modelId, 4e9), optim(4e9)))).to.match(/too far ahead/);
+    // A refused request far ahead uses up nothing either.
+    expect(await gate.skip(modelId, 1000, jobIds.train(modelId, 1000))).to.equal('duplicate');
+    expect(await gate.state(modelId)).to.deep.equal({ next: 1, held: 0 });
+    expect(await redis.hlen(names.gateHeld(modelId))).to.equal(0);
+    expect(await gate.submit(modelId, 16, queue, jobIds.train(modelId, 16), optim(16))).to.equal('admitted');
+  });
+
+  it('refuses a replay of a seq_id with a different payload, held or released, and one older than the window', async () => {
+    const { gate, qs } = process({ window: 16 });
+    await gate.open(modelId);
+    await gate.submit(modelId, 2, queue, jobIds.train(modelId, 2), optim(2));
+    expect(await refusal(gate.submit(modelId, 2, queue, jobIds.train(modelId, 2), optim(2, 1)))).to.match(/seq_id 2 .* already submitted with a different request/);
+    await gate.submit(modelId, 1, queue, jobIds.train(modelId, 1), optim(1));
+    expect(await refusal(gate.submit(modelId, 1, queue, jobIds.train(modelId, 1), optim(1, 1)))).to.match(/different request/);
+    expect(await gate.submit(modelId, 2, queue, jobIds.train(modelId, 2), optim(2))).to.equal('duplicate');
+    // A seq_id used up by a refused request cannot carry an op afterwards.
+    await gate.skip(modelId, 3, jobIds.train(modelId, 3));
+    expect(await refusal(gate.submit(modelId, 3, queue, jobIds.train(modelId, 3), optim(3)))).to.match(/different request/);
+    for (let seq = 4; seq <= 40; seq++) await gate.submit(modelId, seq, queue, jobIds.train(modelId, seq), optim(seq));
+    expect(await refusal(gate.submit(modelId, 2, queue, jobIds.train(modelId, 2), optim(2)))).to.match(/seq_id 2 .* more than 16 ops old/);
+    expect(await gate.submit(modelId, 30, queue, jobIds.train(modelId, 30), optim(30))).to.equal('duplicate');
+    expect(await queuedSeqs(qs)).to.deep.equal([1, 2, ...Array.from({ length: 37 }, (_, i) => i + 4)]);
+    // The replay digests stay bounded by the window.
+    expect(await conns[0]!.hlen(`${prefix}:gate:${modelId}:digests`)).to.be.at.most(17);
+  });
+
+  it('fails the ops held behind a gap at its deadline, with a clear error, and moves on', async () => {
+    const { gate, qs, redis, names } = process({ gapTimeoutMs: 400 });
+    const registry = new Registry(redis, names);
+    await gate.open(modelId);
+    await gate.submit(modelId, 1, queue, jobIds.train(modelId, 1), optim(1));
+    await gate.submit(modelId, 3, queue, jobIds.train(modelId, 3), optim(3));
+    await gate.submit(modelId, 5, queue, jobIds.train(modelId, 5), optim(5));
+    const deadline = await gate.gapDeadline(modelId);
+    expect(deadline).to.be.a('number');
+    expect(await gate.expireGaps()).to.equal(0);
+    expect(await gate.state(modelId)).to.deep.equal({ next: 2, held: 2 });
+    await new Promise((r) => setTimeout(r, deadline! - Date.now() + 50));
+    expect(await gate.expireGaps()).to.equal(1);
+    expect(await gate.state(modelId)).to.deep.equal({ next: 6, held: 0 });
+    expect(await gate.heldModel(jobIds.train(modelId, 3))).to.equal(null);
+    const f3 = await registry.getFailedFuture(jobIds.train(modelId, 3));
+    expect(f3).to.include({ op: 'optim_step', category: 'user' });
+    expect(f3!.message).to.match(/^not run: seq_id 2, 4 of model sess:train:0 never reached the server within 0.4 s, so this op \(seq_id 3\)/);
+    // A late arrival of a missing seq_id finds its failure; the next ops run.
+    expect(await gate.submit(modelId, 2, queue, jobIds.train(modelId, 2), optim(2))).to.equal('duplicate');
+    expect((await registry.getFailedFuture(jobIds.train(modelId, 2)))!.message).to.match(/did not reach the server within/);
+    await gate.submit(modelId, 6, queue, jobIds.train(modelId, 6), optim(6));
+    expect(await queuedSeqs(qs)).to.deep.equal([1, 6]);
+    expect(await gate.gapDeadline(modelId)).to.equal(null);
   });
 });

@@ -15,6 +15,7 @@ import { Names } from '../queues/names.js';
 import { Outcomes, type Outcome } from '../queues/outcomes.js';
 import { connect } from '../queues/redis.js';
 import { Registry, type AgentRecord, type CheckpointRecord, type ModelRecord, type ServedModel } from '../queues/registry.js';
+import { writeStabilityRecords } from '../queues/stability.js';
 import { SampleJob, TrainJob, type AnyJob, type SaveExternalJob, type SaveSamplerJob, type SaveStateJob } from '../queues/schemas.js';
 import type { EngineAdapter } from './adapters/adapter.js';
 import { TorchAdapter } from './adapters/torch.js';
@@ -437,6 +438,9 @@ export class Agent {
     const { size_bytes } = await this.adapter.saveSampler(job);
     const model = await this.modelOf(job);
     await this.registry.putCheckpoint(this.checkpointRecord(model, job, 'sampler', { size_bytes, has_optimizer: false, ephemeral }));
+    const inflight = job.kind === 'inflight';
+    // The target moves before the save completes: a client created from this save never sees older weights.
+    if (inflight) await this.registry.setInflightTarget(model.model_id, { model_path: job.tinker_path, adapter_dir: job.dir, seq_id: job.seq_id }, this.config.retentionS);
     if (job.sampling_session_id) {
       await this.registry.putSamplingSession(
         {
@@ -445,6 +449,7 @@ export class Agent {
           base_model: model.base_model,
           model_path: job.tinker_path,
           adapter_dir: job.dir,
+          inflight_model_id: inflight ? model.model_id : null,
           tenant: model.tenant,
         },
         this.config.retentionS,
@@ -499,7 +504,9 @@ export class Agent {
     const start = Date.now();
     try {
       await this.ensureEngine();
-      const r = await this.timed('sample', this.adapter.sample(SampleJob.parse(job.data)));
+      const data = SampleJob.parse(job.data);
+      const r = await this.timed('sample', this.adapter.sample(data));
+      if (data.record_stability) await writeStabilityRecords(this.redis, this.names, data.record_stability, data.prompt, r.sequences);
       this.meter(job, start, 'ok', r);
       return r;
     } catch (err) {

@@ -50,7 +50,7 @@ export function modelRoutes(ctx: ApiContext): Router {
     if (!body.lora_config)
       throw new BrokerError('INVALID_REQUEST', 'full-weight training is not supported; pass lora_config (create_lora_training_client)');
     if (body.optimizer_config && body.optimizer_config.type !== 'adamw')
-      throw new BrokerError('INVALID_REQUEST', `optimizer '${body.optimizer_config.type}' is not supported; only adamw`);
+      throw new BrokerError('INVALID_REQUEST', `optimizer '${body.optimizer_config.type}' is not supported by this server; supported: adamw (Dimuon's definition is not public, see docs/losses.md)`);
     await requireSession(ctx, req, body.session_id, ': call create_session first');
     const { model } = await ctx.registry.resolveBaseModel(body.base_model);
     if (!model.trainable)

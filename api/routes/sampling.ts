@@ -90,10 +90,18 @@ export function samplingRoutes(ctx: ApiContext): Router {
 
     let session: Pick<SamplingSessionRecord, 'base_model' | 'model_path' | 'adapter_dir'>;
     let sessionId: string;
+    // The client's session, which owns the stability records of this request's sequences.
+    let ownerSession: string | null = null;
     if (body.sampling_session_id) {
       const s = await requireSamplingSession(ctx, req, body.sampling_session_id);
       session = s;
       sessionId = s.sampling_session_id;
+      ownerSession = s.session_id;
+      if (s.inflight_model_id) {
+        // Inflight: the model's newest inflight save, which only moves forward from the one this session was created with.
+        const t = await ctx.registry.inflightTarget(s.inflight_model_id);
+        if (t) session = { base_model: s.base_model, model_path: t.model_path, adapter_dir: t.adapter_dir };
+      }
     } else if (body.base_model || body.model_path) {
       session = await resolveTarget(ctx, req, body.base_model, body.model_path);
       sessionId = `adhoc-${randomUUID()}`;
@@ -142,6 +150,8 @@ export function samplingRoutes(ctx: ApiContext): Router {
       sampling_params: params,
       prompt_logprobs: body.prompt_logprobs ?? false,
       topk_prompt_logprobs: body.topk_prompt_logprobs,
+      // Only samples of a sampling session are recorded: the record belongs to that session (and its tenant).
+      record_stability: body.record_stability_info && ownerSession ? { session_id: ownerSession, request_id: requestId } : null,
     };
     await ctx.queues.add(queue, jobId, job);
     reply();

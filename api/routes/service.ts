@@ -7,6 +7,17 @@ import { requireSession } from '../tenants.js';
 import { CreateSessionBody, parseBody, SessionHeartbeatBody } from '../http-schemas.js';
 
 /** Client bootstrap, sessions, telemetry, health and capabilities. */
+
+/** get_server_capabilities' notes: where this server's losses differ from, or guess at, Tinker's (docs/losses.md). */
+export const CAPABILITY_NOTES = [
+  'losses: cross_entropy, importance_sampling, ppo, cispo, dro, gspo, stable_reinforce; definitions, defaults and sources in docs/losses.md',
+  "stable_reinforce: Tinker's exact objective is not public. This server implements REINFORCE with a truncated, detached importance weight " +
+    "min(exp(lp - q), clip_high_threshold=4.0) against the sampler logprobs q it recorded for each sequence_id (record_stability_info), plus " +
+    'kl_coeff * sum(r - 1 - log r) (k3 estimate of KL(sampler || model), default kl_coeff 0); the datum\'s own logprobs are not used',
+  'gspo: GSPO-token as in Tinker\'s docs; default clip thresholds 1 - 3e-4 / 1 + 4e-4 (GSPO paper); without sequence_ratio_mask the ratio spans the tokens with a nonzero advantage',
+  'cispo: default clip thresholds 0.0 / 4.0 (one-sided, as Tinker documents)',
+  'optimizers: adamw only (dimuon refused); custom losses run on the client (custom_loss_server_side false)',
+];
 export function serviceRoutes(ctx: ApiContext): Router {
   const r = Router();
 
@@ -65,6 +76,8 @@ export function serviceRoutes(ctx: ApiContext): Router {
         trainable: model.trainable,
         sampleable: true,
       })),
+      // Not in the SDK's response type (it keeps unknown fields): what a user should know about the losses.
+      notes: CAPABILITY_NOTES,
     });
   });
 

@@ -23,20 +23,39 @@ import {
   SaveWeightsForSamplerBody,
 } from '../http-schemas.js';
 import { formatTinkerPath, parseTinkerPath, storageDirFor } from '../paths.js';
+import { attachStability } from '../stability.js';
 import { decodeForwardBackwardRequest } from '../wire/proto.js';
 
 /** forward_backward (also forward), optim_step, save_weights_for_sampler: ordered per model. */
 
-/** Loss functions and the `loss_fn_inputs` each needs. */
+const RL = ['target_tokens', 'logprobs', 'advantages'];
+const CLIP = ['clip_low_threshold', 'clip_high_threshold'];
+
+/**
+ * Loss functions and the `loss_fn_inputs` each takes (definitions and sources: docs/losses.md).
+ * stable_reinforce's sampler logprobs come from the server's stability records, not the datum:
+ * a datum's `logprobs` is accepted and not used.
+ */
 export const LOSS_INPUTS: Record<string, { required: string[]; optional: string[] }> = {
   cross_entropy: { required: ['target_tokens'], optional: ['weights'] },
-  importance_sampling: { required: ['target_tokens', 'logprobs', 'advantages'], optional: [] },
-  ppo: { required: ['target_tokens', 'logprobs', 'advantages'], optional: [] },
-  cispo: { required: ['target_tokens', 'logprobs', 'advantages'], optional: [] },
-  dro: { required: ['target_tokens', 'logprobs', 'advantages'], optional: [] },
+  importance_sampling: { required: RL, optional: [] },
+  ppo: { required: RL, optional: CLIP },
+  cispo: { required: RL, optional: CLIP },
+  dro: { required: RL, optional: [] },
+  gspo: { required: RL, optional: ['sequence_ratio_mask', ...CLIP] },
+  stable_reinforce: { required: ['target_tokens', 'advantages'], optional: ['logprobs', 'clip_high_threshold'] },
 };
 
 const invalid = (m: string) => new BrokerError('INVALID_REQUEST', m);
+
+/** Widest 2-D loss input (N, K) accepted (top-K distillation targets and weights). */
+export const MAX_TARGET_K = 128;
+
+/** A model's context length (records placed before it was stored: from the agents' registry). */
+async function contextLength(ctx: ApiContext, model: ModelRecord): Promise<number> {
+  if (model.max_context_length !== null) return model.max_context_length;
+  return (await ctx.registry.resolveBaseModel(model.base_model)).model.max_context_length;
+}
 
 /** Checks a batch against the loss and the model before it is queued; the engine re-checks. */
 export function validateBatch(lossFn: string, data: Datum[], vocabSize: number): void {
@@ -151,7 +170,7 @@ async function loadableCheckpoint(
 async function createViaLoad(ctx: ApiContext, req: Request, body: z.output<typeof CreateViaLoadBody>): Promise<{ request_id: string; model_id: string }> {
   await requireSession(ctx, req, body.session_id, ': call create_session first');
   if (body.optimizer_config && body.optimizer_config.type !== 'adamw')
-    throw invalid(`optimizer '${body.optimizer_config.type}' is not supported; only adamw`);
+    throw invalid(`optimizer '${body.optimizer_config.type}' is not supported by this server; supported: adamw (Dimuon's definition is not public, see docs/losses.md)`);
   const c = await loadableCheckpoint(ctx, req, body.path);
   if (body.base_model) {
     const { model } = await ctx.registry.resolveBaseModel(body.base_model);
@@ -183,11 +202,16 @@ export function trainingRoutes(ctx: ApiContext): Router {
     if (!fb.model_id) throw invalid('forward_backward: model_id is required');
     if (fb.seq_id < 1) throw invalid(`forward_backward: seq_id must be ≥ 1, got ${fb.seq_id}`);
     const model = await requireModel(ctx, req, fb.model_id);
-    await guardSeq(ctx, req, fb.model_id, fb.seq_id, async () => {
-      validateBatch(fb.loss_fn, fb.data, model.vocab_size);
+    const data = await guardSeq(ctx, req, fb.model_id, fb.seq_id, async () => {
+      // The datums are decoded only now, under the model's bounds: nothing is allocated past them.
+      const data = fb.data({ maxTokens: await contextLength(ctx, model), vocabSize: model.vocab_size, maxK: MAX_TARGET_K });
+      validateBatch(fb.loss_fn, data, model.vocab_size);
       if (fb.loss_fn === 'dro' && typeof fb.loss_fn_config.beta !== 'number') throw invalid("loss_fn 'dro' needs loss_fn_config.beta");
+      if (fb.loss_fn === 'stable_reinforce') await attachStability(ctx, model, data, fb.provenance);
+      return data;
     });
-    const requestId = await submitTrainOp(ctx, req, model, fb.seq_id, { op: 'forward_backward', ...fb });
+    const { data: _lazy, provenance: _spans, ...rest } = fb;
+    const requestId = await submitTrainOp(ctx, req, model, fb.seq_id, { op: 'forward_backward', ...rest, data });
     res.json({ request_id: requestId, model_id: fb.model_id });
   });
 
@@ -213,6 +237,7 @@ export function trainingRoutes(ctx: ApiContext): Router {
       tinker_path: formatTinkerPath(tp),
       dir: storageDirFor(ctx.config.storageDir, tp),
       sampling_session_id: named ? null : `${model.session_id}:sample:${body.sampling_session_seq_id}`,
+      kind: body.kind,
       ttl_seconds: body.ttl_seconds ?? null,
       user_metadata: body.user_metadata ?? null,
     });

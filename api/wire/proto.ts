@@ -49,22 +49,56 @@ function readArray(buf: Buffer, dtype: number, what: string): number[] {
   return out;
 }
 
-function decodeTensor(t: PbObject, what: string): Tensor {
+/**
+ * Bounds a forward_backward request is decoded under, from the model it names: checked on shapes
+ * and byte counts *before* any array is allocated, so a tiny request claiming a huge (sparse)
+ * tensor costs nothing.
+ */
+export type DecodeLimits = {
+  /** Most tokens in one datum: the model's context length. */
+  maxTokens: number;
+  /** The model's vocabulary size (the widest a 2-D input may be). */
+  vocabSize: number;
+  /** Widest 2-D loss input (N, K) accepted, e.g. top-K distillation targets. */
+  maxK: number;
+};
+
+/** The element count of `bytes` of `dtype`, checked to be whole, without reading them. */
+function countOf(buf: Buffer, dtype: number, what: string): number {
+  const size = ITEMSIZE[dtype];
+  if (!size) throw invalid(`${what}: unsupported tensor dtype ${dtype}`);
+  if (buf.length % size !== 0) throw invalid(`${what}: ${buf.length} bytes is not a whole number of ${size}-byte elements`);
+  return buf.length / size;
+}
+
+function decodeTensor(t: PbObject, what: string, rows: number, limits: DecodeLimits): Tensor {
   const dtype = Number(t.dtype ?? 0);
   const wireDtype: Tensor['dtype'] = dtype === DTYPE.INT64 || dtype === DTYPE.INT32 ? 'int64' : 'float32';
   const shape = ((t.shape as number[] | undefined) ?? []).map(Number);
   if (shape.some((d) => !Number.isInteger(d) || d < 0)) throw invalid(`${what}: invalid shape [${shape.join(', ')}]`);
+  // Every loss input is (N,) or (N, K) with N the datum's token count: checked before allocating.
+  const checkShape = (sh: number[]) => {
+    if (sh.length < 1 || sh.length > 2) throw invalid(`${what}: shape [${sh.join(', ')}] must be (N,) or (N, K)`);
+    if (sh[0] !== rows) throw invalid(`${what} has shape [${sh.join(', ')}] but model_input has ${rows} tokens`);
+    const k = sh[1] ?? 1;
+    const maxK = Math.min(limits.maxK, limits.vocabSize);
+    if (k > maxK) throw invalid(`${what}: shape [${sh.join(', ')}] is wider than ${maxK} (the largest K accepted for this model)`);
+  };
   if (t.encoding === 'sparse_csr') {
     const csr = t.sparse_csr as PbObject;
     if (shape.length !== 2) throw invalid(`${what}: a sparse CSR tensor needs a 2-D shape, got [${shape.join(', ')}]`);
-    const [rows, cols] = shape as [number, number];
+    checkShape(shape);
+    const [nrows, cols] = shape as [number, number];
+    const nnz = countOf(csr.values as Buffer, dtype, what);
+    if (countOf(csr.crow_indices as Buffer, DTYPE.INT64, `${what} crow_indices`) !== nrows + 1 || countOf(csr.col_indices as Buffer, DTYPE.INT64, `${what} col_indices`) !== nnz || nnz > nrows * cols)
+      throw invalid(`${what}: inconsistent sparse CSR indices`);
     const values = readArray(csr.values as Buffer, dtype, what);
     const crow = readArray(csr.crow_indices as Buffer, DTYPE.INT64, `${what} crow_indices`);
     const col = readArray(csr.col_indices as Buffer, DTYPE.INT64, `${what} col_indices`);
-    if (crow.length !== rows + 1 || col.length !== values.length || crow[rows] !== values.length)
-      throw invalid(`${what}: inconsistent sparse CSR indices`);
-    const data = new Array<number>(rows * cols).fill(0);
-    for (let r = 0; r < rows; r++) {
+    if (crow[0] !== 0 || crow[nrows] !== values.length) throw invalid(`${what}: inconsistent sparse CSR indices`);
+    const data = new Array<number>(nrows * cols).fill(0);
+    for (let r = 0; r < nrows; r++) {
+      if (crow[r + 1]! < crow[r]!) throw invalid(`${what}: inconsistent sparse CSR indices`);
       for (let j = crow[r]!; j < crow[r + 1]!; j++) {
         const c = col[j]!;
         if (c < 0 || c >= cols) throw invalid(`${what}: sparse column index ${c} outside [0, ${cols})`);
@@ -73,20 +107,44 @@ function decodeTensor(t: PbObject, what: string): Tensor {
     }
     return { dtype: wireDtype, shape, data };
   }
-  const data = readArray((t.dense as Buffer | undefined) ?? Buffer.alloc(0), dtype, what);
-  const finalShape = shape.length ? shape : [data.length];
+  const dense = (t.dense as Buffer | undefined) ?? Buffer.alloc(0);
+  const n = countOf(dense, dtype, what);
+  const finalShape = shape.length ? shape : [n];
+  checkShape(finalShape);
   const count = finalShape.reduce((a, b) => a * b, 1);
-  if (count !== data.length) throw invalid(`${what}: shape [${finalShape.join(', ')}] needs ${count} elements, got ${data.length}`);
-  return { dtype: wireDtype, shape: finalShape, data };
+  if (count !== n) throw invalid(`${what}: shape [${finalShape.join(', ')}] needs ${count} elements, got ${n}`);
+  return { dtype: wireDtype, shape: finalShape, data: readArray(dense, dtype, what) };
 }
 
+/** One run of a datum's provenance (SDK `PromptProvenanceSpan` / `SampledProvenanceSpan`). */
+export type ProvenanceSpan = { kind: 'prompt' | 'sampled'; sequence_id: string; offset: number; length: number };
+/** `Datum.with_provenance`: runs tiling the model input and the target tokens; null when absent. */
+export type DatumProvenance = { model_input: ProvenanceSpan[]; loss_fn_inputs: ProvenanceSpan[] } | null;
+
+function decodeSpans(spans: PbObject[], what: string): ProvenanceSpan[] {
+  return spans.map((s, j) => {
+    const kind = s.span === 'prompt_tokens' ? 'prompt' : s.span === 'sampled_tokens' ? 'sampled' : null;
+    if (!kind) throw invalid(`${what}[${j}]: a provenance span must be prompt_tokens or sampled_tokens`);
+    const body = s[s.span as string] as PbObject;
+    const span = { kind, sequence_id: String(body.sequence_id ?? ''), offset: Number(body.offset ?? 0), length: Number(body.length ?? 0) } as const;
+    if (!span.sequence_id) throw invalid(`${what}[${j}]: sequence_id is empty`);
+    if (!Number.isSafeInteger(span.offset) || span.offset < 0 || !Number.isSafeInteger(span.length) || span.length < 0)
+      throw invalid(`${what}[${j}]: offset and length must be non-negative integers`);
+    return span;
+  });
+}
+
+/** A decoded forward_backward request whose data is decoded only once its model's bounds are known. */
 export type DecodedForwardBackward = {
   model_id: string;
   seq_id: number;
   loss_fn: string;
   loss_fn_config: Record<string, number | string>;
   forward_only: boolean;
-  data: Datum[];
+  /** The datums, decoded under the model's bounds (a user error past them, before allocating). */
+  data: (limits: DecodeLimits) => Datum[];
+  /** Each datum's provenance (stable_reinforce), in data order. */
+  provenance: DatumProvenance[];
 };
 
 export function decodeForwardBackwardRequest(body: Buffer): DecodedForwardBackward {
@@ -97,18 +155,30 @@ export function decodeForwardBackwardRequest(body: Buffer): DecodedForwardBackwa
     throw invalid(`forward_backward body is not a valid ForwardBackwardRequest protobuf: ${(e as Error).message}`);
   }
   const o = toObj(ForwardBackwardRequestT, msg);
-  const data = (o.data as PbObject[]).map((d, i): Datum => {
-    const tokens: number[] = [];
-    for (const chunk of d.model_input as PbObject[]) {
-      if (chunk.chunk !== 'encoded_text')
-        throw invalid(`data[${i}]: model_input chunk of type '${String(chunk.chunk)}' is not supported (text tokens only)`);
-      for (const t of readArray((chunk.encoded_text as PbObject).tokens as Buffer, DTYPE.INT32, `data[${i}].model_input`)) tokens.push(t);
-    }
-    const inputs: Record<string, Tensor> = {};
-    for (const [k, v] of Object.entries(d.loss_fn_inputs as Record<string, PbObject>)) {
-      inputs[k] = decodeTensor(v, `data[${i}].loss_fn_inputs.${k}`);
-    }
-    return { tokens, loss_fn_inputs: inputs };
+  const data = (limits: DecodeLimits) =>
+    (o.data as PbObject[]).map((d, i): Datum => {
+      const chunks = d.model_input as PbObject[];
+      let n = 0;
+      for (const chunk of chunks) {
+        if (chunk.chunk !== 'encoded_text')
+          throw invalid(`data[${i}]: model_input chunk of type '${String(chunk.chunk)}' is not supported (text tokens only)`);
+        n += countOf((chunk.encoded_text as PbObject).tokens as Buffer, DTYPE.INT32, `data[${i}].model_input`);
+      }
+      if (n > limits.maxTokens) throw invalid(`data[${i}]: ${n} tokens exceed the model's context length of ${limits.maxTokens}`);
+      const tokens: number[] = [];
+      for (const chunk of chunks)
+        for (const t of readArray((chunk.encoded_text as PbObject).tokens as Buffer, DTYPE.INT32, `data[${i}].model_input`)) tokens.push(t);
+      const inputs: Record<string, Tensor> = {};
+      for (const [k, v] of Object.entries(d.loss_fn_inputs as Record<string, PbObject>)) {
+        inputs[k] = decodeTensor(v, `data[${i}].loss_fn_inputs.${k}`, n, limits);
+      }
+      return { tokens, loss_fn_inputs: inputs };
+    });
+  const provenance = (o.data as PbObject[]).map((d, i): DatumProvenance => {
+    const mi = (d.model_input_spans as PbObject[] | undefined) ?? [];
+    const li = (d.loss_fn_input_spans as PbObject[] | undefined) ?? [];
+    if (mi.length === 0 && li.length === 0) return null;
+    return { model_input: decodeSpans(mi, `data[${i}].model_input_spans`), loss_fn_inputs: decodeSpans(li, `data[${i}].loss_fn_input_spans`) };
   });
   // loss_fn_config_v2 (numbers or text) wins over the numeric-only field 5 when present.
   const config: Record<string, number | string> = { ...(o.loss_fn_config as Record<string, number>) };
@@ -123,6 +193,7 @@ export function decodeForwardBackwardRequest(body: Buffer): DecodedForwardBackwa
     loss_fn_config: config,
     forward_only: Boolean(o.forward_only),
     data,
+    provenance,
   };
 }
 

@@ -14,7 +14,7 @@ import { E2EServer } from './server.js';
  * needs for the cookbook's model table) and a second tiny model as the teacher, by name.
  */
 type Row = Record<string, number | string | undefined>;
-type Run = { recipe: string; rc: number; seconds: number; log_path: string; metrics: Row[]; checkpoints: { state_path: string }[] };
+type Run = { recipe: string; cmd: string[]; rc: number; seconds: number; log_path: string; metrics: Row[]; checkpoints: { state_path: string }[] };
 
 const num = (row: Row, key: string): number => {
   const v = row[key];
@@ -80,6 +80,16 @@ describe('Tinker Cookbook recipes, unchanged, against the server', function () {
     for (const row of steps(cookbook('rl_loop'), 3)) expect(num(row, 'reward/total')).to.be.within(0, 1);
   });
 
+  // `loss_fn=` drops run.py's default: the recipe runs with its own, stable_reinforce (sampling
+  // clients with record_stability_info, datums with provenance).
+  it('rl_loop with its default loss (stable_reinforce) and with loss_fn=gspo: every step completes', () => {
+    for (const lossFn of ['', 'gspo']) {
+      const run: Run = cookbook('rl_loop', `loss_fn=${lossFn}`);
+      expect(run.cmd.join(' ')).to.not.match(/loss_fn=importance_sampling/);
+      for (const row of steps(run, 3)) expect(num(row, 'reward/total')).to.be.within(0, 1);
+    }
+  });
+
   const checkRl = (run: Run, n: number) => {
     for (const row of steps(run, n)) {
       num(row, 'env/all/reward/total');
@@ -138,16 +148,23 @@ describe('Tinker Cookbook recipes, unchanged, against the server', function () {
     expect(mean(loss.slice(-2))).to.be.below(0.95 * loss[0]!);
   });
 
-  it('SFT, then RL from the SFT state', () => {
-    const out = cookbook('sft_then_rl');
-    const sft = steps(out.sft as Run, 12).map((r) => num(r, 'train_mean_nll'));
-    expect(sft.at(-1)).to.be.below(sft[0]! - 1.5);
-    const rl = out.rl as Run;
-    checkRl(rl, 4);
-    // The RL policy starts from the SFT weights: far more certain than the random base model
-    // (whose entropy is about ln 1029 = 6.9, as in the plain math_rl run).
-    expect(num(steps(rl, 4)[0]!, 'optim/entropy')).to.be.below(5.5);
-  });
+  // From the SFT state some groups have mixed rewards, so the RL loss really updates the model
+  // (grad_norm > 0): with math_rl's default loss, stable_reinforce, on the sampler logprobs the
+  // server recorded, and with gspo.
+  for (const lossFn of ['', 'gspo']) {
+    it(`SFT, then RL from the SFT state with ${lossFn ? `loss_fn=${lossFn}` : 'the default loss (stable_reinforce)'}`, () => {
+      const out = cookbook('sft_then_rl', `rl.loss_fn=${lossFn}`);
+      const sft = steps(out.sft as Run, 12).map((r) => num(r, 'train_mean_nll'));
+      expect(sft.at(-1)).to.be.below(sft[0]! - 1.5);
+      const rl = out.rl as Run;
+      expect(rl.cmd.join(' ')).to.not.match(/loss_fn=importance_sampling/);
+      checkRl(rl, 4);
+      // The RL policy starts from the SFT weights: far more certain than the random base model
+      // (whose entropy is about ln 1029 = 6.9, as in the plain math_rl run).
+      expect(num(steps(rl, 4)[0]!, 'optim/entropy')).to.be.below(5.5);
+      expect(Math.max(...steps(rl, 4).map((r) => num(r, 'grad_norm')))).to.be.above(1e-3);
+    });
+  }
 
   it('a recipe naming a model the server does not serve fails at once, naming the model and the served ones', () => {
     const unserved = path.join(workdir, 'Qwen/Qwen3-8B-Base'); // the tiny tokenizer, under a path not served

@@ -8,7 +8,9 @@ import { E2EServer } from './server.js';
  * (forward_backward, optim_step, save_weights_for_sampler) and recomputes the target logprobs,
  * the summed loss, the gradient, the clip and the AdamW step itself from the initial adapter the
  * server saved, in float32 on the CPU. Logprobs, loss:sum and every LoRA tensor after the step must
- * agree within 1e-5.
+ * agree within 1e-5. The SDK 0.38 cases: per-token clip thresholds, cispo's default, gspo (with and
+ * without thresholds) and stable_reinforce on real samples recorded with record_stability_info,
+ * whose datums carry provenance and deliberately wrong `logprobs` (the server uses its record).
  */
 type CaseResult = {
   model_id: string;
@@ -26,6 +28,7 @@ type CaseResult = {
   max_update: number;
   // ratio-based losses only
   max_ratio?: number;
+  min_ratio?: number;
   n_ratio_gt_2?: number;
   ppo_clipped_tokens?: number;
   tokens_outside_clip?: number;
@@ -42,6 +45,11 @@ const CASES: Record<string, string> = {
   ppo: 'ppo',
   cispo: 'cispo',
   dro: 'dro',
+  ppo_per_token: 'ppo',
+  cispo_default: 'cispo',
+  gspo: 'gspo',
+  gspo_thresholds: 'gspo',
+  stable_reinforce: 'stable_reinforce',
 };
 const TOL = 1e-5;
 
@@ -100,5 +108,11 @@ describe('losses match a torch reference (logprobs, loss:sum, parameters after o
       expect(r.tokens_outside_clip, ctx).to.be.below(r.n_tokens!);
       expect(r.ppo_clipped_tokens, ctx).to.be.above(0);
     }
+    // Per-token thresholds replace the config's: other tokens are clipped than with [0.9, 1.1].
+    expect(results.ppo_per_token!.tokens_outside_clip).to.be.above(0);
+    expect(results.ppo_per_token!.tokens_outside_clip).to.not.equal(results.ppo!.tokens_outside_clip);
+    // cispo's default clip is one-sided [0, 4]: the ratios 0.37 .. 3.3 are all inside it.
+    expect(results.cispo_default!.tokens_outside_clip).to.equal(0);
+    expect(results.cispo_default!.min_ratio).to.be.below(0.5);
   });
 });

@@ -161,6 +161,12 @@ describe('operations: metrics, CLI, dashboard, OpenAPI and SIGTERM on a stack st
     expect(status.stdout).to.match(/agents +1 alive: ops-agent \(torch, cpu\)/);
     expect(status.stdout).to.match(/models +1 training model, 1 session/);
     expect(status.stdout).to.match(/^train-ops-agent +0 +0 +0 +8 +0$/m);
+    expect(status.stdout).to.match(new RegExp(`^tokens +sampled ${sdk.sampled_tokens} \\(.*\\), trained ${sdk.trained_tokens} \\(`, 'm'));
+    expect(status.stdout).to.match(/^forward_backward +3 +0 +0 +\d+ ms +\d+ ms +\d+ ms$/m);
+    const sj = JSON.parse(cli('status', '--json').stdout);
+    const fbStat = sj.ops.find((o: { op: string }) => o.op === 'forward_backward');
+    expect(fbStat).to.include({ ok: 3, user_errors: 0, server_errors: 0 });
+    expect(fbStat.mean_ms.total).to.be.closeTo(fbStat.mean_ms.queue_wait + fbStat.mean_ms.engine, 1);
 
     const agents = JSON.parse(cli('agents', '--json').stdout);
     expect(agents).to.have.length(1);
@@ -257,5 +263,52 @@ describe('operations: metrics, CLI, dashboard, OpenAPI and SIGTERM on a stack st
     expect(await portOpen(port), 'API port still open').to.equal(false);
     expect(await portOpen(redisPort), 'Redis port still open').to.equal(false);
     expect(log).to.match(/stopping .*signal=SIGTERM/);
+  });
+});
+
+describe('npx tinker-broker start stops on SIGTERM to npx', function () {
+  this.timeout(180_000);
+  it('leaves no process running (npm forwards the signal to a shell that does not pass it on; start watches its parent)', async () => {
+    const tmp = mkdtempSync(path.join(os.tmpdir(), 'tb-npx-'));
+    const port = await freePort();
+    const redisPort = await freePort();
+    mkdirSync(path.join(tmp, 'redis'));
+    const env = {
+      ...process.env,
+      TB_LOG_LEVEL: 'info',
+      TB_PORT: String(port),
+      TB_PREFIX: 'npx',
+      REDIS_URL: `redis://127.0.0.1:${redisPort}`,
+      TB_REDIS_DIR: path.join(tmp, 'redis'),
+      TB_STORAGE_DIR: path.join(tmp, 'storage'),
+      TB_API_KEYS: KEY,
+    };
+    const npx = spawn('npx', ['tinker-broker', 'start', '--api-only'], { env, stdio: ['ignore', 'pipe', 'pipe'], detached: true });
+    let log = '';
+    npx.stdout!.on('data', (d) => (log += d));
+    npx.stderr!.on('data', (d) => (log += d));
+    try {
+      const deadline = Date.now() + 120_000;
+      while (!(await portOpen(port))) {
+        if (npx.exitCode !== null || Date.now() > deadline) throw new Error(`not listening:\n${log}`);
+        await new Promise((r) => setTimeout(r, 250));
+      }
+      const pids = await processTree([npx.pid!]);
+      const exited = new Promise((resolve) => npx.once('exit', resolve));
+      process.kill(npx.pid!, 'SIGTERM');
+      await exited;
+      const until = Date.now() + 30_000;
+      while (pids.some(alive) && Date.now() < until) await new Promise((r) => setTimeout(r, 100));
+      expect(pids.filter(alive), `left running:\n${log}`).to.deep.equal([]);
+      expect(await portOpen(port)).to.equal(false);
+      expect(await portOpen(redisPort)).to.equal(false);
+    } finally {
+      try {
+        process.kill(-npx.pid!, 'SIGKILL');
+      } catch {
+        /* gone */
+      }
+      rmSync(tmp, { recursive: true, force: true });
+    }
   });
 });

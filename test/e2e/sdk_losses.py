@@ -63,6 +63,12 @@ CASES = [
     ("ppo", "ppo", CLIP, "rl", 0.0, 1e-2),
     ("cispo", "cispo", CLIP, "rl", 0.05, 1e-2),
     ("dro", "dro", {"beta": 0.5}, "rl", 0.0, 1e-4),
+    # SDK 0.38: per-token thresholds, cispo's one-sided default, gspo, stable_reinforce.
+    ("ppo_per_token", "ppo", CLIP, "rl_clip_tokens", 0.0, 1e-2),
+    ("cispo_default", "cispo", None, "rl", 0.05, 1e-2),
+    ("gspo", "gspo", None, "gspo", 0.0, 1e-2),
+    ("gspo_thresholds", "gspo", {"clip_low_threshold": 0.6, "clip_high_threshold": 1.6}, "gspo_clip_tokens", 0.0, 1e-2),
+    ("stable_reinforce", "stable_reinforce", {"kl_coeff": 2.0}, "stable", 0.0, 1e-2),
 ]
 
 
@@ -87,27 +93,61 @@ def target_logprobs(model: torch.nn.Module, tokens: np.ndarray, targets: np.ndar
 
 # ---- the loss formulas of docs/engine-protocol.md, per datum, as sums ----
 
+def thresholds(loss_fn: str, config: dict | None, inputs: dict[str, torch.Tensor], like: torch.Tensor):
+    """(lo, hi) per token: the datum's own where it has them, else the config's, else the loss's default."""
+    cfg = {**CLIP_DEFAULTS.get(loss_fn, {}), **(config or {})}
+    lo = inputs.get("clip_low_threshold", torch.full_like(like, cfg.get("clip_low_threshold", 0.0)))
+    hi = inputs.get("clip_high_threshold", torch.full_like(like, cfg["clip_high_threshold"]))
+    return lo, hi
+
+
+def ppo_objective(ratio: torch.Tensor, adv: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    clipped = torch.maximum(torch.minimum(ratio, hi), lo)
+    return -torch.minimum(ratio * adv, clipped * adv).sum()
+
+
 def ref_loss(loss_fn: str, config: dict | None, lp: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    cfg = {**CLIP_DEFAULTS, **(config or {})}
+    cfg = config or {}
     if loss_fn == "cross_entropy":
         w = inputs.get("weights", torch.ones_like(lp))
         return -(w * lp).sum()
-    q, adv = inputs["logprobs"], inputs["advantages"]
+    adv = inputs["advantages"]
+    if loss_fn == "stable_reinforce":
+        # q: what the server recorded when it sampled (the datum's own logprobs are not used).
+        m = inputs["recorded_mask"]
+        log_r = (lp - inputs["recorded_logprobs"]) * m
+        r = torch.exp(log_r)
+        _, hi = thresholds(loss_fn, config, inputs, lp)
+        w = torch.minimum(r, hi).detach()
+        return -(w * adv * lp * m).sum() + cfg.get("kl_coeff", 0.0) * ((r - 1.0 - log_r) * m).sum()
+    q = inputs["logprobs"]
     ratio = torch.exp(lp - q)
     if loss_fn == "importance_sampling":
         return -(ratio * adv).sum()
     if loss_fn == "ppo":
-        clipped = torch.clamp(ratio, cfg["clip_low_threshold"], cfg["clip_high_threshold"])
-        return -torch.minimum(ratio * adv, clipped * adv).sum()
+        return ppo_objective(ratio, adv, *thresholds(loss_fn, config, inputs, lp))
     if loss_fn == "cispo":
-        weight = torch.clamp(ratio, cfg["clip_low_threshold"], cfg["clip_high_threshold"]).detach()
+        lo, hi = thresholds(loss_fn, config, inputs, lp)
+        weight = torch.maximum(torch.minimum(ratio, hi), lo).detach()
         return -(weight * lp * adv).sum()
     if loss_fn == "dro":
         return -(lp * adv - 0.5 * cfg["beta"] * (lp - q) ** 2).sum()
+    if loss_fn == "gspo":
+        # GSPO-token (Tinker's GSPO docs): every token carries the sequence ratio's value over
+        # the masked tokens and the gradient of its own log-probability.
+        m = inputs["sequence_ratio_mask"] != 0
+        seq = torch.exp((lp.detach() - q)[m].mean())
+        return ppo_objective(seq * torch.exp(lp - lp.detach()), adv, *thresholds(loss_fn, config, inputs, lp))
     raise ValueError(loss_fn)
 
 
-CLIP_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+# Defaults per loss (docs/losses.md).
+CLIP_DEFAULTS = {
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+    "gspo": {"clip_low_threshold": 1.0 - 3e-4, "clip_high_threshold": 1.0 + 4e-4},
+    "stable_reinforce": {"clip_high_threshold": 4.0},
+}
 
 
 def make_data(kind: str, rng: np.random.Generator, base_lp: list[np.ndarray] | None, seqs: list[np.ndarray]):
@@ -129,7 +169,7 @@ def make_data(kind: str, rng: np.random.Generator, base_lp: list[np.ndarray] | N
             targets[:, 0] = nxt
             w = rng.dirichlet(np.ones(K), size=n).astype(np.float32)
             inputs = {"target_tokens": targets, "weights": w}
-        elif kind == "rl":
+        elif kind in ("rl", "rl_clip_tokens", "gspo", "gspo_clip_tokens"):
             assert base_lp is not None
             idx = (np.arange(n) + i) % len(RATIO_OFFSETS)
             inputs = {
@@ -137,17 +177,76 @@ def make_data(kind: str, rng: np.random.Generator, base_lp: list[np.ndarray] | N
                 "logprobs": (base_lp[i] + RATIO_OFFSETS[idx]).astype(np.float32),
                 "advantages": ADVANTAGES[(np.arange(n) * 2 + i) % len(ADVANTAGES)].copy(),
             }
+            if kind.startswith("gspo"):
+                # A two-token "prompt" outside the sequence ratio, with no advantage.
+                mask = np.ones(n, dtype=np.float32)
+                mask[:2] = 0.0
+                inputs["sequence_ratio_mask"] = mask
+                inputs["advantages"] = inputs["advantages"] * mask
+            if kind.endswith("clip_tokens"):
+                # Per-token thresholds that differ from the config's and from each other.
+                inputs["clip_low_threshold"] = np.linspace(0.4, 0.95, n).astype(np.float32)
+                inputs["clip_high_threshold"] = np.linspace(1.05, 2.5, n).astype(np.float32)
         else:
             raise ValueError(kind)
         out.append((tokens.astype(np.int64), inputs))
     return out
 
 
-def to_datum(tokens: np.ndarray, inputs: dict[str, np.ndarray]) -> types.Datum:
-    return types.Datum(
+REF_ONLY = ("recorded_logprobs", "recorded_mask", "provenance")
+
+
+def to_datum(tokens: np.ndarray, inputs: dict) -> types.Datum:
+    d = types.Datum(
         model_input=types.ModelInput.from_ints([int(t) for t in tokens]),
-        loss_fn_inputs={k: types.TensorData.from_numpy(v) for k, v in inputs.items()},
+        loss_fn_inputs={k: types.TensorData.from_numpy(v) for k, v in inputs.items() if k not in REF_ONLY},
     )
+    if "provenance" in inputs:
+        d = d.with_provenance(*inputs["provenance"])
+    return d
+
+
+def stable_data(tc, name: str, seqs: list[np.ndarray]):
+    """Datums built from real samples of the initial weights, recorded for stable_reinforce.
+
+    As the cookbook's rl_loop does: input = prompt + sampled[:-1], targets = prompt[1:] + sampled,
+    advantages only on sampled tokens, provenance naming each sequence. The datum's own
+    `logprobs` are deliberately off by 0.5: the server must use what it recorded, which the
+    reference takes from the sampled sequence (sequence.logprobs is what the sampler returned)."""
+    sampler = tc.create_sampling_client(tc.save_weights_for_sampler(f"stable-{name}").result().path,
+                                        record_stability_info=True).result()
+    out = []
+    for i, seq in enumerate(seqs):
+        prompt = [int(t) for t in seq[:4]]
+        resp = sampler.sample(types.ModelInput.from_ints(prompt), 2,
+                              types.SamplingParams(max_tokens=6, temperature=1.0, seed=100 + i, stop=[])).result()
+        for j, s in enumerate(resp.sequences):
+            sampled = list(s.tokens)
+            ob = len(prompt) - 1
+            n = ob + len(sampled)
+            adv = np.zeros(n, dtype=np.float32)
+            adv[ob:] = ADVANTAGES[(i * 2 + j) % len(ADVANTAGES)]
+            mask = np.zeros(n, dtype=np.float32)
+            mask[ob:] = 1.0
+            rec = np.zeros(n, dtype=np.float32)
+            rec[ob:] = np.asarray(s.logprobs, dtype=np.float32)
+            hi = np.where(np.arange(n) % 2 == 0, 0.5, 4.0).astype(np.float32)  # half the tokens truncated
+            inputs = {
+                "target_tokens": np.asarray(prompt[1:] + sampled, dtype=np.int64),
+                "advantages": adv,
+                "logprobs": rec + 0.5 * mask,
+                "clip_high_threshold": hi,
+                "recorded_logprobs": rec,
+                "recorded_mask": mask,
+                "provenance": (
+                    [types.PromptProvenanceSpan(sequence_id=s.sequence_id, length=len(prompt)),
+                     types.SampledProvenanceSpan(sequence_id=s.sequence_id, length=len(sampled) - 1)],
+                    [types.PromptProvenanceSpan(sequence_id=s.sequence_id, offset=1, length=len(prompt) - 1),
+                     types.SampledProvenanceSpan(sequence_id=s.sequence_id, length=len(sampled))],
+                ),
+            }
+            out.append((np.asarray(prompt + sampled[:-1], dtype=np.int64), inputs))
+    return out
 
 
 def reference(base_dir: str, init_dir: str, data, loss_fn: str, config, clip: float, eps: float):
@@ -160,7 +259,7 @@ def reference(base_dir: str, init_dir: str, data, loss_fn: str, config, clip: fl
     lps, losses = [], []
     for tokens, inputs in data:
         lp = target_logprobs(model, tokens, inputs["target_tokens"])
-        extra = {k: torch.tensor(v, dtype=torch.float32) for k, v in inputs.items() if k != "target_tokens"}
+        extra = {k: torch.tensor(v, dtype=torch.float32) for k, v in inputs.items() if k not in ("target_tokens", "provenance")}
         losses.append(ref_loss(loss_fn, config, lp, extra))
         lps.append(lp.detach().numpy().copy())
     loss = torch.stack(losses).sum()
@@ -177,12 +276,14 @@ def reference(base_dir: str, init_dir: str, data, loss_fn: str, config, clip: fl
 
 def ratio_stats(kind: str, loss_fn: str, config, lps, data) -> dict:
     """How the ratio-based losses are exercised: max ratio, and tokens where PPO/CISPO clip is active."""
-    if kind != "rl":
+    if kind not in ("rl", "rl_clip_tokens"):
         return {}
-    cfg = {**CLIP_DEFAULTS, **(config or {})}
     r = np.concatenate([np.exp(lp.astype(np.float64) - inp["logprobs"]) for lp, (_, inp) in zip(lps, data)])
     a = np.concatenate([inp["advantages"] for _, inp in data])
-    lo, hi = cfg["clip_low_threshold"], cfg["clip_high_threshold"]
+    stats_loss = loss_fn if loss_fn in CLIP_DEFAULTS else "ppo"  # IS and DRO: counted against PPO's range
+    los, his = zip(*(thresholds(stats_loss, config, {k: torch.tensor(v) for k, v in inp.items() if k.startswith("clip")},
+                                torch.tensor(lp)) for lp, (_, inp) in zip(lps, data)))
+    lo, hi = torch.cat(los).numpy(), torch.cat(his).numpy()
     # PPO's min picks the clipped (constant) term where A > 0 and r > hi, or A < 0 and r < lo.
     ppo_clipped = int(((a > 0) & (r > hi)).sum() + ((a < 0) & (r < lo)).sum())
     outside = int(((r < lo) | (r > hi)).sum())
@@ -205,8 +306,8 @@ def main() -> None:
 
     results: dict[str, dict] = {}
     for name, loss_fn, config, kind, clip, eps in CASES:
-        data = make_data(kind, rng, base_lp, seqs)
         tc = service.create_lora_training_client(base_model=alias, rank=RANK, seed=SEED).result()
+        data = stable_data(tc, name, seqs) if kind == "stable" else make_data(kind, rng, base_lp, seqs)
         tc.save_weights_for_sampler(f"init-{name}").result()
         init_dir = adapter_dir(storage, tc.model_id, f"init-{name}")
 

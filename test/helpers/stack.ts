@@ -24,7 +24,9 @@ export type TestStack = {
   stop: () => Promise<void>;
 };
 
-export async function startStack(opts: { agent?: boolean; longPollMs?: number; redisUrl?: string } = {}): Promise<TestStack> {
+export async function startStack(
+  opts: { agent?: boolean; longPollMs?: number; redisUrl?: string; env?: Record<string, string> } = {},
+): Promise<TestStack> {
   const prefix = `test-${randomUUID().slice(0, 8)}`;
   const storageDir = mkdtempSync(path.join(os.tmpdir(), 'tb-storage-'));
   const env = {
@@ -36,6 +38,7 @@ export async function startStack(opts: { agent?: boolean; longPollMs?: number; r
     TB_AGENT_ID: `agent-${prefix}`,
     TB_AGENT_MODELS: `${TINY_MODEL_DIR}=${TINY_MODEL_ALIAS}`,
     TB_SAMPLE_CONCURRENCY: '4',
+    ...opts.env,
   };
   let agent: Agent | null = null;
   if (opts.agent !== false) {

@@ -67,3 +67,9 @@ export function decodeSampleResponse(buf: Buffer): { sequences: { tokens: number
     promptLogprobs: o.prompt_logprobs?.length ? Array.from(new Float32Array(new Uint8Array(o.prompt_logprobs).buffer)) : null,
   };
 }
+
+/** A ForwardBackwardRequest from a plain object (tensors as the proto spells them), for hostile shapes. */
+export function encodeForwardBackwardMessage(obj: Record<string, unknown>): Buffer {
+  return Buffer.from(Req.encode(Req.fromObject(obj)).finish());
+}
+export { f32, i32, i64 };

@@ -7,8 +7,9 @@ The recipe's own entry point (``python -m tinker_cookbook.recipes....``) runs as
 against ``TINKER_BASE_URL`` (default http://127.0.0.1:8000, key ``TINKER_API_KEY`` default
 tml-local) with the tiny model, a few steps and small batches, and local data written by
 ``data.py`` into the working directory (its default: ``var/cookbook``). ``key=value`` arguments
-are the recipe's own (chz) arguments and replace the defaults below; for ``sft_then_rl`` prefix
-them with ``sft.`` or ``rl.``. The recipe writes its metrics to ``<workdir>/runs/<recipe>/``
+are the recipe's own (chz) arguments and replace the defaults below (``key=`` with no value drops
+a default: ``loss_fn=`` runs the recipe with its own default loss, ``stable_reinforce`` in
+``rl_loop`` and ``math_rl``); for ``sft_then_rl`` prefix them with ``sft.`` or ``rl.``. The recipe writes its metrics to ``<workdir>/runs/<recipe>/``
 (``metrics.jsonl``, ``checkpoints.jsonl``; its console output in ``runs/<recipe>.out``). The last line printed is one JSON object:
 the commands, the log paths, and every metrics row (without the ``time/`` and ``tokens/`` keys;
 NaN and infinities as strings).
@@ -149,6 +150,8 @@ def run_one(recipe: str, workdir: Path, overrides: dict[str, str], run_name: str
     fill = {**_models(), "workdir": str(workdir), "log_path": str(log_path)}
     args = {k: v.format(**fill) for k, v in defaults.items()}
     args.update(overrides)
+    # `key=` (empty) drops a default, so the recipe uses its own (e.g. loss_fn= runs its default loss).
+    args = {k: v for k, v in args.items() if v != ""}
     cmd = [*cmd_prefix, *(f"{k}={v}" for k, v in args.items())]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TINKER_BASE_URL": os.environ.get("TINKER_BASE_URL", "http://127.0.0.1:8000"),

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from helpers import create, datum, fb, grads, out_logprobs, perturb, zero_grads
+from helpers import adam, create, datum, fb, grads, out_logprobs, params, perturb, zero_grads
 from tinker_engine import losses
 from tinker_engine.engine import Engine
 from tinker_engine.errors import UserError
@@ -219,7 +219,210 @@ def test_config_validation() -> None:
         losses.get_loss("ppo").parse_config({"clip_low": 0.5})
     with pytest.raises(UserError, match="finite"):
         losses.get_loss("ppo").parse_config({"clip_low_threshold": float("nan")})
-    with pytest.raises(UserError, match="supported: cross_entropy, importance_sampling, ppo, cispo, dro"):
+    with pytest.raises(UserError, match="supported: cross_entropy, importance_sampling, ppo, cispo, dro, gspo, stable_reinforce"):
         losses.get_loss("mse")
     assert losses.get_loss("ppo").parse_config({"clip_high_threshold": "1.5"}) == {
         "clip_low_threshold": 0.8, "clip_high_threshold": 1.5}
+
+
+# --- SDK 0.38: per-token clip thresholds, gspo, stable_reinforce, cispo's one-sided default ---------
+
+def _clamp(r: torch.Tensor, lo: torch.Tensor | float, hi: torch.Tensor | float) -> torch.Tensor:
+    lo_t = torch.as_tensor(lo, dtype=r.dtype).expand_as(r)
+    hi_t = torch.as_tensor(hi, dtype=r.dtype).expand_as(r)
+    return torch.where(r < lo_t, lo_t, torch.where(r > hi_t, hi_t, r))
+
+
+def _ppo_ref(r: torch.Tensor, a: torch.Tensor, lo, hi) -> torch.Tensor:
+    c = _clamp(r, lo, hi)
+    return -torch.where(r * a < c * a, r * a, c * a).sum()
+
+
+def _params_after_step(engine: Engine, loss_fn: str, items, formula: Formula, config=None) -> None:
+    """One AdamW step after the engine's forward_backward equals one after the reference's backward."""
+    before = params(engine, MODEL)
+    zero_grads(engine, MODEL)
+    model = engine.registry.model(MODEL)
+    model.base.activate(model.adapter, trainable=True)
+    total = torch.zeros(())
+    for tokens, targets, inputs in items:
+        logp = torch.log_softmax(model.base.hf(input_ids=torch.tensor([tokens])).logits[0].float(), dim=-1)
+        total = total + formula(logp[torch.arange(len(tokens)), targets], inputs)
+    total.backward()
+    ref = {n: p.detach().clone() for n, p in model.params}
+    opt = torch.optim.AdamW([p for _, p in model.params], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    opt.step()
+    expected = params(engine, MODEL)
+    # Back to the starting point, then the engine's own step.
+    with torch.no_grad():
+        for n, p in model.params:
+            p.copy_(before[n])
+    zero_grads(engine, MODEL)
+    model.optimizer = None
+    fb(engine, MODEL, loss_fn, [datum(t, tg, **inp) for t, tg, inp in items], config)
+    engine.call("optim_step", {"model_id": MODEL, "adam": adam(lr=1e-2)})
+    got = params(engine, MODEL)
+    moved = 0
+    for n, p in expected.items():
+        torch.testing.assert_close(got[n], p, **TOL, msg=lambda m: f"{n}: {m}")
+        moved += int((p - ref[n]).abs().max() > 1e-6)
+    assert moved == len(expected), "every LoRA matrix should move in the step"
+
+
+def test_ppo_per_token_thresholds(setup) -> None:
+    engine, gen, vocab = setup
+    items = _rl_items(engine, gen, vocab, _ratios)
+    for _, _, inp in items:
+        n = inp["advantages"].shape[0]
+        inp["clip_low_threshold"] = torch.linspace(0.5, 0.9, n)
+        inp["clip_high_threshold"] = torch.linspace(1.1, 2.5, n)
+    # The config's thresholds are overridden by the datum's own.
+    _check(engine, "ppo", items,
+           lambda lp, inp: _ppo_ref(torch.exp(lp - inp["logprobs"]), inp["advantages"],
+                                    inp["clip_low_threshold"], inp["clip_high_threshold"]),
+           {"clip_low_threshold": 0.99, "clip_high_threshold": 1.01})
+
+
+def test_cispo_default_is_one_sided(setup) -> None:
+    engine, gen, vocab = setup
+    items = _rl_items(engine, gen, vocab, lambda n: torch.linspace(math.log(0.05), math.log(8.0), n))
+
+    def cispo(lp: torch.Tensor, inp: dict[str, torch.Tensor]) -> torch.Tensor:
+        weight = _clamp(torch.exp(lp - inp["logprobs"]), 0.0, 4.0).detach()
+        return -(weight * lp * inp["advantages"]).sum()
+
+    _check(engine, "cispo", items, cispo)
+
+
+def test_cispo_per_token_high_threshold(setup) -> None:
+    engine, gen, vocab = setup
+    items = _rl_items(engine, gen, vocab, _ratios)
+    for _, _, inp in items:
+        inp["clip_high_threshold"] = torch.linspace(1.0, 2.0, inp["advantages"].shape[0])
+
+    def cispo(lp: torch.Tensor, inp: dict[str, torch.Tensor]) -> torch.Tensor:
+        weight = _clamp(torch.exp(lp - inp["logprobs"]), 0.0, inp["clip_high_threshold"]).detach()
+        return -(weight * lp * inp["advantages"]).sum()
+
+    _check(engine, "cispo", items, cispo)
+
+
+def _gspo_ref(lo, hi) -> Formula:
+    def gspo(lp: torch.Tensor, inp: dict[str, torch.Tensor]) -> torch.Tensor:
+        m = inp["sequence_ratio_mask"] != 0
+        seq_log_ratio = (lp.detach() - inp["logprobs"])[m].sum() / m.sum()
+        s = torch.exp(seq_log_ratio) * torch.exp(lp - lp.detach())  # value s, gradient of lp
+        return _ppo_ref(s, inp["advantages"], lo, hi)
+    return gspo
+
+
+def _gspo_items(engine, gen, vocab, log_ratio):
+    items = _rl_items(engine, gen, vocab, log_ratio)
+    for _, _, inp in items:
+        n = inp["advantages"].shape[0]
+        mask = torch.zeros(n)
+        mask[n // 3:] = 1.0  # a prompt-like head outside the ratio
+        inp["sequence_ratio_mask"] = mask
+        inp["advantages"] = inp["advantages"] * mask
+    return items
+
+
+@pytest.mark.parametrize("shift", [0.0005, 0.1, -0.1])
+def test_gspo_default_thresholds(setup, shift: float) -> None:
+    engine, gen, vocab = setup
+    # Random per-token log ratios around `shift`: the sequence ratio lands inside or outside
+    # [1 - 3e-4, 1 + 4e-4], and tokens of one datum share it.
+    items = _gspo_items(engine, gen, vocab, lambda n: shift + 0.01 * torch.randn(n, generator=gen))
+    _check(engine, "gspo", items, _gspo_ref(1.0 - 3e-4, 1.0 + 4e-4))
+
+
+def test_gspo_config_and_per_token_thresholds(setup) -> None:
+    engine, gen, vocab = setup
+    items = _gspo_items(engine, gen, vocab, lambda n: 0.3 * torch.randn(n, generator=gen))
+    _check(engine, "gspo", items, _gspo_ref(0.9, 1.1), {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})
+    for _, _, inp in items:
+        n = inp["advantages"].shape[0]
+        inp["clip_low_threshold"] = torch.full((n,), 0.95)
+        inp["clip_high_threshold"] = torch.linspace(1.0, 1.5, n)
+    zero_grads(engine, MODEL)
+    _check(engine, "gspo", items, lambda lp, inp: _gspo_ref(inp["clip_low_threshold"], inp["clip_high_threshold"])(lp, inp))
+
+
+def test_gspo_without_mask_uses_nonzero_advantages(setup) -> None:
+    engine, gen, vocab = setup
+    items = _gspo_items(engine, gen, vocab, lambda n: 0.2 * torch.randn(n, generator=gen))
+    without = [(t, tg, {k: v for k, v in inp.items() if k != "sequence_ratio_mask"}) for t, tg, inp in items]
+
+    def ref(lp: torch.Tensor, inp: dict[str, torch.Tensor]) -> torch.Tensor:
+        return _gspo_ref(0.8, 1.25)(lp, {**inp, "sequence_ratio_mask": (inp["advantages"] != 0).float()})
+
+    _check(engine, "gspo", without, ref, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.25})
+
+
+def test_gspo_params_after_one_step(setup) -> None:
+    engine, gen, vocab = setup
+    items = _gspo_items(engine, gen, vocab, lambda n: 0.05 * torch.randn(n, generator=gen))
+    _params_after_step(engine, "gspo", items, _gspo_ref(0.9, 1.1), {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})
+
+
+def _stable_items(engine, gen, vocab, log_ratio):
+    """Datums whose first third is prompt (no advantage, mask 0) and the rest sampled tokens."""
+    items = _rl_items(engine, gen, vocab, log_ratio)
+    out = []
+    for tokens, targets, inp in items:
+        n = len(tokens)
+        mask = torch.zeros(n)
+        mask[n // 3:] = 1.0
+        out.append((tokens, targets, {"advantages": inp["advantages"] * mask,
+                                      "stability_logprobs": inp["logprobs"] * mask, "stability_mask": mask}))
+    return out
+
+
+def _stable_ref(kl_coeff: float, hi) -> Formula:
+    def stable(lp: torch.Tensor, inp: dict[str, torch.Tensor]) -> torch.Tensor:
+        m = inp["stability_mask"]
+        log_r = (lp - inp["stability_logprobs"]) * m
+        r = torch.exp(log_r)
+        hi_t = torch.as_tensor(hi, dtype=r.dtype).expand_as(r)
+        w = torch.where(r > hi_t, hi_t, r).detach()
+        pg = -(w * inp["advantages"] * lp * m).sum()
+        return pg + kl_coeff * ((r - 1.0 - log_r) * m).sum()
+    return stable
+
+
+def test_stable_reinforce_default(setup) -> None:
+    engine, gen, vocab = setup
+    items = _stable_items(engine, gen, vocab, _ratios)  # ratios 0.3 .. 3: none truncated at 4
+    _check(engine, "stable_reinforce", items, _stable_ref(0.0, 4.0))
+
+
+def test_stable_reinforce_truncation_and_kl(setup) -> None:
+    engine, gen, vocab = setup
+    items = _stable_items(engine, gen, vocab, lambda n: torch.linspace(math.log(0.2), math.log(9.0), n))
+    _check(engine, "stable_reinforce", items, _stable_ref(0.3, 2.0), {"kl_coeff": 0.3, "clip_high_threshold": 2.0})
+
+
+def test_stable_reinforce_params_after_one_step(setup) -> None:
+    engine, gen, vocab = setup
+    items = _stable_items(engine, gen, vocab, lambda n: 0.3 * torch.randn(n, generator=gen))
+    _params_after_step(engine, "stable_reinforce", items, _stable_ref(0.1, 4.0), {"kl_coeff": 0.1})
+
+
+def test_stable_reinforce_refuses_advantages_outside_sampled_tokens(setup) -> None:
+    engine, gen, vocab = setup
+    tokens, targets, inp = _stable_items(engine, gen, vocab, _ratios)[0]
+    inp["advantages"][0] = 1.0
+    with pytest.raises(UserError, match="nonzero advantages only on sampled tokens.*position 0"):
+        fb(engine, MODEL, "stable_reinforce", [datum(tokens, targets, **inp)])
+
+
+def test_per_token_threshold_checks(setup) -> None:
+    engine, gen, vocab = setup
+    tokens, targets, inp = _rl_items(engine, gen, vocab, _ratios)[0]
+    n = len(tokens)
+    with pytest.raises(UserError, match="clip_low_threshold exceeds clip_high_threshold"):
+        fb(engine, MODEL, "ppo", [datum(tokens, targets, **inp, clip_low_threshold=torch.full((n,), 1.5))])
+    with pytest.raises(UserError, match="marks no token"):
+        fb(engine, MODEL, "gspo", [datum(tokens, targets, **inp, sequence_ratio_mask=torch.zeros(n))])
+    with pytest.raises(UserError, match="kl_coeff"):
+        losses.get_loss("stable_reinforce").parse_config({"kl_coeff": -1})

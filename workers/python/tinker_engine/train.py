@@ -40,7 +40,7 @@ class Datum:
     inputs: dict[str, torch.Tensor]  # float32, each shaped like targets
 
 
-def parse_datum(index: int, raw: Any, base: BaseModel, loss: LossSpec) -> Datum:
+def parse_datum(index: int, raw: Any, base: BaseModel, loss: LossSpec, config: dict[str, float]) -> Datum:
     where = f"datum {index}"
     if not isinstance(raw, dict):
         raise UserError(f"{where}: must be an object with tokens and loss_fn_inputs")
@@ -87,6 +87,8 @@ def parse_datum(index: int, raw: Any, base: BaseModel, loss: LossSpec) -> Datum:
         if not bool(torch.isfinite(value).all()):
             raise UserError(f"{where}: {name} contains NaN or infinite values")
         inputs[name] = value
+    if loss.check is not None:
+        loss.check(inputs, config, where)
     return Datum(index=index, tokens=torch.tensor(tokens, dtype=torch.int64), targets=targets, inputs=inputs)
 
 
@@ -142,7 +144,7 @@ def forward_backward(registry: Registry, args: dict[str, Any]) -> dict[str, Any]
     if not isinstance(raw_data, list):
         raise UserError("data must be a list of datums")
     base = model.base
-    datums = [parse_datum(i, d, base, loss) for i, d in enumerate(raw_data)]
+    datums = [parse_datum(i, d, base, loss, config) for i, d in enumerate(raw_data)]
 
     base.activate(model.adapter, trainable=True)
     saved = None if forward_only else [None if p.grad is None else p.grad.clone() for p in model.parameters()]
