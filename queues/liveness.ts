@@ -172,7 +172,7 @@ export class Liveness {
       }
     } catch (e) {
       this.missingSince.clear();
-      log.warn('agent liveness sweep failed', { error: String(e) });
+      log.debug('agent liveness sweep failed (Redis unreachable?)', { error: String(e) });
     }
     return reaped;
   }

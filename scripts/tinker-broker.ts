@@ -165,7 +165,7 @@ async function start(p: Parsed): Promise<void> {
     api = pl.api ? await startApi({ config: pl.api }) : null;
     await Promise.all(agents.map((a) => a.start()));
     // Agents drained through Redis (`tinker-broker drain`) end this process once all of them stopped.
-    if (agents.length) void Promise.all(agents.map((a) => a.stopped)).then(() => void shutdown('agents drained'));
+    if (agents.length) void Promise.all(agents.map((a) => a.stopped)).then(() => (stopping ? undefined : void shutdown('agents drained')));
   } catch (e) {
     if (stopping) return; // a piece failed because a signal stopped it; shutdown() ends the process
     stopping = true;
