@@ -264,6 +264,7 @@ export function encodeSampleResponse(r: SampleResult): Buffer {
       stop_reason: s.stop_reason === 'length' ? 1 : 0,
       tokens: le(s.tokens, 'i32'),
       logprobs: le(s.logprobs, 'f32'),
+      ...(s.topk_logprobs ? { topk_sampled_logprobs: encodeTopk(s.topk_logprobs) } : {}),
     })),
     prompt_cache_hit_tokens: 0,
   };

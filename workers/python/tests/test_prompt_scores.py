@@ -49,3 +49,25 @@ def test_target_prompt_logprobs_checks(engine: Engine) -> None:
         _sample(engine, {"k": 2, "ids": [1] * 7})
     with pytest.raises(UserError, match="outside the vocabulary"):
         _sample(engine, {"k": 1, "ids": [1] * 6 + [10**6]})
+
+
+def test_topk_sample_logprobs_match_the_sampled_distribution(engine: Engine) -> None:
+    """Each generated token's top-K comes from the distribution it was drawn from: its own logprob
+    is in the list when it ranks within K, and never exceeds the first entry."""
+    for params in (sampling(max_tokens=6, temperature=0.0), sampling(max_tokens=6, temperature=0.7, top_k=20)):
+        out = engine.call("sample", {"base_model": BASE, "adapter_dir": None, "prompt": PROMPT, "num_samples": 2,
+                                     "sampling_params": params, "topk_sample_logprobs": 5})
+        for seq in out["sequences"]:
+            assert len(seq["topk_logprobs"]) == len(seq["tokens"])
+            for tok, lp, row in zip(seq["tokens"], seq["logprobs"], seq["topk_logprobs"]):
+                assert len(row) == 5
+                assert [v for _, v in row] == sorted((v for _, v in row), reverse=True)
+                assert lp <= row[0][1] + 1e-6
+                ids = [i for i, _ in row]
+                if params["temperature"] == 0.0:
+                    assert ids[0] == tok and row[0][1] == pytest.approx(lp, abs=1e-6)  # greedy: the argmax
+                if tok in ids:
+                    assert row[ids.index(tok)][1] == pytest.approx(lp, abs=1e-6)
+    plain = engine.call("sample", {"base_model": BASE, "adapter_dir": None, "prompt": PROMPT, "num_samples": 1,
+                                   "sampling_params": sampling(max_tokens=2)})
+    assert "topk_logprobs" not in plain["sequences"][0]
