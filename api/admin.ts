@@ -76,7 +76,7 @@ export function adminRoutes(ctx: ApiContext): Router {
           new BullMQAdapter(ctx.queues.get(name), {
             readOnlyMode: true,
             allowRetries: false,
-            description: name.startsWith('train-') ? `training ops of agent ${name.slice(6)}, in seq_id order` : 'sample jobs of one base model, taken by every agent serving it',
+            description: name.startsWith('train-') ? `training ops of agent ${name.slice(6)}, in seq_id order` : 'sample jobs of one base model for one engine kind (the API routes each job to the fastest engine serving it)',
           }),
         );
     board.replaceQueues(list.map((n) => adapters.get(n)!));

@@ -1,7 +1,7 @@
 import { Job, QueueEvents } from 'bullmq';
 import type { Redis } from 'ioredis';
 import { decodeJobFailure, outcomeUnknownMessage, type ErrorCategory } from '../queues/errors.js';
-import { decodeRequestId, type FutureRef } from '../queues/futures.js';
+import { decodeRequestId, encodeRequestId, type FutureRef } from '../queues/futures.js';
 import type { OrderingGate } from '../queues/gate.js';
 import { Liveness } from '../queues/liveness.js';
 import { logger } from '../queues/logger.js';
@@ -76,8 +76,12 @@ export class FutureResolver {
   private async readOutcome(ref: FutureRef, o: Outcome): Promise<FutureState> {
     if (o.op !== 'create_model') {
       const ms = this.ttlAfterReadS * 1000;
-      await this.redis.call('PEXPIRE', this.outcomes.key(ref.jobId), ms, 'LT');
-      await this.redis.call('PEXPIRE', `${this.names.bull}:${ref.queue}:${ref.jobId}`, ms, 'LT');
+      await this.redis
+        .multi()
+        .call('PEXPIRE', this.outcomes.key(ref.jobId), ms, 'LT')
+        .call('PEXPIRE', `${this.names.bull}:${ref.queue}:${ref.jobId}`, ms, 'LT')
+        .call('PEXPIRE', this.names.futureOwner(encodeRequestId(ref)), ms, 'LT')
+        .exec();
     }
     return this.fromOutcome(o);
   }
@@ -155,7 +159,14 @@ export class FutureResolver {
       // repeat of their seq_id is recognised by the gate, not by the job). Others (create_model)
       // stay for the retention, as their job id is what makes them idempotent.
       const seq = (job.data as { seq_id?: number }).seq_id ?? 0;
-      if (op === 'sample' || seq >= 1) await this.redis.call('PEXPIRE', `${this.names.bull}:${ref.queue}:${ref.jobId}`, this.ttlAfterReadS * 1000, 'LT');
+      if (op === 'sample' || seq >= 1) {
+        const ms = this.ttlAfterReadS * 1000;
+        await this.redis
+          .multi()
+          .call('PEXPIRE', `${this.names.bull}:${ref.queue}:${ref.jobId}`, ms, 'LT')
+          .call('PEXPIRE', this.names.futureOwner(encodeRequestId(ref)), ms, 'LT')
+          .exec();
+      }
       if (job.failedReason) {
         const f = decodeJobFailure(job.failedReason);
         // A training job that failed without the agent's verdict (a stall, a crash) may have run.

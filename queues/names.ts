@@ -19,9 +19,12 @@ export class Names {
   trainQueue(agentId: string): string {
     return `train-${agentId}`;
   }
-  /** Sample jobs for one base model, taken by every agent serving it. */
-  sampleQueue(baseModel: string): string {
-    return `sample-${shortHash(baseModel, 12)}`;
+  /**
+   * Sample jobs for one base model on one kind of engine, taken by every agent of that engine serving
+   * it. The API picks the engine of each job (`sampleEngine` in queues/registry.ts).
+   */
+  sampleQueue(baseModel: string, engine: string): string {
+    return `sample-${shortHash(baseModel, 12)}-${engine}`;
   }
 
   // Registries.

@@ -107,6 +107,34 @@ export const FailedFuture = z.object({
 });
 export type FailedFuture = z.infer<typeof FailedFuture>;
 
+/**
+ * Engines by sampling throughput under concurrent requests, fastest first. vLLM batches every request
+ * it holds (continuous batching); the torch engine runs one sample request at a time, so an actor
+ * that shares a sample queue with rollout agents sets the pace of everyone's requests. Engines not
+ * listed come after these.
+ */
+export const SAMPLE_ENGINE_ORDER: readonly string[] = ['vllm', 'torch'];
+/** Engines that train only: their agents consume no sample queue (workers/adapters/verl.ts). */
+export const TRAIN_ONLY_ENGINES: readonly string[] = ['verl'];
+
+/**
+ * Where a sample job of `baseModel` goes: the fastest engine kind among the live `agents` serving it
+ * that accept the sampler version's LoRA rank (`loraRank`, null for the base model). The torch actor
+ * thus samples only when no rollout (vLLM) agent serves that version. When no agent accepts the rank,
+ * the fastest engine serving the model gets the job, and its engine reports the error.
+ */
+export function sampleEngine(baseModel: string, agents: AgentRecord[], loraRank: number | null): string {
+  const all = agents.flatMap((a) => a.models.filter((m) => m.name === baseModel).map((m) => ({ engine: a.engine, m })));
+  if (all.length === 0) throw new BrokerError('NOT_FOUND', `base model '${baseModel}' is not served here (no live agent serves it)`);
+  const serving = all.filter((s) => !TRAIN_ONLY_ENGINES.includes(s.engine));
+  if (serving.length === 0)
+    throw new BrokerError('UNAVAILABLE', `base model '${baseModel}' is served here only by engines that do not sample (${[...new Set(all.map((s) => s.engine))].join(', ')}); start a vLLM or torch agent for it`);
+  const fits = serving.filter(({ m }) => loraRank === null || m.lora_max_rank >= loraRank);
+  const pool = (fits.length ? fits : serving).map((s) => s.engine);
+  const rank = (e: string) => (SAMPLE_ENGINE_ORDER.includes(e) ? SAMPLE_ENGINE_ORDER.indexOf(e) : SAMPLE_ENGINE_ORDER.length);
+  return [...new Set(pool)].sort((a, b) => rank(a) - rank(b) || a.localeCompare(b))[0]!;
+}
+
 export class Registry {
   constructor(
     readonly redis: Redis,

@@ -248,7 +248,7 @@ async function models(p: Parsed): Promise<void> {
 async function futures(p: Parsed): Promise<void> {
   const id = p.positionals[0]!;
   const ref = decodeRequestId(id);
-  if (!ref) throw new UsageError(`'${id}' is not a request id; request ids look like train-<agent>/t-<hash>-<seq> or sample-<hash>/s-<hash>-<seq>`);
+  if (!ref) throw new UsageError(`'${id}' is not a request id; request ids look like train-<agent>/t-<hash>-<seq> or sample-<hash>-<engine>/s-<hash>-<seq>`);
   await withTarget(p, async (t) => {
     const q = new Queue(ref.queue, { connection: t.redis, prefix: t.names.bull });
     try {

@@ -116,6 +116,9 @@ describe('bounds', function () {
     const id = await createModel();
     refused(await optim(id, 65), /seq_id 65 .* too far ahead: the next op to run is seq_id 1, and at most 64/);
     refused(await optim(id, 1e12), /too far ahead/);
+    // A refused request leaves nothing in Redis (no future, nothing held).
+    expect(await redis.keys(`${s.prefix}:future-owner:*-65`)).to.deep.equal([]);
+    expect(await redis.hlen(`${s.prefix}:gate:${id}:held`)).to.equal(0);
     const first = await fb(id, 1);
     expect((await fb(id, 1)).json.request_id).to.equal(first.json.request_id);
     refused(await fb(id, 1, [{ tokens: [5, 17, 43], targets: [17, 43, 99], weights: [1, 1, 1] }]), /seq_id 1 .* already submitted with a different request/);
@@ -148,6 +151,7 @@ describe('bounds', function () {
     expect((await awaitFuture(s.baseUrl, sub.json.request_id)).status).to.equal(200);
     const ttl = await redis.pttl(key);
     expect(ttl).to.be.within(1, 1_000);
+    expect(await redis.pttl(`${s.prefix}:future-owner:${sub.json.request_id}`)).to.be.within(1, 1_000);
     await new Promise((r) => setTimeout(r, ttl + 100));
     expect(await redis.exists(key)).to.equal(0);
     const gone = await call(s.baseUrl, 'POST', '/retrieve_future', { request_id: sub.json.request_id });
@@ -158,5 +162,16 @@ describe('bounds', function () {
     const keys = await redis.keys(`${create}*`);
     expect(keys.length).to.be.greaterThan(0);
     for (const k of keys.filter((k) => !k.includes(':', create.length))) expect(await redis.pttl(k)).to.equal(-1);
+  });
+
+  it('refuses a sample replay (same sampling session and seq_id) with another prompt; a true replay gets the same future', async () => {
+    const ss = (await call(s.baseUrl, 'POST', '/create_sampling_session', { session_id: sessionId, sampling_session_seq_id: 0, base_model: TINY_MODEL_ALIAS })).json.sampling_session_id;
+    const sample = (tokens: number[]) =>
+      call(s.baseUrl, 'POST', '/asample', { num_samples: 1, prompt: { chunks: [{ type: 'encoded_text', tokens }] }, sampling_params: { max_tokens: 2, seed: 1 }, sampling_session_id: ss, seq_id: 7 });
+    const first = await sample([5, 17]);
+    expect(first.status).to.equal(200);
+    expect((await sample([5, 17])).json.request_id).to.equal(first.json.request_id);
+    refused(await sample([5, 18]), /seq_id 7 of sampling session .* already used by a different sample request/);
+    expect((await awaitFuture(s.baseUrl, first.json.request_id)).status).to.equal(200);
   });
 });

@@ -35,7 +35,8 @@ describe('presets', function () {
     ]);
   });
 
-  it('plans every preset on every node with --dry-run', () => {
+  it('plans every preset on every node with --dry-run', function () {
+    this.timeout(300_000); // one CLI process per preset and node, a few seconds each on a loaded machine
     for (const file of shipped) {
       const { preset } = loadPreset(file);
       const nodes = [...new Set([preset.api.node, ...preset.agents.map((a) => a.node)])];
@@ -108,7 +109,7 @@ agents:
     // On its GPUs a verl agent passes the engine check and stops at the next one (its model directory).
     const g = cli('start', '--preset', 'presets/distill/multi_teacher.yaml', '--agent', 'n0-actor');
     expect(g.status).to.equal(2);
-    expect(g.stderr.trim()).to.match(/^agent n0-actor: model Qwen\/Qwen3-8B has no model directory at \/models\/Qwen3-8B/);
+    expect(g.stderr.trim()).to.match(/^agent n0-actor: model Qwen\/Qwen3-32B has no model directory at \/models\/Qwen3-32B/);
   });
 
   it('prints --dry-run as tables with what start would refuse, and never the API keys', () => {
@@ -116,10 +117,10 @@ agents:
     const file = write('secret.yaml', readFileSync('presets/distill/multi_teacher.yaml', 'utf8').replace('keys: [tml-local]', 'keys: [tml-secret-4711]'));
     const r = cli('start', '--preset', file, '--dry-run');
     expect(r.status, r.stderr).to.equal(0);
-    expect(r.stdout).to.match(/^ {2}n0-actor +node-0 +cuda:0,1,2,3 +4 +verl +yes +Qwen\/Qwen3-8B \(actor\)$/m);
-    expect(r.stdout).to.match(/^ {2}n1-teacher-32b +node-1 +cuda:0,1,2,3 +4 +vllm +no +Qwen\/Qwen3-32B \(teacher\)$/m);
-    expect(r.stdout).to.match(/! agent n0-actor: model Qwen\/Qwen3-8B has no model directory/);
-    expect(r.stdout).to.match(/! agent n0-rollout-a: model Qwen\/Qwen3-8B-rollout has no model directory at \/models\/Qwen3-8B/);
+    expect(r.stdout).to.match(/^ {2}n0-actor +node-0 +cuda:0,1,2,3 +4 +verl +yes +Qwen\/Qwen3-32B \(actor\)$/m);
+    expect(r.stdout).to.match(/^ {2}n1-teacher-instruct +node-1 +cuda:0,1,2,3 +4 +vllm +no +Qwen\/Qwen3-235B-A22B-Instruct-2507 \(teacher\)$/m);
+    expect(r.stdout).to.match(/! agent n0-actor: model Qwen\/Qwen3-32B has no model directory/);
+    expect(r.stdout).to.match(/! agent n0-rollout-a: model Qwen\/Qwen3-32B-rollout has no model directory at \/models\/Qwen3-32B/);
     expect(r.stdout).to.include('(1 API key, not shown)');
     expect(r.stdout).to.not.include('tml-secret-4711');
     const j = cli('start', '--preset', file, '--dry-run', '--json');

@@ -1,6 +1,9 @@
 import { spawn, type ChildProcess } from 'node:child_process';
 import { createServer } from 'node:net';
 import { expect } from 'chai';
+import express from 'express';
+import { Redis } from 'ioredis';
+import { errorHandler } from '../api/errors.js';
 import { call, startStack, type HttpReply, type TestStack } from './helpers/stack.js';
 
 /** A Redis of the test's own (it is killed for real), on a free port. */
@@ -90,5 +93,35 @@ describe('Redis outage', function () {
       await new Promise((r) => setTimeout(r, 200));
     }
     expect(back?.status).to.equal(200);
+  });
+
+  it('maps the errors of a command that gave up on an unreachable Redis to 503, wherever they are raised', async () => {
+    const dead = await freePort();
+    const errors: unknown[] = [];
+    for (const opts of [{ maxRetriesPerRequest: 1 }, { enableOfflineQueue: false }]) {
+      const c = new Redis(`redis://127.0.0.1:${dead}`, { ...opts, retryStrategy: () => 50 });
+      c.on('error', () => undefined);
+      errors.push(await c.get('x').then(() => null, (e: unknown) => e));
+      c.disconnect();
+    }
+    const app = express();
+    app.get('/e/:i', (req) => {
+      throw errors[Number(req.params.i)];
+    });
+    app.use(errorHandler);
+    const srv = app.listen(0, '127.0.0.1');
+    await new Promise((r) => srv.once('listening', r));
+    try {
+      const port = (srv.address() as { port: number }).port;
+      for (let i = 0; i < errors.length; i++) {
+        expect(errors[i], `case ${i}`).to.be.instanceOf(Error);
+        const r = await fetch(`http://127.0.0.1:${port}/e/${i}`);
+        expect(r.status, `${String(errors[i])}`).to.equal(503);
+        expect(r.headers.get('retry-after')).to.equal('2');
+        expect(await r.json()).to.include({ category: 'server', code: 'UNAVAILABLE' });
+      }
+    } finally {
+      srv.close();
+    }
   });
 });

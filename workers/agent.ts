@@ -16,7 +16,7 @@ import { Outcomes, type Outcome } from '../queues/outcomes.js';
 import { connect } from '../queues/redis.js';
 import { Registry, type AgentRecord, type CheckpointRecord, type ModelRecord, type ServedModel } from '../queues/registry.js';
 import { writeStabilityRecords } from '../queues/stability.js';
-import { SampleJob, TrainJob, type AnyJob, type SaveExternalJob, type SaveSamplerJob, type SaveStateJob } from '../queues/schemas.js';
+import { SampleJob, TrainJob, type SampleResult, type AnyJob, type SaveExternalJob, type SaveSamplerJob, type SaveStateJob } from '../queues/schemas.js';
 import type { EngineAdapter } from './adapters/adapter.js';
 import { TorchAdapter } from './adapters/torch.js';
 import { VerlAdapter } from './adapters/verl.js';
@@ -32,7 +32,7 @@ import { engineMemory } from './stats.js';
  *   a time, never retried. Each op's outcome is recorded apart from BullMQ's job state
  *   (queues/outcomes.ts): claimed before it runs, finished once; no stalled-job check runs on
  *   this queue, so a lost job lock (a long Redis outage) never turns a completed op into a failure;
- * - the sample queue of each base model it serves, concurrently.
+ * - the sample queue of each base model it serves on its engine kind (the API routes each job), concurrently.
  * It heartbeats (queues/liveness.ts), holds its agent id against a second process, and kills an
  * engine that runs an op past its limit (`TB_OP_TIMEOUTS`). docs/reliability.md has the guarantees.
  */
@@ -141,7 +141,7 @@ export class Agent {
       // An engine that only trains (verl) takes no sample jobs: they wait for agents that sample.
       ...(this.adapter.samples === false ? [] : this.served).map(
         (m) =>
-          new Worker<AnyJob>(this.names.sampleQueue(m.name), (job) => this.runSample(job), {
+          new Worker<AnyJob>(this.names.sampleQueue(m.name, this.adapter.kind), (job) => this.runSample(job), {
             ...common,
             concurrency: this.config.sampleConcurrency,
           }),
@@ -505,7 +505,7 @@ export class Agent {
     try {
       await this.ensureEngine();
       const data = SampleJob.parse(job.data);
-      const r = await this.timed('sample', this.adapter.sample(data));
+      const r = keepLastPromptLogprobs(await this.timed('sample', this.adapter.sample(data)), data.prompt_logprobs_last_n ?? null);
       if (data.record_stability) await writeStabilityRecords(this.redis, this.names, data.record_stability, data.prompt, r.sequences);
       this.meter(job, start, 'ok', r);
       return r;
@@ -572,4 +572,15 @@ export class Agent {
     this.log.info('agent stopped');
     this.resolveStopped();
   }
+}
+
+/**
+ * `prompt_logprobs_last_n`: only the last N prompt positions keep their logprobs (and top-K);
+ * earlier entries become null, as the SDK documents. Every engine scores the whole prompt, so
+ * this is the same for torch and vLLM.
+ */
+export function keepLastPromptLogprobs(r: SampleResult, lastN: number | null): SampleResult {
+  if (lastN === null) return r;
+  const cut = <T>(xs: (T | null)[] | null) => (xs === null ? null : xs.map((v, i) => (i < xs.length - lastN ? null : v)));
+  return { ...r, prompt_logprobs: cut(r.prompt_logprobs), topk_prompt_logprobs: cut(r.topk_prompt_logprobs) };
 }

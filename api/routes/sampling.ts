@@ -4,7 +4,7 @@ import { z } from 'zod';
 import { BrokerError } from '../../queues/errors.js';
 import { encodeRequestId } from '../../queues/futures.js';
 import { jobIds } from '../../queues/names.js';
-import type { SamplingSessionRecord } from '../../queues/registry.js';
+import { sampleEngine, type SamplingSessionRecord } from '../../queues/registry.js';
 import type { SampleJob, SamplingParams } from '../../queues/schemas.js';
 import { tenantOf } from '../auth.js';
 import type { ApiContext } from '../context.js';
@@ -54,6 +54,31 @@ function toEngineParams(p: z.output<typeof SamplingParamsBody>): SamplingParams 
   };
 }
 
+/** Cells of target_prompt_logprobs one request may ask for (a float per cell comes back). */
+const MAX_TARGET_CELLS = 1 << 20;
+
+/**
+ * `target_prompt_logprobs` (SDK TensorData JSON): int64 token ids, dense `[len(prompt) - 1, K]`,
+ * `-1` where nothing is requested. Sparse CSR requests are refused (the answer would have to be
+ * sparse too); send them dense.
+ */
+function parseTargetPromptLogprobs(raw: unknown, promptLen: number, vocabSize: number): { k: number; ids: number[] } | null {
+  if (raw === undefined || raw === null) return null;
+  const t = raw as { data?: unknown; dtype?: unknown; shape?: unknown; sparse_crow_indices?: unknown };
+  if (t.sparse_crow_indices != null) throw invalid('target_prompt_logprobs: sparse CSR is not supported by this server; send it dense (-1 where nothing is requested)');
+  if (!Array.isArray(t.data) || !t.data.every((v) => Number.isInteger(v))) throw invalid('target_prompt_logprobs.data must be a list of integer token ids');
+  const shape = Array.isArray(t.shape) ? (t.shape as unknown[]) : [];
+  const rows = promptLen - 1;
+  if (shape.length !== 2 || shape[0] !== rows || !Number.isInteger(shape[1]) || (shape[1] as number) < 1)
+    throw invalid(`target_prompt_logprobs must have shape [len(prompt) - 1, K] = [${rows}, K] with K >= 1, got [${shape.join(', ')}]`);
+  const k = shape[1] as number;
+  if (rows * k > MAX_TARGET_CELLS) throw invalid(`target_prompt_logprobs asks for ${rows * k} cells; at most ${MAX_TARGET_CELLS}`);
+  const ids = t.data as number[];
+  if (ids.length !== rows * k) throw invalid(`target_prompt_logprobs has ${ids.length} ids; shape [${rows}, ${k}] needs ${rows * k}`);
+  for (const id of ids) if (id < -1 || id >= vocabSize) throw invalid(`target_prompt_logprobs: token id ${id} is outside the vocabulary [0, ${vocabSize}) (-1 requests nothing)`);
+  return { k, ids };
+}
+
 export function samplingRoutes(ctx: ApiContext): Router {
   const r = Router();
 
@@ -82,11 +107,7 @@ export function samplingRoutes(ctx: ApiContext): Router {
 
   r.post('/asample', async (req, res) => {
     const body = parseBody(SampleBody, req.body, 'asample');
-    if (body.topk_sample_logprobs > 0) throw invalid('topk_sample_logprobs is not supported by this server');
-    if (body.target_prompt_logprobs !== undefined && body.target_prompt_logprobs !== null)
-      throw invalid('target_prompt_logprobs is not supported by this server');
     if (body.prompt_alt_tokens_k > 0) throw invalid('prompt_alt_tokens_k is not supported by this server');
-    if (body.prompt_logprobs_last_n != null) throw invalid('prompt_logprobs_last_n is not supported by this server');
 
     let session: Pick<SamplingSessionRecord, 'base_model' | 'model_path' | 'adapter_dir'>;
     let sessionId: string;
@@ -113,26 +134,40 @@ export function samplingRoutes(ctx: ApiContext): Router {
       for (const t of c.tokens as number[]) tokens.push(t);
     }
     if (tokens.length === 0) throw invalid('prompt is empty');
-    const { model } = await ctx.registry.resolveBaseModel(session.base_model);
+    const { model, agents } = await ctx.registry.resolveBaseModel(session.base_model);
     if (body.topk_prompt_logprobs > model.topk_max)
       throw invalid(`topk_prompt_logprobs ${body.topk_prompt_logprobs} exceeds the bound for this model (${model.topk_max})`);
     for (const t of tokens) if (t < 0 || t >= model.vocab_size) throw invalid(`prompt token id ${t} is outside the vocabulary [0, ${model.vocab_size})`);
+    if (body.topk_sample_logprobs > model.topk_max)
+      throw invalid(`topk_sample_logprobs ${body.topk_sample_logprobs} exceeds the bound for this model (${model.topk_max})`);
+    const targets = parseTargetPromptLogprobs(body.target_prompt_logprobs, tokens.length, model.vocab_size);
+    const lastN = body.prompt_logprobs_last_n ?? null;
+    if (lastN !== null) {
+      if (!body.prompt_logprobs && body.topk_prompt_logprobs === 0) throw invalid('prompt_logprobs_last_n requires prompt_logprobs (or topk_prompt_logprobs)');
+      if (lastN > tokens.length - 1) throw invalid(`prompt_logprobs_last_n ${lastN} must be between 1 and len(prompt) - 1 = ${tokens.length - 1}`);
+    }
     const params = toEngineParams(body.sampling_params);
     for (const t of params.stop_tokens) if (t >= model.vocab_size) throw invalid(`stop token id ${t} is outside the vocabulary [0, ${model.vocab_size})`);
     if (tokens.length + params.max_tokens > model.max_context_length)
       throw invalid(`prompt (${tokens.length} tokens) + max_tokens (${params.max_tokens}) exceeds the model's context of ${model.max_context_length}`);
 
-    const queue = ctx.names.sampleQueue(session.base_model);
+    // The sampler version (null: the base model); its LoRA rank decides which agents can serve it.
+    const version = session.model_path ? await ctx.registry.getCheckpoint(session.model_path) : null;
+    const queue = ctx.names.sampleQueue(session.base_model, sampleEngine(session.base_model, agents, version?.lora.rank ?? null));
     // A seq_id JSON cannot carry exactly (past 2^53) cannot de-duplicate: such a request gets a fresh job.
     const seqId = body.seq_id != null && Number.isSafeInteger(body.seq_id) ? body.seq_id : null;
     const jobId = body.sampling_session_id && seqId !== null ? jobIds.sample(sessionId, seqId) : `s-${randomUUID()}`;
-    const requestId = await issueFuture(ctx, req, encodeRequestId({ queue, jobId }));
-    const reply = () => res.json({ request_id: requestId, sample_sequence_ids: Array.from({ length: body.num_samples }, (_, i) => `${requestId}#${i}`) });
+    const requestId = encodeRequestId({ queue, jobId });
+    // The future is recorded only when it is handed out (not for a 429).
+    const reply = async () => {
+      await issueFuture(ctx, req, requestId);
+      res.json({ request_id: requestId, sample_sequence_ids: Array.from({ length: body.num_samples }, (_, i) => `${requestId}#${i}`) });
+    };
     // A session is pinned to one sampler version; never sample silently from other weights.
-    if (session.model_path && !(await ctx.registry.getCheckpoint(session.model_path))) {
+    if (session.model_path && !version) {
       const message = `sampling session ${sessionId} is pinned to sampler weights ${session.model_path}, which no longer exist (deleted or expired); save new sampler weights and create a new sampling client`;
       await ctx.registry.putFailedFuture(jobId, { op: 'sample', category: 'user', message }, ctx.config.retentionS);
-      reply();
+      await reply();
       return;
     }
     if ((await ctx.queues.get(queue).getWaitingCount()) >= ctx.config.maxQueuedSamples)
@@ -151,10 +186,20 @@ export function samplingRoutes(ctx: ApiContext): Router {
       prompt_logprobs: body.prompt_logprobs ?? false,
       topk_prompt_logprobs: body.topk_prompt_logprobs,
       // Only samples of a sampling session are recorded: the record belongs to that session (and its tenant).
+      prompt_logprobs_last_n: lastN,
+      target_prompt_logprobs: targets,
+      topk_sample_logprobs: body.topk_sample_logprobs,
       record_stability: body.record_stability_info && ownerSession ? { session_id: ownerSession, request_id: requestId } : null,
     };
     await ctx.queues.add(queue, jobId, job);
-    reply();
+    // A (sampling session, seq_id) names one request: a replay with another payload would silently
+    // get the first one's samples, so it is refused. The job that BullMQ kept is the first one.
+    if (body.sampling_session_id && seqId !== null) {
+      const stored = await ctx.redis.hget(`${ctx.names.bull}:${queue}:${jobId}`, 'data');
+      if (stored !== null && stored !== JSON.stringify(job))
+        throw invalid(`seq_id ${seqId} of sampling session ${sessionId} was already used by a different sample request; a seq_id names one request`);
+    }
+    await reply();
   });
 
   return r;

@@ -125,7 +125,7 @@ async function guardSeq<T>(ctx: ApiContext, req: Request, modelId: unknown, seqI
 
 async function submitTrainOp(ctx: ApiContext, req: Request, model: ModelRecord, seqId: number, job: TrainJob): Promise<string> {
   const jobId = jobIds.train(model.model_id, seqId);
-  const requestId = await issueFuture(ctx, req, encodeRequestId({ queue: model.train_queue, jobId }));
+  const requestId = encodeRequestId({ queue: model.train_queue, jobId });
   let lost = model.lost_reason;
   if (!lost && !(await ctx.registry.isAgentAlive(model.agent_id))) {
     lost = `its worker agent ${model.agent_id} is not running; load it from a saved checkpoint`;
@@ -135,11 +135,12 @@ async function submitTrainOp(ctx: ApiContext, req: Request, model: ModelRecord, 
     // The op gets a future that fails with the reason (an HTTP 5xx would be retried by the SDK for minutes).
     if ((await ctx.gate.skip(model.model_id, seqId, jobId)) === 'admitted')
       await ctx.registry.putFailedFuture(jobId, { op: job.op, category: 'server', message: `model ${model.model_id} is unavailable: ${lost}` }, ctx.config.retentionS);
-    return requestId;
+    return issueFuture(ctx, req, requestId);
   }
+  // The future is recorded only once the gate took the op: a refused request leaves nothing in Redis.
   await ctx.gate.submit(model.model_id, seqId, model.train_queue, jobId, job);
   await ctx.registry.touchModel(model.model_id);
-  return requestId;
+  return issueFuture(ctx, req, requestId);
 }
 
 /** The training checkpoint at `path`, checked for loading into a model of `base` with `lora`. */

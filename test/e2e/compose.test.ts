@@ -164,6 +164,22 @@ describe('docker-compose.yml', function () {
       dc(['up', '-d', '--no-build', 'agent-cpu1'], undefined, [...files, extraFile]);
       await until('agent cpu1 alive', () => redisCli('EXISTS', 'tb:agent:cpu1:alive') === '1', 300_000, 1000);
 
+      // Both agents serve the base model's sampling queue: a burst of 32 samples reaches cpu1 beside cpu0.
+      const engineSamples = (service: string) => (logs(service).match(/op=sample /g) ?? []).length;
+      const cpu0Before = engineSamples('agent-cpu0');
+      script.stdin!.write('burst\n');
+      const burst = await until('the sampling burst', () => {
+        if (script.exitCode !== null) throw new Error(`script exited early:\n${stderr}`);
+        const lines = stdout.trim().split('\n');
+        return lines.length >= 2 ? JSON.parse(lines[1]!) : null;
+      }, 300_000, 500);
+      expect(burst.burst).to.deep.equal(Array(32).fill(8));
+      const [byCpu0, byCpu1] = [engineSamples('agent-cpu0') - cpu0Before, engineSamples('agent-cpu1')];
+      process.stdout.write(`      burst of 32 samples: ${byCpu0} on cpu0, ${byCpu1} on cpu1\n`);
+      expect(byCpu1, 'samples run by the recipe agent').to.be.above(0);
+      expect(byCpu0, 'samples run by the first agent').to.be.above(0);
+      expect(byCpu0 + byCpu1).to.equal(32);
+
       dc(['stop', 'agent-cpu0'], 180_000, [...files, extraFile]);
       expect(redisCli('EXISTS', 'tb:agent:cpu0:alive')).to.equal('0');
       script.stdin!.write('go\n');
@@ -174,7 +190,7 @@ describe('docker-compose.yml', function () {
       expect(res.sample_error).to.equal('');
       expect(res.sample_tokens).to.have.length(8);
       // cpu0 is stopped: the sample ran on cpu1, the recipe's agent.
-      expect(logs('agent-cpu1')).to.match(/op=sample/);
+      expect(engineSamples('agent-cpu1')).to.equal(byCpu1 + 1);
     });
 
     it('`down -v` leaves no container, volume or network of the project', () => {

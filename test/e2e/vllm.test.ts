@@ -4,6 +4,7 @@ import { existsSync, mkdtempSync, rmSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import { createInterface } from 'node:readline';
+import { Queue } from 'bullmq';
 import { expect } from 'chai';
 import { Redis } from 'ioredis';
 import { Names } from '../../queues/names.js';
@@ -17,10 +18,14 @@ import { E2E_KEY, freePort, PYTHON } from './server.js';
  * and the vLLM rollout agent, serving the same model directory, samples that sampler version from
  * the shared storage. The torch actor then scores vLLM's tokens (compute_logprobs).
  *
- * Both agents consume the base model's sample queue, so each phase runs only the agent it tests:
- *   A  API + actor:  train, save the sampler version
- *   B  API + vLLM:   sample (greedy to EOS, stop: [], stop token, stop string, n=4 with a seed, prompt logprobs)
- *   C  API + actor:  the same requests through the torch engine, and compute_logprobs of vLLM's samples
+ * The API sends each sample job to the fastest engine serving the model (queues/registry.ts
+ * `sampleEngine`): while the vLLM agent runs, every sample goes to it although the actor serves the
+ * same model directory.
+ *   A  API + actor:         train, save the sampler version
+ *   B  API + actor + vLLM:  sample (greedy to EOS, stop: [], stop token, stop string, n=4 with a seed,
+ *                           prompt logprobs; 16 concurrent requests after 6 s idle): vLLM runs them all
+ *   C  API + actor:         the vLLM agent gone, the same requests through the torch engine, and
+ *                           compute_logprobs of vLLM's samples
  */
 const PRESET = 'presets/cpu/tiny_vllm.yaml';
 const VLLM = path.resolve('.venv-vllm/bin/vllm');
@@ -103,6 +108,15 @@ def probes():
 
 wait()
 vllm = probes()
+# Idle past the server's 5 s keep-alive, then a burst: connections vLLM closed must not fail requests.
+import time
+time.sleep(6)
+futs = [sampler.sample_async(types.ModelInput.from_ints(Q), 1, types.SamplingParams(max_tokens=8, temperature=1.0, seed=i, stop=[])) for i in range(16)]
+import asyncio
+async def gather():
+    return await asyncio.gather(*futs, return_exceptions=True)
+burst = asyncio.run(gather())
+vllm["burst"] = [len(r.sequences[0].tokens) if not isinstance(r, BaseException) else f"{type(r).__name__}: {r}" for r in burst]
 caps = {m.model_name: m.trainable for m in svc.get_server_capabilities().supported_models}
 vllm["caps"] = caps
 vllm["train_rollout"] = error_of(lambda: svc.create_lora_training_client(base_model="tiny-qwen3-rollout", rank=4).result())
@@ -184,6 +198,17 @@ class Proc {
       }
     };
     const agents = async () => (await registry.liveAgents()).map((a) => `${a.agent_id}:${a.engine}`).sort();
+    /** Sample jobs each engine's queue of the model has run (completed or failed). */
+    const sampleJobsRun = async () => {
+      const names = new Names(prefix);
+      const count = async (engine: string) => {
+        const q = new Queue(names.sampleQueue(path.resolve('models/tiny-qwen3'), engine), { connection: redis, prefix: names.bull });
+        const c = await q.getJobCountByTypes('completed', 'failed');
+        await q.close();
+        return c;
+      };
+      return { vllm: await count('vllm'), torch: await count('torch') };
+    };
 
     before(async () => {
       port = await freePort();
@@ -201,7 +226,7 @@ class Proc {
     it('samples a torch actor’s sampler version through vLLM, token logprobs within 1e-4 of the torch engine', async () => {
       // Phase A: the API and the torch actor.
       const api = proc('api', ['--api-only']);
-      let actor = proc('actor', ['--agent', 'cpu-actor', '--agents-only']);
+      const actor = proc('actor', ['--agent', 'cpu-actor', '--agents-only']);
       await until('api listening', async () => (await fetch(`http://127.0.0.1:${port}/api/v1/healthz`)).status > 0, 60_000, [api]);
       await until('actor registered', async () => (await agents()).join() === 'cpu-actor:torch', 120_000, [actor]);
 
@@ -227,25 +252,31 @@ class Proc {
       const { P, C, eos, stop } = trained as { P: number[]; C: number[]; eos: number; stop: string };
       expect(C.at(-1)).to.equal(eos);
 
-      // Phase B: the vLLM agent serves the model directory; the actor leaves, so vLLM serves every sample.
+      // Phase B: the vLLM agent serves the model directory beside the actor; every sample goes to vLLM.
       const rollout = proc('vllm', ['--agent', 'cpu-vllm', '--agents-only']);
       await until('vllm agent registered', async () => (await agents()).includes('cpu-vllm:vllm'), 600_000, [rollout]);
-      await actor.stop();
-      expect(await agents()).to.deep.equal(['cpu-vllm:vllm']);
+      expect(await agents()).to.deep.equal(['cpu-actor:torch', 'cpu-vllm:vllm']);
+      const ran0 = await sampleJobsRun();
       py.stdin!.write('go\n');
       const v = await next('vllm');
+      const ran1 = await sampleJobsRun();
+      observed['sample jobs in phase B (vllm, torch)'] = [ran1.vllm - ran0.vllm, ran1.torch - ran0.torch];
+      expect(ran1.torch - ran0.torch).to.equal(0);
+      expect(ran1.vllm - ran0.vllm).to.equal(26); // 10 probes + 16 in the burst
+      expect(v.burst).to.deep.equal(Array(16).fill(8));
 
-      // Phase C: the actor again, the vLLM agent gone.
-      actor = proc('actor', ['--agent', 'cpu-actor', '--agents-only']);
-      await until('actor registered again', async () => (await agents()).includes('cpu-actor:torch'), 120_000, [actor]);
+      // Phase C: the vLLM agent gone, the actor samples.
       await rollout.stop();
       expect(await agents()).to.deep.equal(['cpu-actor:torch']);
       py.stdin!.write('go\n');
       const t = await next('torch');
+      const ran2 = await sampleJobsRun();
+      expect(ran2.vllm).to.equal(ran1.vllm);
+      expect(ran2.torch - ran1.torch).to.equal(24); // 10 probes + 14 compute_logprobs
 
-      // Registered as sampling only: the API refuses to train the rollout model.
-      expect(v.caps[path.resolve('models/tiny-qwen3')]).to.equal(false);
-      expect(v.train_rollout).to.match(/tiny-qwen3-rollout' is frozen here/);
+      // The vLLM agent registers as sampling only; with the actor live the directory trains (on the actor) under any of its names.
+      expect(v.caps[path.resolve('models/tiny-qwen3')]).to.equal(true);
+      expect(v.train_rollout).to.equal('');
 
       // EOS: the trained completion ends with EOS, kept in the tokens, as the torch engine does.
       expect(v.greedy[0]).to.include({ stop_reason: 'stop' });

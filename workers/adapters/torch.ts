@@ -150,6 +150,8 @@ export class TorchAdapter implements EngineAdapter {
       sampling_params: job.sampling_params,
       prompt_logprobs: job.prompt_logprobs,
       topk_prompt_logprobs: job.topk_prompt_logprobs,
+      target_prompt_logprobs: job.target_prompt_logprobs ?? null,
+      topk_sample_logprobs: job.topk_sample_logprobs ?? 0,
     });
     return parseResult(SampleResult, r, 'sample');
   }

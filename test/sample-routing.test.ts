@@ -1,0 +1,58 @@
+import { expect } from 'chai';
+import { Names } from '../queues/names.js';
+import { sampleEngine, type AgentRecord, type ServedModel } from '../queues/registry.js';
+
+/**
+ * Which engine's agents take a sample job (queues/registry.ts `sampleEngine`): the API routes every
+ * job at submit time to the sample queue of one engine kind. The real stack with both engines runs in
+ * test/e2e/vllm.test.ts; here the rule itself, over registry records.
+ */
+const BASE = '/models/tiny-qwen3';
+const served = (o: Partial<ServedModel> = {}): ServedModel => ({
+  name: BASE, aliases: [], arch: 'Qwen3ForCausalLM', vocab_size: 1029, max_context_length: 2048, trainable: false, lora_max_rank: 8, topk_max: 20, ...o,
+});
+const agent = (id: string, engine: string, models: ServedModel[]): AgentRecord => ({
+  agent_id: id, train_queue: `train-${id}`, models, engine, device: 'cpu', started_at: '2026-12-01T00:00:00Z',
+});
+const actor = agent('actor', 'torch', [served({ trainable: true, lora_max_rank: 64 })]);
+const rollout = agent('rollout', 'vllm', [served({ lora_max_rank: 16 })]);
+
+describe('sample routing', () => {
+  it('names one sample queue per base model and engine kind', () => {
+    const n = new Names('p');
+    expect(n.sampleQueue(BASE, 'vllm')).to.match(/^sample-[0-9a-f]{12}-vllm$/);
+    expect(n.sampleQueue(BASE, 'torch')).to.equal(n.sampleQueue(BASE, 'vllm').replace(/-vllm$/, '-torch'));
+    expect(n.sampleQueue('/models/other', 'vllm')).to.not.equal(n.sampleQueue(BASE, 'vllm'));
+  });
+
+  it('sends the base model and sampler versions to vLLM agents when one serves the model, in any agent order', () => {
+    expect(sampleEngine(BASE, [actor, rollout], null)).to.equal('vllm');
+    expect(sampleEngine(BASE, [rollout, actor], 8)).to.equal('vllm');
+    expect(sampleEngine(BASE, [actor, rollout, rollout], 16)).to.equal('vllm');
+  });
+
+  it('leaves sampling to the torch actor when no vLLM agent serves the model, or none holds the version’s LoRA rank', () => {
+    expect(sampleEngine(BASE, [actor], null)).to.equal('torch');
+    expect(sampleEngine(BASE, [actor, rollout], 32)).to.equal('torch');
+    // A vLLM agent serving another model does not count.
+    expect(sampleEngine(BASE, [actor, agent('r2', 'vllm', [served({ name: '/models/other' })])], null)).to.equal('torch');
+  });
+
+  it('sends a rank no agent holds to the fastest engine serving the model (its engine reports the error)', () => {
+    expect(sampleEngine(BASE, [rollout], 32)).to.equal('vllm');
+    expect(sampleEngine(BASE, [agent('small', 'torch', [served({ lora_max_rank: 4 })]), rollout], 128)).to.equal('vllm');
+  });
+
+  it('never sends sample jobs to a verl agent (it trains only): torch or vLLM beside it, else a clear refusal', () => {
+    const verl = agent('trainer', 'verl', [served({ trainable: true, lora_max_rank: 128 })]);
+    expect(sampleEngine(BASE, [verl, actor], 64)).to.equal('torch');
+    expect(sampleEngine(BASE, [verl, rollout, actor], 8)).to.equal('vllm');
+    expect(() => sampleEngine(BASE, [verl], null)).to.throw(/served here only by engines that do not sample \(verl\); start a vLLM or torch agent/);
+  });
+
+  it('puts engines it does not rank after vLLM and torch, and refuses a model nobody serves', () => {
+    expect(sampleEngine(BASE, [agent('x', 'other', [served()]), actor], null)).to.equal('torch');
+    expect(sampleEngine(BASE, [agent('x', 'other', [served()])], null)).to.equal('other');
+    expect(() => sampleEngine('/models/none', [actor, rollout], null)).to.throw(/not served here/);
+  });
+});

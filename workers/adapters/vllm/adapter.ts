@@ -1,0 +1,177 @@
+import { existsSync } from 'node:fs';
+import path from 'node:path';
+import type { BaseModelSpec } from '../../../queues/config.js';
+import type { Logger } from '../../../queues/logger.js';
+import type { ServedModel } from '../../../queues/registry.js';
+import type { CreateModelJob, ForwardBackwardJob, OptimStepJob, SampleJob, SampleResult, SaveSamplerJob } from '../../../queues/schemas.js';
+import { EngineError } from '../../engine.js';
+import type { EngineAdapter } from '../adapter.js';
+import { VllmClient } from './client.js';
+import { VllmModel } from './loras.js';
+import { freePort, VllmServer, vllmServeCommand, waitForHealth } from './server.js';
+import { findServedModel, readModelFiles, vllmError } from './translate.js';
+
+/**
+ * The vLLM engine (sampling only): each base model is served by a vLLM OpenAI-compatible server,
+ * started here (`vllm serve`, one per model) or attached to (`TB_VLLM_URL`). Everything that turns
+ * a Tinker job into a vLLM request, and a vLLM answer into a Tinker result or error, is in
+ * vllm/translate.ts; docs/engines/vllm.md states the semantics and where they differ
+ * from the torch engine (docs/engine-protocol.md `sample`).
+ *
+ * Sampler versions are PEFT adapter directories: loaded on first use with `/v1/load_lora_adapter`
+ * under a name derived from the directory, kept in an LRU of `maxAdapters`, unloaded with
+ * `/v1/unload_lora_adapter` (never while a request uses them). Training ops are user errors.
+ */
+
+export type VllmAdapterOptions = {
+  log: Logger;
+  /** `cpu`, `cuda`, `cuda:N[,M…]` (the agent's device); undefined lets vLLM choose. */
+  device?: string | undefined;
+  /** Attach to these servers (one per base model, in loadBase order) instead of starting `vllm serve`. */
+  urls?: string[] | undefined;
+  /** The `vllm` executable. @defaultValue `TB_VLLM_BIN`, else `.venv-vllm/bin/vllm` when it exists, else `vllm` */
+  bin?: string;
+  /** Sampler versions kept loaded per base model. @defaultValue `TB_VLLM_MAX_ADAPTERS` or 8 */
+  maxAdapters?: number;
+  /** How long a server may take to become healthy. @defaultValue `TB_VLLM_START_TIMEOUT_S` or 1200 s */
+  startTimeoutMs?: number;
+};
+
+function defaultBin(): string {
+  if (process.env.TB_VLLM_BIN) return process.env.TB_VLLM_BIN;
+  const venv = path.resolve('.venv-vllm/bin/vllm');
+  return existsSync(venv) ? venv : 'vllm';
+}
+
+export class VllmAdapter implements EngineAdapter {
+  readonly kind = 'vllm';
+  readonly device: string;
+  private readonly models = new Map<string, VllmModel>();
+  private servers: VllmServer[] = [];
+  private readonly exitListeners: ((reason: string) => void)[] = [];
+  private readonly bin: string;
+  private readonly maxAdapters: number;
+  private readonly startTimeoutMs: number;
+
+  constructor(private readonly opts: VllmAdapterOptions) {
+    this.device = opts.device ?? 'auto';
+    this.bin = opts.bin ?? defaultBin();
+    this.maxAdapters = Math.max(1, opts.maxAdapters ?? Number(process.env.TB_VLLM_MAX_ADAPTERS ?? 8));
+    this.startTimeoutMs = opts.startTimeoutMs ?? Number(process.env.TB_VLLM_START_TIMEOUT_S ?? 1200) * 1000;
+  }
+
+  onExit(listener: (reason: string) => void): void {
+    this.exitListeners.push(listener);
+  }
+
+  enginePids(): number[] {
+    return this.servers.map((s) => s.pid).filter((p): p is number => p !== undefined);
+  }
+
+  /** (Re)starts from nothing: servers of a previous start are stopped; loadBase starts or attaches one per model. */
+  async start(): Promise<void> {
+    await this.stopServers();
+    for (const m of this.models.values()) m.client.close();
+    this.models.clear();
+  }
+
+  async stop(): Promise<void> {
+    if (this.opts.urls?.length) await Promise.all([...this.models.values()].map((m) => m.unloadAll().catch(() => undefined)));
+    await this.stopServers();
+    for (const m of this.models.values()) m.client.close();
+    this.models.clear();
+  }
+
+  private async stopServers(): Promise<void> {
+    const servers = this.servers;
+    this.servers = [];
+    await Promise.all(servers.map((s) => s.stop()));
+  }
+
+  async loadBase(spec: BaseModelSpec): Promise<ServedModel> {
+    const files = readModelFiles(spec.path);
+    const index = this.models.size;
+    let client: VllmClient;
+    let server: VllmServer | null = null;
+    const attach = this.opts.urls?.[index];
+    if (this.opts.urls?.length && !attach) throw new EngineError('server', `TB_VLLM_URL names ${this.opts.urls.length} server(s), but this agent serves more models (${spec.name})`);
+    if (attach) {
+      client = new VllmClient(attach);
+      this.opts.log.info('attaching to vLLM', { url: attach, model: spec.name });
+    } else {
+      const host = '127.0.0.1';
+      const port = await freePort(host);
+      const { args, env } = vllmServeCommand(spec, {
+        device: this.opts.device,
+        host,
+        port,
+        maxAdapters: this.maxAdapters,
+        maxLoras: Math.min(4, this.maxAdapters),
+        extraArgs: (process.env.TB_VLLM_EXTRA_ARGS ?? '').split(/\s+/).filter(Boolean),
+      });
+      server = new VllmServer(this.bin, this.opts.log.child({ model: spec.name }), (reason) => {
+        for (const l of this.exitListeners) l(reason);
+      });
+      this.servers.push(server);
+      server.start(args, env);
+      client = new VllmClient(`http://${host}:${port}`);
+    }
+    const started = Date.now();
+    await waitForHealth(client, this.startTimeoutMs, () => server?.exited ?? null);
+    const models = await client.request('GET', '/v1/models', undefined, 30_000);
+    if (models.status !== 200) throw vllmError(models.status, models.body, 'model listing');
+    const served = findServedModel(models.body, spec, client.url);
+    this.models.set(spec.name, new VllmModel(client, served.id, files.eosTokenId, this.maxAdapters, this.opts.log.child({ model: spec.name })));
+    this.opts.log.info('vLLM serving', { model: spec.name, url: client.url, served_as: served.id, max_model_len: served.maxModelLen, ready_s: Math.round((Date.now() - started) / 1000) });
+    return {
+      name: spec.name,
+      aliases: spec.aliases,
+      arch: files.arch,
+      vocab_size: files.vocabSize,
+      max_context_length: served.maxModelLen,
+      // Sampling only: the API places no training on this agent's models.
+      trainable: false,
+      lora_max_rank: spec.loraMaxRank,
+      topk_max: spec.topkMax,
+    };
+  }
+
+  /** The served model of a base (tests, diagnostics). */
+  model(name: string): VllmModel | undefined {
+    return this.models.get(name);
+  }
+
+  async sample(job: SampleJob): Promise<SampleResult> {
+    const m = this.models.get(job.base_model);
+    if (!m) throw new EngineError('server', `base model ${job.base_model} is not served by this vLLM agent`);
+    if (job.topk_sample_logprobs) throw new EngineError('user', 'topk_sample_logprobs is not supported by the vLLM engine (the torch engine serves it)');
+    if (job.target_prompt_logprobs) throw new EngineError('user', 'target_prompt_logprobs is not supported by the vLLM engine (the torch engine serves it)');
+    return m.sample(job);
+  }
+
+  private samplingOnly(model: string): never {
+    throw new EngineError('user', `model ${model} is served by vLLM for sampling only; train on an actor agent`);
+  }
+
+  async createModel(job: CreateModelJob): Promise<{ model_id: string }> {
+    return this.samplingOnly(job.base_model);
+  }
+  async forwardBackward(job: ForwardBackwardJob): Promise<never> {
+    return this.samplingOnly(job.model_id);
+  }
+  async optimStep(job: OptimStepJob): Promise<never> {
+    return this.samplingOnly(job.model_id);
+  }
+  async saveSampler(job: SaveSamplerJob): Promise<never> {
+    return this.samplingOnly(job.model_id);
+  }
+  async saveState(modelId: string, _dir: string, _optimizer: boolean): Promise<never> {
+    return this.samplingOnly(modelId);
+  }
+  async loadState(modelId: string, _dir: string, _optimizer: boolean): Promise<never> {
+    return this.samplingOnly(modelId);
+  }
+  async unloadModel(): Promise<void> {
+    // Nothing was created here.
+  }
+}

@@ -1,0 +1,135 @@
+import { existsSync } from 'node:fs';
+import { stat } from 'node:fs/promises';
+import path from 'node:path';
+import type { Logger } from '../../../queues/logger.js';
+import type { SampleJob, SampleResult } from '../../../queues/schemas.js';
+import { EngineError } from '../../engine.js';
+import type { VllmClient } from './client.js';
+import { ADAPTER_FILES, completionRequest, completionResult, loraName, vllmError, vllmMessage } from './translate.js';
+
+/**
+ * One served base model: sampling, and its sampler versions as LoRA adapters loaded at run time
+ * (an LRU of `maxAdapters`; an adapter is never unloaded while a request uses it).
+ */
+
+type Lora = { name: string; dir: string; ready: Promise<void>; users: number; lastUsed: number; settled: boolean };
+
+export class VllmModel {
+  private readonly loras = new Map<string, Lora>();
+  private readonly unloading = new Map<string, Promise<void>>();
+  private clock = 0;
+
+  constructor(
+    readonly client: VllmClient,
+    /** The `model` name of the base in requests. */
+    readonly servedName: string,
+    readonly eosTokenId: number | null,
+    readonly maxAdapters: number,
+    private readonly log: Logger,
+  ) {}
+
+  /** Names of the adapters loaded now, least recently used first. */
+  loadedAdapters(): string[] {
+    return [...this.loras.values()].sort((a, b) => a.lastUsed - b.lastUsed).map((l) => l.name);
+  }
+
+  async sample(job: SampleJob): Promise<SampleResult> {
+    for (let attempt = 0; ; attempt++) {
+      const lora = job.adapter_dir === null ? null : await this.acquire(job.adapter_dir);
+      try {
+        const res = await this.client.request('POST', '/v1/completions', completionRequest(job, lora?.name ?? this.servedName, this.eosTokenId));
+        // The server no longer knows the adapter (it restarted, or someone unloaded it): load it again, once.
+        if (res.status === 404 && lora && attempt === 0) {
+          this.log.warn('vLLM lost a sampler adapter; loading it again', { lora: lora.name, dir: lora.dir });
+          this.forget(lora);
+          continue;
+        }
+        if (res.status !== 200) throw vllmError(res.status, res.body, 'completion');
+        return completionResult(job, res.body);
+      } finally {
+        if (lora) this.release(lora);
+      }
+    }
+  }
+
+  /** The adapter of a sampler directory, loaded on first use; the caller releases it. */
+  private async acquire(dir: string): Promise<Lora> {
+    const abs = path.resolve(dir);
+    for (const f of ADAPTER_FILES)
+      if (!existsSync(path.join(abs, f))) throw new EngineError('user', `adapter_dir ${abs} is not a PEFT adapter directory (no ${f})`);
+    const st = await stat(path.join(abs, 'adapter_model.safetensors'), { bigint: true });
+    const name = loraName(abs, st.mtimeNs, Number(st.size));
+    let lora = this.loras.get(name);
+    if (!lora) {
+      const created: Lora = { name, dir: abs, ready: Promise.resolve(), users: 0, lastUsed: 0, settled: false };
+      created.ready = this.load(created).finally(() => (created.settled = true));
+      this.loras.set(name, created);
+      lora = created;
+    }
+    lora.users++;
+    lora.lastUsed = ++this.clock;
+    try {
+      await lora.ready;
+    } catch (e) {
+      lora.users--;
+      if (this.loras.get(name) === lora) this.loras.delete(name);
+      throw e;
+    }
+    return lora;
+  }
+
+  private async load(lora: Lora): Promise<void> {
+    await this.unloading.get(lora.name); // an unload of the same name finishes first
+    const res = await this.client.request('POST', '/v1/load_lora_adapter', { lora_name: lora.name, lora_path: lora.dir });
+    if (res.status === 200) {
+      this.log.info('loaded sampler adapter', { lora: lora.name, dir: lora.dir });
+      return;
+    }
+    const msg = vllmMessage(res.body);
+    // Names are derived from the files, so an adapter of this name is this one (a server we attached to kept it).
+    if (res.status === 400 && /already been loaded/.test(msg)) return;
+    if (res.status === 404)
+      throw new EngineError('server', `the vLLM server at ${this.client.url} cannot read the sampler adapter ${lora.dir} (${msg}); it must see the same storage directory as the agents`);
+    throw vllmError(res.status, res.body, `load of sampler adapter ${lora.dir}`);
+  }
+
+  private release(lora: Lora): void {
+    lora.users--;
+    lora.lastUsed = ++this.clock;
+    this.evict();
+  }
+
+  private forget(lora: Lora): void {
+    if (this.loras.get(lora.name) === lora) this.loras.delete(lora.name);
+  }
+
+  /** Beyond the bound, unloads the least recently used adapters that no request is using. */
+  private evict(): void {
+    while (this.loras.size > this.maxAdapters) {
+      const idle = [...this.loras.values()].filter((l) => l.users === 0 && l.settled).sort((a, b) => a.lastUsed - b.lastUsed)[0];
+      if (!idle) return;
+      this.loras.delete(idle.name);
+      const p = this.unload(idle.name).finally(() => {
+        if (this.unloading.get(idle.name) === p) this.unloading.delete(idle.name);
+      });
+      this.unloading.set(idle.name, p);
+    }
+  }
+
+  private async unload(name: string): Promise<void> {
+    try {
+      const res = await this.client.request('POST', '/v1/unload_lora_adapter', { lora_name: name });
+      if (res.status === 200 || res.status === 404) this.log.info('unloaded sampler adapter', { lora: name });
+      else this.log.warn('vLLM did not unload a sampler adapter', { lora: name, status: res.status, error: vllmMessage(res.body) });
+    } catch (e) {
+      this.log.warn('vLLM did not unload a sampler adapter', { lora: name, error: String((e as Error).message) });
+    }
+  }
+
+  /** Unloads every adapter this agent loaded (on an attached server, which outlives the agent). */
+  async unloadAll(): Promise<void> {
+    const names = [...this.loras.keys()];
+    this.loras.clear();
+    await Promise.all(names.map((n) => this.unload(n)));
+  }
+}

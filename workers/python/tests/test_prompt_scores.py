@@ -1,0 +1,73 @@
+"""target_prompt_logprobs: the logprobs of requested ids at each prompt position, checked against
+the engine's own prompt logprobs and top-K from the same request."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import BASE, sampling
+from tinker_engine.engine import Engine
+from tinker_engine.errors import UserError
+
+PROMPT = [12, 400, 7, 88, 301, 5, 977, 64]
+
+
+def _sample(engine: Engine, targets: dict | None, topk: int = 3) -> dict:
+    return engine.call("sample", {"base_model": BASE, "adapter_dir": None, "prompt": PROMPT, "num_samples": 1,
+                                  "sampling_params": sampling(max_tokens=2), "prompt_logprobs": True,
+                                  "topk_prompt_logprobs": topk, "target_prompt_logprobs": targets})
+
+
+def test_target_prompt_logprobs_match_prompt_and_topk_logprobs(engine: Engine) -> None:
+    ref = _sample(engine, None)
+    rows = len(PROMPT) - 1
+    ids: list[int] = []
+    for i in range(rows):
+        top2 = ref["topk_prompt_logprobs"][i + 1][1][0]  # the second most likely id at position i + 1
+        ids += [PROMPT[i + 1], top2, -1]
+    out = _sample(engine, {"k": 3, "ids": ids})
+    got = out["target_prompt_logprobs"]
+    assert got["shape"] == [rows, 3]
+    for i in range(rows):
+        row = got["data"][3 * i: 3 * i + 3]
+        assert row[0] == pytest.approx(ref["prompt_logprobs"][i + 1], abs=1e-6)
+        assert row[1] == pytest.approx(ref["topk_prompt_logprobs"][i + 1][1][1], abs=1e-6)
+        assert row[2] == 0.0  # -1 requests nothing
+
+
+def test_target_prompt_logprobs_alone(engine: Engine) -> None:
+    ref = _sample(engine, None)
+    out = engine.call("sample", {"base_model": BASE, "adapter_dir": None, "prompt": PROMPT, "num_samples": 1,
+                                 "sampling_params": sampling(max_tokens=2),
+                                 "target_prompt_logprobs": {"k": 1, "ids": PROMPT[1:]}})
+    assert out["prompt_logprobs"] is None and out["topk_prompt_logprobs"] is None
+    assert out["target_prompt_logprobs"]["data"] == pytest.approx(ref["prompt_logprobs"][1:], abs=1e-6)
+
+
+def test_target_prompt_logprobs_checks(engine: Engine) -> None:
+    with pytest.raises(UserError, match="shape \\[7, 2\\] needs 14"):
+        _sample(engine, {"k": 2, "ids": [1] * 7})
+    with pytest.raises(UserError, match="outside the vocabulary"):
+        _sample(engine, {"k": 1, "ids": [1] * 6 + [10**6]})
+
+
+def test_topk_sample_logprobs_match_the_sampled_distribution(engine: Engine) -> None:
+    """Each generated token's top-K comes from the distribution it was drawn from: its own logprob
+    is in the list when it ranks within K, and never exceeds the first entry."""
+    for params in (sampling(max_tokens=6, temperature=0.0), sampling(max_tokens=6, temperature=0.7, top_k=20)):
+        out = engine.call("sample", {"base_model": BASE, "adapter_dir": None, "prompt": PROMPT, "num_samples": 2,
+                                     "sampling_params": params, "topk_sample_logprobs": 5})
+        for seq in out["sequences"]:
+            assert len(seq["topk_logprobs"]) == len(seq["tokens"])
+            for tok, lp, row in zip(seq["tokens"], seq["logprobs"], seq["topk_logprobs"]):
+                assert len(row) == 5
+                assert [v for _, v in row] == sorted((v for _, v in row), reverse=True)
+                assert lp <= row[0][1] + 1e-6
+                ids = [i for i, _ in row]
+                if params["temperature"] == 0.0:
+                    assert ids[0] == tok and row[0][1] == pytest.approx(lp, abs=1e-6)  # greedy: the argmax
+                if tok in ids:
+                    assert row[ids.index(tok)][1] == pytest.approx(lp, abs=1e-6)
+    plain = engine.call("sample", {"base_model": BASE, "adapter_dir": None, "prompt": PROMPT, "num_samples": 1,
+                                   "sampling_params": sampling(max_tokens=2)})
+    assert "topk_logprobs" not in plain["sequences"][0]
