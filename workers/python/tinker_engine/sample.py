@@ -19,7 +19,7 @@ import torch
 
 from .errors import UserError
 from .models import BaseModel, Registry
-from .prompt_scores import parse_targets, score_targets
+from .prompt_scores import alt_tokens, parse_targets, score_targets
 from .params import (check_token_ids, get_bool, get_float, get_int, get_int_list, get_obj, get_opt_int,
                      get_opt_str, get_str, get_str_list)
 
@@ -78,6 +78,13 @@ def sampling_distribution(logits: torch.Tensor, temperature: float, top_k: int, 
 def choose_tokens(logits: torch.Tensor, params: SamplingParams,
                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token (B,) and its logprob (B,) for each row of ``logits`` (B, V), on the CPU."""
+    tokens, chosen, _ = choose_tokens_and_dist(logits, params, generator)
+    return tokens, chosen
+
+
+def choose_tokens_and_dist(logits: torch.Tensor, params: SamplingParams,
+                           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As ``choose_tokens``, plus the (B, V) log-distribution the logprobs come from."""
     logits = logits.float().cpu()
     if params.temperature == 0.0:
         tokens = logits.argmax(dim=-1)
@@ -85,7 +92,7 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams,
     else:
         logp = sampling_distribution(logits, params.temperature, params.top_k, params.top_p)
         tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), logp
 
 
 @dataclass
@@ -93,9 +100,15 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str | None = None
+    # topk_sample_logprobs: per generated token, the top-K [id, logprob] of the distribution it
+    # was drawn from (the same distribution as its logprob); None when not requested.
+    topk: list[list[list[Any]]] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "logprobs": self.logprobs, "stop_reason": self.stop_reason or "length"}
+        out = {"tokens": self.tokens, "logprobs": self.logprobs, "stop_reason": self.stop_reason or "length"}
+        if self.topk is not None:
+            out["topk_logprobs"] = self.topk
+        return out
 
 
 def _stops(seq: Sequence, token: int, params: SamplingParams, base: BaseModel) -> bool:
@@ -108,7 +121,7 @@ def _stops(seq: Sequence, token: int, params: SamplingParams, base: BaseModel) -
 
 
 def generate(base: BaseModel, prompt: list[int], num_samples: int, params: SamplingParams,
-             keep_prompt_logits: bool) -> tuple[list[Sequence], torch.Tensor | None]:
+             keep_prompt_logits: bool, topk_sample: int = 0) -> tuple[list[Sequence], torch.Tensor | None]:
     """Sample ``num_samples`` continuations of ``prompt`` with the currently active adapter.
 
     Returns the sequences and, with ``keep_prompt_logits``, the prompt's logits (P, V) float32.
@@ -119,7 +132,7 @@ def generate(base: BaseModel, prompt: list[int], num_samples: int, params: Sampl
     else:
         generator.manual_seed(params.seed)
     device = base.device
-    seqs = [Sequence() for _ in range(num_samples)]
+    seqs = [Sequence(topk=[] if topk_sample > 0 else None) for _ in range(num_samples)]
     with torch.inference_mode():
         out = base.hf(input_ids=torch.tensor([prompt], device=device), use_cache=True,
                       logits_to_keep=0 if keep_prompt_logits else 1)
@@ -130,12 +143,15 @@ def generate(base: BaseModel, prompt: list[int], num_samples: int, params: Sampl
         next_logits = out.logits[:, -1].expand(num_samples, -1)
         active = list(range(num_samples))  # batch row -> sequence index
         for step in range(params.max_tokens):
-            tokens, logprobs = choose_tokens(next_logits, params, generator)
+            tokens, logprobs, dist = choose_tokens_and_dist(next_logits, params, generator)
+            tops = dist.topk(min(topk_sample, dist.shape[-1]), dim=-1) if topk_sample > 0 else None
             still: list[int] = []
             for row, idx in enumerate(active):
                 seq, tok = seqs[idx], int(tokens[row])
                 seq.tokens.append(tok)
                 seq.logprobs.append(float(logprobs[row]))
+                if tops is not None and seq.topk is not None:
+                    seq.topk.append([[i, v] for i, v in zip(tops.indices[row].tolist(), tops.values[row].tolist())])
                 if _stops(seq, tok, params, base):
                     seq.stop_reason = "stop"
                 else:
@@ -178,17 +194,21 @@ def sample(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams.parse(get_obj(args, "sampling_params"))
     want_prompt_logprobs = get_bool(args, "prompt_logprobs", default=False)
     topk = get_int(args, "topk_prompt_logprobs", default=0, minimum=0)
+    topk_sample = get_int(args, "topk_sample_logprobs", default=0, minimum=0)
     limit = base.max_context_length
     if limit and len(prompt) + params.max_tokens > limit:
         raise UserError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                         f"model's context length {limit}")
 
     targets = parse_targets(args, len(prompt), base.vocab_size)
+    alt_k = get_int(args, "prompt_alt_tokens_k", default=0, minimum=0)
+    if alt_k > 0 and len(prompt) < 2:
+        raise UserError("prompt_alt_tokens_k needs a prompt of at least 2 tokens")
 
     adapter = registry.sampler_adapter(base, adapter_dir) if adapter_dir is not None else None
     base.activate(adapter, trainable=False)
-    keep = want_prompt_logprobs or topk > 0 or targets is not None
-    seqs, prompt_logits = generate(base, prompt, num_samples, params, keep_prompt_logits=keep)
+    keep = want_prompt_logprobs or topk > 0 or targets is not None or alt_k > 0
+    seqs, prompt_logits = generate(base, prompt, num_samples, params, keep_prompt_logits=keep, topk_sample=topk_sample)
     lps: list[Any] | None = None
     tops: list[Any] | None = None
     if prompt_logits is not None and (want_prompt_logprobs or topk > 0):
@@ -201,4 +221,6 @@ def sample(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
     }
     if targets is not None and prompt_logits is not None:
         out["target_prompt_logprobs"] = score_targets(prompt_logits, targets)
+    if alt_k > 0 and prompt_logits is not None:
+        out["prompt_alt_tokens"] = alt_tokens(prompt_logits, alt_k, params.temperature, params.seed)
     return out
