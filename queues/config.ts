@@ -45,6 +45,8 @@ const ApiEnv = CommonEnv.extend({
   TB_SEQ_GAP_TIMEOUT_S: z.coerce.number().positive().default(120),
   /** Seconds a training or sample result stays in Redis once it has been read. @defaultValue 300 */
   TB_RESULT_TTL_AFTER_READ_S: z.coerce.number().int().positive().default(300),
+  /** Largest forward_backward body, in MiB (the SDK sends chunks of about 5 MB; one datum of a 128k context with (N, 20) targets is about 31 MB). @defaultValue 64 */
+  TB_MAX_TRAIN_BODY_MB: z.coerce.number().int().positive().default(64),
 });
 
 const AgentEnv = CommonEnv.extend({
@@ -92,6 +94,8 @@ export type ApiConfig = {
   seqGapTimeoutMs?: number | undefined;
   /** @defaultValue 300 (TB_RESULT_TTL_AFTER_READ_S) */
   resultTtlAfterReadS?: number | undefined;
+  /** @defaultValue 64 (TB_MAX_TRAIN_BODY_MB) */
+  maxTrainBodyMb?: number | undefined;
   /** Keys of the /admin dashboard; unset: the API key when there is exactly one. */
   adminKeys?: string[] | undefined;
 };
@@ -198,6 +202,7 @@ export function loadApiConfig(env: NodeJS.ProcessEnv = process.env): ApiConfig {
     seqWindow: e.TB_SEQ_WINDOW,
     seqGapTimeoutMs: Math.round(e.TB_SEQ_GAP_TIMEOUT_S * 1000),
     resultTtlAfterReadS: e.TB_RESULT_TTL_AFTER_READ_S,
+    maxTrainBodyMb: e.TB_MAX_TRAIN_BODY_MB,
     adminKeys: e.TB_ADMIN_KEYS?.length ? e.TB_ADMIN_KEYS : undefined,
   };
 }

@@ -51,6 +51,14 @@ describe('sampling fields of SDK 0.38', function () {
     });
   });
 
+  it('prompt_alt_tokens_k (temperature 0): k draws per prompt position after the first, the argmax with its top-1 logprob', () => {
+    expect(out.alt_tokens).to.have.length(out.full.length - 1);
+    out.alt_tokens.forEach((row: number[], i: number) => {
+      expect(row).to.deep.equal([out.full_topk[i + 1][0][0], out.full_topk[i + 1][0][0]]);
+      out.alt_logprobs[i].forEach((v: number) => expect(v).to.be.closeTo(out.full_topk[i + 1][0][1], 1e-6));
+    });
+  });
+
   it('prompt_logprobs_last_n needs prompt logprobs and at most len(prompt) - 1', () => {
     // The SDK checks these itself (ValueError) before it sends; the server refuses them too (raw HTTP).
     expect(out.last_n_without_logprobs).to.match(/Error.*prompt_logprobs_last_n/);

@@ -39,7 +39,11 @@ def main() -> None:
     greedy = sc.sample(prompt, 1, types.SamplingParams(max_tokens=4, temperature=0.0, stop=[]), topk_sample_logprobs=4).result(timeout=120)
     gseq = greedy.sequences[0]
     rescored = sc.compute_logprobs(types.ModelInput.from_ints(PROMPT + list(gseq.tokens))).result(timeout=120)
+    # prompt_alt_tokens_k at temperature 0: every draw is the argmax, scored as the top-1 prompt logprob.
+    alt = sc.sample(prompt, 1, types.SamplingParams(max_tokens=1, temperature=0.0), prompt_alt_tokens_k=2).result(timeout=120)
     out = {
+        "alt_tokens": alt.prompt_alt_tokens.tokens.to_numpy().tolist(),
+        "alt_logprobs": alt.prompt_alt_tokens.logprobs.to_numpy().tolist(),
         "greedy_tokens": list(gseq.tokens),
         "greedy_topk": gseq.topk_logprobs,
         "greedy_rescored": [float(v) for v in rescored[len(PROMPT):]],

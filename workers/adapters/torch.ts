@@ -152,6 +152,7 @@ export class TorchAdapter implements EngineAdapter {
       topk_prompt_logprobs: job.topk_prompt_logprobs,
       target_prompt_logprobs: job.target_prompt_logprobs ?? null,
       topk_sample_logprobs: job.topk_sample_logprobs ?? 0,
+      prompt_alt_tokens_k: job.prompt_alt_tokens_k ?? 0,
     });
     return parseResult(SampleResult, r, 'sample');
   }

@@ -19,7 +19,7 @@ import torch
 
 from .errors import UserError
 from .models import BaseModel, Registry
-from .prompt_scores import parse_targets, score_targets
+from .prompt_scores import alt_tokens, parse_targets, score_targets
 from .params import (check_token_ids, get_bool, get_float, get_int, get_int_list, get_obj, get_opt_int,
                      get_opt_str, get_str, get_str_list)
 
@@ -201,10 +201,13 @@ def sample(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
                         f"model's context length {limit}")
 
     targets = parse_targets(args, len(prompt), base.vocab_size)
+    alt_k = get_int(args, "prompt_alt_tokens_k", default=0, minimum=0)
+    if alt_k > 0 and len(prompt) < 2:
+        raise UserError("prompt_alt_tokens_k needs a prompt of at least 2 tokens")
 
     adapter = registry.sampler_adapter(base, adapter_dir) if adapter_dir is not None else None
     base.activate(adapter, trainable=False)
-    keep = want_prompt_logprobs or topk > 0 or targets is not None
+    keep = want_prompt_logprobs or topk > 0 or targets is not None or alt_k > 0
     seqs, prompt_logits = generate(base, prompt, num_samples, params, keep_prompt_logits=keep, topk_sample=topk_sample)
     lps: list[Any] | None = None
     tops: list[Any] | None = None
@@ -218,4 +221,6 @@ def sample(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
     }
     if targets is not None and prompt_logits is not None:
         out["target_prompt_logprobs"] = score_targets(prompt_logits, targets)
+    if alt_k > 0 and prompt_logits is not None:
+        out["prompt_alt_tokens"] = alt_tokens(prompt_logits, alt_k, params.temperature, params.seed)
     return out
