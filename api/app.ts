@@ -81,6 +81,7 @@ export function buildApp(config: ApiConfig): BuiltApp {
     queues,
     gate,
     registry,
+    config.retentionS,
     config.resultTtlAfterReadS,
   );
   const ctx: ApiContext = { config, redis, names, registry, queues, gate, futures };
@@ -145,12 +146,14 @@ export function buildApp(config: ApiConfig): BuiltApp {
   app.use(errorHandler);
 
   const stopSweeper = startCheckpointSweeper(ctx);
+  const stopReaper = futures.startReaper();
   // Ops waiting behind a gap fail at its deadline even when nobody polls them.
   const gapTimer = setInterval(() => void gate.expireGaps().catch(() => undefined), Math.min(5_000, gate.gapTimeoutMs));
   gapTimer.unref();
   const close = async () => {
     clearInterval(gapTimer);
     stopSweeper();
+    stopReaper();
     await futures.close();
     await queues.close();
     await Promise.all(blocking.map((c) => c.quit().catch(() => undefined)));

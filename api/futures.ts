@@ -1,22 +1,29 @@
 import { Job, QueueEvents } from 'bullmq';
 import type { Redis } from 'ioredis';
-import { decodeJobFailure, type ErrorCategory } from '../queues/errors.js';
+import { decodeJobFailure, outcomeUnknownMessage, type ErrorCategory } from '../queues/errors.js';
 import { decodeRequestId, encodeRequestId, type FutureRef } from '../queues/futures.js';
 import type { OrderingGate } from '../queues/gate.js';
+import { Liveness } from '../queues/liveness.js';
+import { logger } from '../queues/logger.js';
+import { Outcomes, type Outcome } from '../queues/outcomes.js';
 import type { Names } from '../queues/names.js';
 import type { QueueSet } from '../queues/queues.js';
 import type { Registry } from '../queues/registry.js';
 import type { AnyJob, JobOp } from '../queues/schemas.js';
 
 /**
- * Futures are answered from BullMQ job state (the truth) plus one shared completion listener
+ * A training op's future is answered from its outcome record (queues/outcomes.ts), which the agent
+ * writes once; a sample's from BullMQ's job state. A pending training op whose agent was reaped
+ * (queues/liveness.ts) fails with OUTCOME_UNKNOWN. Every API process runs the reaper (`startReaper`).
+ *
+ * Futures are answered from BullMQ job state plus one shared completion listener
  * per queue: a `retrieve_future` reads the job; if it is pending, registers a waiter on the
  * queue's listener, reads again, and sleeps on the waiter for at most the long-poll window.
  * No polling loop. Listeners exist only for queues that hold a real pending job.
  */
 export type FutureState =
   | { kind: 'done'; op: JobOp; result: unknown }
-  | { kind: 'failed'; op: string; category: ErrorCategory; message: string }
+  | { kind: 'failed'; op: string; category: ErrorCategory; message: string; code?: string | undefined }
   | { kind: 'pending'; queueState: 'active'; heldModel?: string }
   | { kind: 'unknown' };
 
@@ -27,6 +34,8 @@ const JOB_ID = /^[ctuls]-[A-Za-z0-9-]{1,200}$/;
 export class FutureResolver {
   private readonly events = new Map<string, Promise<QueueEvents>>();
   private readonly waiters = new Map<string, Set<() => void>>();
+  readonly outcomes: Outcomes;
+  readonly liveness: Liveness;
 
   constructor(
     private readonly redis: Redis,
@@ -35,9 +44,57 @@ export class FutureResolver {
     private readonly queues: QueueSet,
     private readonly gate: OrderingGate,
     private readonly registry: Registry,
+    retentionS = 86_400,
     /** Seconds a finished training op's or sample's job (payload and result) stays once read. */
     private readonly ttlAfterReadS = 300,
-  ) {}
+  ) {
+    this.outcomes = new Outcomes(redis, names, retentionS);
+    this.liveness = new Liveness(redis, names, registry, this.outcomes);
+  }
+
+  /** Runs the liveness reaper every `everyMs`; returns its stop function. */
+  startReaper(everyMs = 2_000): () => void {
+    let running = false;
+    const t = setInterval(() => {
+      if (running) return;
+      running = true;
+      this.liveness.sweep(logger).finally(() => (running = false));
+    }, everyMs);
+    t.unref();
+    return () => clearInterval(t);
+  }
+
+  private fromOutcome(o: Outcome): FutureState {
+    if (o.state === 'done') return { kind: 'done', op: o.op as JobOp, result: o.result };
+    return { kind: 'failed', op: o.op, category: o.category ?? 'server', message: o.message ?? 'failed', code: o.code };
+  }
+
+  /**
+   * A final outcome, read: the outcome record and the job (payload) of an ordered op then leave Redis
+   * soon (create_model's stay for the retention: its job id makes it idempotent).
+   */
+  private async readOutcome(ref: FutureRef, o: Outcome): Promise<FutureState> {
+    if (o.op !== 'create_model') {
+      const ms = this.ttlAfterReadS * 1000;
+      await this.redis
+        .multi()
+        .call('PEXPIRE', this.outcomes.key(ref.jobId), ms, 'LT')
+        .call('PEXPIRE', `${this.names.bull}:${ref.queue}:${ref.jobId}`, ms, 'LT')
+        .call('PEXPIRE', this.names.futureOwner(encodeRequestId(ref)), ms, 'LT')
+        .exec();
+    }
+    return this.fromOutcome(o);
+  }
+
+  /** A pending training op whose agent was reaped fails (OUTCOME_UNKNOWN), unless its outcome is already final. */
+  private async pendingTrain(ref: FutureRef, op: string): Promise<FutureState> {
+    const agentId = ref.queue.slice('train-'.length);
+    const why = await this.liveness.reapedWhy(agentId);
+    if (why !== null) {
+      return this.fromOutcome(await this.liveness.failPending(ref.jobId, op, agentId, why));
+    }
+    return { kind: 'pending', queueState: 'active' };
+  }
 
   private notify(queue: string, jobId: string): void {
     const set = this.waiters.get(`${queue}/${jobId}`);
@@ -73,6 +130,11 @@ export class FutureResolver {
 
   async state(ref: FutureRef): Promise<FutureState> {
     if (!QUEUE_NAME.test(ref.queue) || !JOB_ID.test(ref.jobId)) return { kind: 'unknown' };
+    const train = ref.queue.startsWith('train-');
+    if (train) {
+      const o = await this.outcomes.get(ref.jobId);
+      if (o && o.state !== 'running') return this.readOutcome(ref, o);
+    }
     const exists = (await this.redis.exists(`${this.names.bull}:${ref.queue}:${ref.jobId}`)) === 1;
     if (!exists) {
       const failed = await this.registry.getFailedFuture(ref.jobId);
@@ -83,6 +145,10 @@ export class FutureResolver {
       // The release may have failed it (a gap past its deadline).
       const failedNow = await this.registry.getFailedFuture(ref.jobId);
       if (failedNow) return { kind: 'failed', ...failedNow };
+      if (train) {
+        const st = await this.pendingTrain(ref, 'training op');
+        return st.kind === 'pending' ? { ...st, heldModel: model } : st;
+      }
       return { kind: 'pending', queueState: 'active', heldModel: model };
     }
     const job = (await Job.fromId(this.queues.get(ref.queue), ref.jobId)) as Job<AnyJob> | undefined;
@@ -101,10 +167,22 @@ export class FutureResolver {
           .call('PEXPIRE', this.names.futureOwner(encodeRequestId(ref)), ms, 'LT')
           .exec();
       }
-      if (job.failedReason) return { kind: 'failed', op, ...decodeJobFailure(job.failedReason) };
+      if (job.failedReason) {
+        const f = decodeJobFailure(job.failedReason);
+        // A training job that failed without the agent's verdict (a stall, a crash) may have run.
+        if (train && !/^\[(user|server|unknown)\] /.test(job.failedReason))
+          return { kind: 'failed', op, category: 'unknown', code: 'OUTCOME_UNKNOWN', message: outcomeUnknownMessage(op, f.message) };
+        return { kind: 'failed', op, ...f };
+      }
+      // A training op's result lives in its outcome record (read again: it may have finished since the
+      // first read); without one it has expired.
+      if (train && job.returnvalue === null) {
+        const o = await this.outcomes.get(ref.jobId);
+        return o && o.state !== 'running' ? this.readOutcome(ref, o) : { kind: 'unknown' };
+      }
       return { kind: 'done', op, result: job.returnvalue };
     }
-    return { kind: 'pending', queueState: 'active' };
+    return train ? this.pendingTrain(ref, op) : { kind: 'pending', queueState: 'active' };
   }
 
   /** The future's state, waiting up to `timeoutMs` for it to finish; `signal` ends the wait early. */

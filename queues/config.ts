@@ -45,6 +45,8 @@ const ApiEnv = CommonEnv.extend({
   TB_SEQ_GAP_TIMEOUT_S: z.coerce.number().positive().default(120),
   /** Seconds a training or sample result stays in Redis once it has been read. @defaultValue 300 */
   TB_RESULT_TTL_AFTER_READ_S: z.coerce.number().int().positive().default(300),
+  /** Largest forward_backward body, in MiB (the SDK sends chunks of about 5 MB; one datum of a 128k context with (N, 20) targets is about 31 MB). @defaultValue 64 */
+  TB_MAX_TRAIN_BODY_MB: z.coerce.number().int().positive().default(64),
 });
 
 const AgentEnv = CommonEnv.extend({
@@ -68,6 +70,15 @@ const AgentEnv = CommonEnv.extend({
   TB_ENGINE: z.enum(['torch', 'vllm']).default('torch'),
   /** vLLM engine: attach to running OpenAI-compatible servers (one URL per model, comma separated) instead of starting `vllm serve`. */
   TB_VLLM_URL: csv.optional(),
+  // Reliability (docs/reliability.md).
+  /** Seconds without a heartbeat after which the agent counts as dead: its futures fail (OUTCOME_UNKNOWN), its models are unavailable. @defaultValue 30 */
+  TB_AGENT_TIMEOUT_S: z.coerce.number().positive().default(30),
+  /** Per-op engine time limits, `op=seconds`, comma separated (ops: see docs/reliability.md); an op past its limit kills the engine. */
+  TB_OP_TIMEOUTS: csv.default([]),
+  /** BullMQ's job lock, in ms (a Redis outage longer than this loses the lock; outcomes are recorded apart from it). @defaultValue 30000 */
+  TB_JOB_LOCK_MS: z.coerce.number().int().positive().default(30_000),
+  /** How long a drained agent's saved models wait for its restart, in seconds; meanwhile its futures stay pending. @defaultValue 3600 */
+  TB_DRAIN_KEEP_S: z.coerce.number().int().positive().default(3_600),
 });
 
 export type ApiConfig = {
@@ -87,6 +98,8 @@ export type ApiConfig = {
   seqGapTimeoutMs?: number | undefined;
   /** @defaultValue 300 (TB_RESULT_TTL_AFTER_READ_S) */
   resultTtlAfterReadS?: number | undefined;
+  /** @defaultValue 64 (TB_MAX_TRAIN_BODY_MB) */
+  maxTrainBodyMb?: number | undefined;
   /** Keys of the /admin dashboard; unset: the API key when there is exactly one. */
   adminKeys?: string[] | undefined;
 };
@@ -137,7 +150,40 @@ export type AgentConfig = {
   engine?: EngineKind | undefined;
   /** vLLM engine: URLs of running servers to attach to, one per model in `models` order (none: the agent starts `vllm serve`). */
   vllmUrls?: string[] | undefined;
+  /** Liveness timeout in seconds. @defaultValue 30 */
+  agentTimeoutS?: number | undefined;
+  /** Engine time limit per op kind, in seconds (defaults: `DEFAULT_OP_TIMEOUTS_S`). */
+  opTimeoutsS?: Record<string, number> | undefined;
+  /** BullMQ job lock in ms. @defaultValue 30000 */
+  jobLockMs?: number | undefined;
+  /** Seconds a drain's saved models wait for the agent's restart. @defaultValue 3600 */
+  drainKeepS?: number | undefined;
 };
+
+/** How long one op may keep the engine busy before the agent declares it hung and kills it, in seconds. */
+export const DEFAULT_OP_TIMEOUTS_S: Record<string, number> = {
+  create_model: 600,
+  forward_backward: 1800,
+  optim_step: 600,
+  save_weights_for_sampler: 900,
+  save_weights: 900,
+  load_weights: 900,
+  save_weights_external: 900,
+  unload_model: 300,
+  sample: 1800,
+};
+
+function parseOpTimeouts(items: string[]): Record<string, number> {
+  const out: Record<string, number> = {};
+  for (const item of items) {
+    const [op, v] = item.split('=');
+    const n = Number(v);
+    if (!op || !(op in DEFAULT_OP_TIMEOUTS_S) || !Number.isFinite(n) || n <= 0)
+      throw new Error(`invalid configuration:\n  TB_OP_TIMEOUTS: '${item}' is not op=seconds with op one of ${Object.keys(DEFAULT_OP_TIMEOUTS_S).join(', ')}`);
+    out[op] = n;
+  }
+  return out;
+}
 
 function parseEnv<S extends z.ZodType>(schema: S, env: NodeJS.ProcessEnv): z.output<S> {
   const res = schema.safeParse(env);
@@ -164,6 +210,7 @@ export function loadApiConfig(env: NodeJS.ProcessEnv = process.env): ApiConfig {
     seqWindow: e.TB_SEQ_WINDOW,
     seqGapTimeoutMs: Math.round(e.TB_SEQ_GAP_TIMEOUT_S * 1000),
     resultTtlAfterReadS: e.TB_RESULT_TTL_AFTER_READ_S,
+    maxTrainBodyMb: e.TB_MAX_TRAIN_BODY_MB,
     adminKeys: e.TB_ADMIN_KEYS?.length ? e.TB_ADMIN_KEYS : undefined,
   };
 }
@@ -193,5 +240,9 @@ export function loadAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentConf
     engineRestart: e.TB_ENGINE_RESTART,
     engine: e.TB_ENGINE,
     vllmUrls: e.TB_VLLM_URL?.length ? e.TB_VLLM_URL : undefined,
+    agentTimeoutS: e.TB_AGENT_TIMEOUT_S,
+    opTimeoutsS: parseOpTimeouts(e.TB_OP_TIMEOUTS),
+    jobLockMs: e.TB_JOB_LOCK_MS,
+    drainKeepS: e.TB_DRAIN_KEEP_S,
   };
 }

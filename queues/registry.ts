@@ -29,6 +29,12 @@ export const AgentRecord = z.object({
   engine: z.string(),
   device: z.string(),
   started_at: z.string(),
+  /** One per process start: the liveness key holds it (queues/liveness.ts). */
+  incarnation: z.string().optional(),
+  /** Liveness timeout in seconds: the liveness key's TTL. */
+  timeout_s: z.number().optional(),
+  host: z.string().optional(),
+  pid: z.number().int().optional(),
 });
 export type AgentRecord = z.infer<typeof AgentRecord>;
 
@@ -95,7 +101,8 @@ export type CheckpointRecord = z.infer<typeof CheckpointRecord>;
 
 export const FailedFuture = z.object({
   op: z.string(),
-  category: z.enum(['user', 'server']),
+  category: z.enum(['user', 'server', 'unknown']),
+  code: z.string().optional(),
   message: z.string(),
 });
 export type FailedFuture = z.infer<typeof FailedFuture>;
@@ -128,9 +135,6 @@ export function sampleEngine(baseModel: string, agents: AgentRecord[], loraRank:
   return [...new Set(pool)].sort((a, b) => rank(a) - rank(b) || a.localeCompare(b))[0]!;
 }
 
-/** How long an agent's liveness key lives without a refresh. */
-export const AGENT_TTL_MS = 15_000;
-
 export class Registry {
   constructor(
     readonly redis: Redis,
@@ -142,20 +146,7 @@ export class Registry {
     return raw === null ? null : schema.parse(JSON.parse(raw));
   }
 
-  // ---- agents ----
-  async registerAgent(rec: AgentRecord): Promise<void> {
-    await this.redis
-      .multi()
-      .hset(this.names.agents(), rec.agent_id, JSON.stringify(rec))
-      .set(this.names.agentAlive(rec.agent_id), '1', 'PX', AGENT_TTL_MS)
-      .exec();
-  }
-  async heartbeatAgent(agentId: string): Promise<void> {
-    await this.redis.set(this.names.agentAlive(agentId), '1', 'PX', AGENT_TTL_MS);
-  }
-  async removeAgent(agentId: string): Promise<void> {
-    await this.redis.multi().hdel(this.names.agents(), agentId).del(this.names.agentAlive(agentId)).exec();
-  }
+  // ---- agents (registered, refreshed and removed by queues/liveness.ts) ----
   /** Agents whose liveness key is current. */
   async liveAgents(): Promise<AgentRecord[]> {
     const all = await this.redis.hgetall(this.names.agents());
@@ -244,7 +235,7 @@ export class Registry {
     const m = await this.getModel(modelId);
     if (m && m.lost_reason === null) await this.redis.set(this.names.model(modelId), JSON.stringify({ ...m, lost_reason: reason }), 'XX');
   }
-  async markModelsLost(agentId: string, reason: string): Promise<string[]> {
+  async markModelsLost(agentId: string, reason: string, except: ReadonlySet<string> = new Set()): Promise<string[]> {
     const lost: string[] = [];
     let cursor = '0';
     do {
@@ -254,7 +245,7 @@ export class Registry {
         const raw = await this.redis.get(key);
         if (!raw) continue;
         const m = ModelRecord.parse(JSON.parse(raw));
-        if (m.agent_id === agentId && m.lost_reason === null) {
+        if (m.agent_id === agentId && m.lost_reason === null && !except.has(m.model_id)) {
           await this.redis.set(key, JSON.stringify({ ...m, lost_reason: reason }), 'XX');
           lost.push(m.model_id);
         }
@@ -328,6 +319,10 @@ export class Registry {
     if (rec.expires_at) m.zadd(this.ckptExpiry(), Date.parse(rec.expires_at), rec.tinker_path);
     else m.zrem(this.ckptExpiry(), rec.tinker_path);
     await m.exec();
+  }
+  /** Whether Redis holds the checkpoint's record at all (expired or not). */
+  async hasCheckpointRecord(tinkerPath: string): Promise<boolean> {
+    return (await this.redis.exists(this.ckptKey(tinkerPath))) === 1;
   }
   /** The checkpoint, or null when it does not exist or has expired. */
   async getCheckpoint(tinkerPath: string): Promise<CheckpointRecord | null> {

@@ -165,6 +165,10 @@ export const SampleJob = z.object({
   sampling_params: SamplingParams,
   prompt_logprobs: z.boolean(),
   topk_prompt_logprobs: z.number().int().nonnegative(),
+  /** Top-K (id, logprob) of the distribution each generated token was drawn from; 0 = none. */
+  topk_sample_logprobs: z.number().int().nonnegative().nullish(),
+  /** k independent draws at every prompt position after the first (prompt_alt_tokens_k); 0 = none. */
+  prompt_alt_tokens_k: z.number().int().nonnegative().nullish(),
   /** Token ids to score at each prompt position: dense row-major [len(prompt) - 1, k], -1 = none. */
   target_prompt_logprobs: z.object({ k: z.number().int().positive(), ids: z.array(z.number().int()) }).nullish(),
   /** Score only the last N prompt tokens: earlier prompt (and top-K) logprobs are null. */
@@ -200,12 +204,20 @@ export const SampleResult = z.object({
       tokens: z.array(z.number().int()),
       logprobs: z.array(z.number()),
       stop_reason: z.enum(['stop', 'length']),
+      topk_logprobs: z.array(z.array(z.tuple([z.number().int(), z.number()]))).nullish(),
     }),
   ),
   prompt_logprobs: z.array(z.number().nullable()).nullable(),
   topk_prompt_logprobs: z.array(z.array(z.tuple([z.number().int(), z.number()])).nullable()).nullable(),
   /** The logprobs of the requested target_prompt_logprobs ids, same shape, 0.0 where none was requested. */
   target_prompt_logprobs: z.object({ shape: z.array(z.number().int()), data: z.array(z.number()) }).nullish(),
+  /** The prompt_alt_tokens_k draws: token ids and their logprobs, both [len(prompt) - 1, k]. */
+  prompt_alt_tokens: z
+    .object({
+      tokens: z.object({ shape: z.array(z.number().int()), data: z.array(z.number().int()) }),
+      logprobs: z.object({ shape: z.array(z.number().int()), data: z.array(z.number()) }),
+    })
+    .nullish(),
 });
 export type SampleResult = z.infer<typeof SampleResult>;
 

@@ -5,6 +5,7 @@ import { decodeRequestId } from '../queues/futures.js';
 import { queueCounts } from '../queues/inspect.js';
 import { readAgentStats, readMetrics } from '../queues/metrics.js';
 import { Names } from '../queues/names.js';
+import { Outcomes } from '../queues/outcomes.js';
 import { Registry, type ModelRecord } from '../queues/registry.js';
 import { loadPreset } from '../presets/schema.js';
 import { table, UsageError, type CommandTable, type OptionSpec, type Parsed } from './cli.js';
@@ -281,6 +282,13 @@ async function futures(p: Parsed): Promise<void> {
           ...(failure ? { category: failure.category, error: failure.message } : {}),
           ...(job.returnvalue && typeof job.returnvalue === 'object' ? { result_fields: Object.keys(job.returnvalue as object) } : {}),
         };
+        // A training op's outcome is recorded apart from the job (docs/reliability.md): it is the truth.
+        const o = await new Outcomes(t.redis, t.names, 1).get(ref.jobId);
+        if (o) {
+          info.outcome = o.state;
+          if (o.state === 'failed') Object.assign(info, { category: o.category, error: o.message, ...(o.code ? { code: o.code } : {}) });
+          if (o.state === 'done' && o.result && typeof o.result === 'object') info.result_fields = Object.keys(o.result);
+        }
       }
       if (p.values.json) return out(JSON.stringify(info, null, 2));
       const w = Math.max(...Object.keys(info).map((k) => k.length)) + 2;

@@ -36,9 +36,10 @@ Environment variables override the preset:
 For a start with exactly one agent: TB_AGENT_ID, TB_AGENT_MODELS (path[=alias],...),
 TB_ENGINE_DEVICE, TB_VLLM_URL.
 
-SIGTERM or SIGINT (Ctrl-C) stops the API, the agents (after the job each is running, up to
-TB_STOP_GRACE_S, default 600 s with agents, 30 s without), their engines and a Redis started
-here; a second signal stops at once.
+SIGTERM or SIGINT (Ctrl-C) stops the API and drains the agents: the ops in flight finish, every
+model is saved and reloaded by their next start (docs/reliability.md); then their engines and a
+Redis started here stop. No time limit but the operator's stop grace, unless TB_STOP_GRACE_S is
+set; a second signal stops at once.
 
 examples:
   tinker-broker start                                   # tiny CPU model on 127.0.0.1:8000
@@ -121,9 +122,9 @@ async function start(p: Parsed): Promise<void> {
   let redis: ChildProcess | null = null;
   let api: Awaited<ReturnType<typeof startApi>> | null = null;
   const agents: Agent[] = [];
-  const cleanup = async () => {
+  const cleanup = async (drain = false) => {
     await api?.stop().catch((e) => logger.warn('api stop failed', { error: String(e) }));
-    await Promise.all(agents.map((a) => a.stop().catch((e) => logger.warn('agent stop failed', { agentId: a.config.agentId, error: String(e) }))));
+    await Promise.all(agents.map((a) => (drain ? a.drain() : a.stop()).catch((e) => logger.warn('agent stop failed', { agentId: a.config.agentId, error: String(e) }))));
     if (redis) await stopChild(redis, 10_000);
   };
   let signals = 0;
@@ -135,16 +136,19 @@ async function start(p: Parsed): Promise<void> {
       process.exit(1);
     }
     stopping = true;
-    // Agents finish the op they are running (a forward_backward on a GPU may take minutes); the API stops in seconds.
-    const graceS = Number(process.env.TB_STOP_GRACE_S ?? (agents.length ? 600 : 30));
-    logger.info('stopping', { signal: sig, ...(agents.length ? { note: `running jobs finish first (up to ${graceS} s); signal again to stop at once` } : {}) });
-    const force = setTimeout(() => {
-      logger.error(`shutdown took longer than ${graceS} s; exiting`);
-      redis?.kill('SIGKILL');
-      process.exit(1);
-    }, graceS * 1000);
-    force.unref();
-    await cleanup();
+    // Agents finish the ops in flight and save every model (a forward_backward on a GPU may take
+    // minutes): no forced exit but the operator's stop grace, unless TB_STOP_GRACE_S is set.
+    const graceS = process.env.TB_STOP_GRACE_S ? Number(process.env.TB_STOP_GRACE_S) : null;
+    logger.info('stopping', { signal: sig, ...(agents.length ? { note: 'agents drain: running jobs finish and models are saved first; signal again to stop at once' } : {}) });
+    if (graceS !== null) {
+      const force = setTimeout(() => {
+        logger.error(`shutdown took longer than ${graceS} s (TB_STOP_GRACE_S); exiting`);
+        redis?.kill('SIGKILL');
+        process.exit(1);
+      }, graceS * 1000);
+      force.unref();
+    }
+    await cleanup(true);
     logger.info('stopped');
     process.exit(process.exitCode ?? 0);
   };
@@ -160,6 +164,8 @@ async function start(p: Parsed): Promise<void> {
     for (const a of pl.agents) agents.push(new Agent(a));
     api = pl.api ? await startApi({ config: pl.api }) : null;
     await Promise.all(agents.map((a) => a.start()));
+    // Agents drained through Redis (`tinker-broker drain`) end this process once all of them stopped.
+    if (agents.length) void Promise.all(agents.map((a) => a.stopped)).then(() => (stopping ? undefined : void shutdown('agents drained')));
   } catch (e) {
     if (stopping) return; // a piece failed because a signal stopped it; shutdown() ends the process
     stopping = true;
@@ -174,6 +180,33 @@ async function start(p: Parsed): Promise<void> {
     agents: pl.agents.map((a) => a.agentId),
   });
 }
+
+/**
+ * `tinker-broker drain`: asks running agents (all live ones on REDIS_URL/TB_PREFIX without --agent)
+ * to drain (docs/reliability.md) and waits until each has stopped; one JSON line per agent; exit
+ * status 1 when an agent is not live or did not stop in time.
+ */
+async function drainCommand(p: Parsed): Promise<void> {
+  const timeoutS = Number(p.values['timeout-s']);
+  if (!Number.isFinite(timeoutS) || timeoutS <= 0) throw new UsageError(`--timeout-s must be a positive number, got '${p.values['timeout-s']}'`);
+  const { drainAgents } = await import('../workers/drain.js');
+  const results = await drainAgents(process.env, (p.values.agent as string[] | undefined) ?? [], timeoutS);
+  for (const r of results) process.stdout.write(`${JSON.stringify(r)}\n`);
+  if (results.length === 0) process.stderr.write('no live agent to drain\n');
+  if (results.length === 0 || results.some((r) => r.status !== 'drained')) process.exitCode = 1;
+}
+
+const drainCommandSpec: Command = {
+  summary: 'drain running agents: finish their ops in flight, save every model for their next start, stop',
+  options: {
+    agent: { type: 'string', arg: 'ID', multiple: true, help: 'drain this agent (default: every live agent of REDIS_URL / TB_PREFIX)' },
+    'timeout-s': { type: 'string', arg: 'N', default: '900', help: 'give up waiting after N seconds' },
+  },
+  details: `
+Prints one JSON line per agent: {"agent_id", "status": "drained"|"not_live"|"timeout", "models_saved", "seconds"}.
+The agents' processes exit 0; their next start (same agent id) reloads the saved models.`,
+  run: drainCommand,
+};
 
 async function validate(p: Parsed): Promise<void> {
   for (const f of p.positionals) {
@@ -207,6 +240,7 @@ export const COMMANDS: CommandTable = {
     run: validate,
   },
   ...inspectCommands,
+  drain: drainCommandSpec,
 };
 
 const INTRO = `A Tinker-compatible training and sampling server: the API, BullMQ queues in Redis, and worker

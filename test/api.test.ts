@@ -259,7 +259,8 @@ describe('API with a worker agent and the tiny model', function () {
     expect((await fbOutput((await submitFb(id, 2)).json.request_id)).logprobs).to.have.length(2);
     const badOptim = await call(s.baseUrl, 'POST', '/optim_step', { model_id: id, seq_id: 3, adam_params: { learning_rate: -1 } });
     expectTinkerError(badOptim, 400, 'user', /adam_params\.learning_rate/);
-    expect((await result((await submitOptim(id, 4)).json.request_id)).json.type).to.equal('optim_step');
+    const opt = await result((await submitOptim(id, 4)).json.request_id);
+    expect(opt.json.type, JSON.stringify(opt.json)).to.equal('optim_step');
   });
 });
 

@@ -18,7 +18,7 @@ describe('bounds', function () {
   const batch = [{ tokens: [5, 17, 42], targets: [17, 42, 99], weights: [1, 1, 1] }];
 
   before(async () => {
-    s = await startStack({ longPollMs: 5_000, env: { TB_SEQ_WINDOW: '64', TB_SEQ_GAP_TIMEOUT_S: '1.5', TB_RESULT_TTL_AFTER_READ_S: '1' } });
+    s = await startStack({ longPollMs: 5_000, env: { TB_SEQ_WINDOW: '64', TB_SEQ_GAP_TIMEOUT_S: '1.5', TB_RESULT_TTL_AFTER_READ_S: '1', TB_MAX_TRAIN_BODY_MB: '2' } });
     sessionId = (await call(s.baseUrl, 'POST', '/create_session', { tags: [] })).json.session_id;
     redis = new Redis(REDIS_URL);
   });
@@ -91,6 +91,9 @@ describe('bounds', function () {
     refused(await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: dense([1, 2]) }), /needs 2 elements, got 1/);
     const long = Array.from({ length: 2049 }, (_, i) => i % 1000);
     refused(await fb(id, 2, [{ tokens: long, targets: long, weights: long.map(() => 1) }]), /data\[0\]: 2049 tokens exceed the model's context length of 2048/);
+    // A body past TB_MAX_TRAIN_BODY_MB (2 MiB here) is refused before it is buffered.
+    const huge = Buffer.alloc(3 * 2 ** 20, 1);
+    refused(await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: huge }), /request body too large \(limit 2097152 bytes\)/);
     // Floats in a (N,) weights tensor of the right length are fine; K up to 128 is accepted.
     const k = 128;
     const wide = encodeForwardBackwardMessage({

@@ -1,16 +1,20 @@
+import { randomUUID } from 'node:crypto';
 import { existsSync } from 'node:fs';
+import os from 'node:os';
 import { readdir, rename, rm, stat } from 'node:fs/promises';
 import path from 'node:path';
 import { Queue, UnrecoverableError, Worker, type Job } from 'bullmq';
 import type { Redis } from 'ioredis';
 import { ZodError } from 'zod';
-import type { AgentConfig } from '../queues/config.js';
-import { encodeJobFailure, isBrokerError, type ErrorCategory } from '../queues/errors.js';
+import { DEFAULT_OP_TIMEOUTS_S, type AgentConfig } from '../queues/config.js';
+import { encodeJobFailure, isBrokerError, outcomeUnknownMessage, type ErrorCategory } from '../queues/errors.js';
+import { heartbeatMs, Liveness } from '../queues/liveness.js';
 import { logger as rootLogger, type Logger } from '../queues/logger.js';
 import { publishAgentStats, recordJob, recordTokens, removeAgentStats, type JobStatus } from '../queues/metrics.js';
 import { Names } from '../queues/names.js';
+import { Outcomes, type Outcome } from '../queues/outcomes.js';
 import { connect } from '../queues/redis.js';
-import { Registry, type CheckpointRecord, type ModelRecord, type ServedModel } from '../queues/registry.js';
+import { Registry, type AgentRecord, type CheckpointRecord, type ModelRecord, type ServedModel } from '../queues/registry.js';
 import { writeStabilityRecords } from '../queues/stability.js';
 import { SampleJob, TrainJob, type SampleResult, type AnyJob, type SaveExternalJob, type SaveSamplerJob, type SaveStateJob } from '../queues/schemas.js';
 import type { EngineAdapter } from './adapters/adapter.js';
@@ -19,19 +23,27 @@ import { VerlAdapter } from './adapters/verl.js';
 import { VllmAdapter } from './adapters/vllm.js';
 import { encryptFileInPlace } from '../queues/age.js';
 import { EngineError } from './engine.js';
+import { rebuildCheckpoints } from './rebuild.js';
 import { SampleGatherer } from './sample-gather.js';
 import { engineMemory } from './stats.js';
 
 /**
  * A worker agent: registers in Redis, supervises its engine, and consumes
  * - its training queue (`train-<agentId>`): the ordered ops of the models placed here, one at
- *   a time, never retried (`maxStalledCount: 0`: a crash fails the op instead of re-running it);
-      const gatherer = this.gatherers.get(data.base_model);
-      const result = gatherer ? await gatherer.submit(data) : await this.adapter.sample(data);
-      if (data.record_stability) await writeStabilityRecords(this.redis, this.names, data.record_stability, data.prompt, result.sequences);
-      return result;
+ *   a time, never retried. Each op's outcome is recorded apart from BullMQ's job state
+ *   (queues/outcomes.ts): claimed before it runs, finished once; no stalled-job check runs on
+ *   this queue, so a lost job lock (a long Redis outage) never turns a completed op into a failure;
+ * - the sample queue of each base model it serves on its engine kind (the API routes each job), concurrently.
+ * It heartbeats (queues/liveness.ts), holds its agent id against a second process, and kills an
+ * engine that runs an op past its limit (`TB_OP_TIMEOUTS`). docs/reliability.md has the guarantees.
  */
-const HEARTBEAT_MS = 5_000;
+
+/** A failure as the future reports it. */
+type Failure = { category: ErrorCategory; message: string; code?: string };
+
+class OpTimeout extends Error {
+  override readonly name = 'OpTimeout';
+}
 
 export class Agent {
   readonly names: Names;
@@ -44,9 +56,24 @@ export class Agent {
   private heartbeat: NodeJS.Timeout | undefined;
   private stopping = false;
   private restarting: Promise<void> | null = null;
-  /** Per served base model: its sample gatherer (engines with sampleBatch) and queue handle. */
+  /** This process start; the liveness key and outcome claims carry it. */
+  readonly incarnation = randomUUID();
+  private outcomes!: Outcomes;
+  private liveness!: Liveness;
+  private record!: AgentRecord;
+  /** Incremented when the engine dies: an op that saw it change does not know its outcome. */
+  private engineEpoch = 0;
+  /** Why the agent killed its engine (an op past its time limit), for the models' lost reason. */
+  private killReason: string | null = null;
+  /** Set once the agent id is this process's: heartbeats start then. */
+  private registered = false;
+  private draining: Promise<void> | null = null;
+  /** Per served base model: its sample gatherer (engines with sampleBatch: the jobs held are sent as one batch) and queue handle. */
   private readonly gatherers = new Map<string, SampleGatherer>();
   private readonly sampleQueues: Queue[] = [];
+  private resolveStopped!: () => void;
+  /** Resolves when the agent has stopped (a drain asked through Redis ends the process's agent too). */
+  readonly stopped = new Promise<void>((r) => (this.resolveStopped = r));
   /** Models whose adapters live in the current engine process. */
   private readonly loaded = new Set<string>();
 
@@ -72,18 +99,49 @@ export class Agent {
     return this.names.trainQueue(this.config.agentId);
   }
 
+  get timeoutS(): number {
+    return this.config.agentTimeoutS ?? 30;
+  }
+
   async start(): Promise<void> {
-    this.redis = connect(this.config.redisUrl, 'blocking');
+    // Reconnect within a second of Redis coming back, well inside the reaper's grace.
+    this.redis = connect(this.config.redisUrl, 'blocking', { retryStrategy: (n) => Math.min(n * 50, 1_000) });
     this.registry = new Registry(this.redis, this.names);
+    this.outcomes = new Outcomes(this.redis, this.names, this.config.retentionS);
+    this.liveness = new Liveness(this.redis, this.names, this.registry, this.outcomes);
+    this.record = {
+      agent_id: this.config.agentId,
+      train_queue: this.trainQueue,
+      models: [],
+      engine: this.adapter.kind,
+      device: this.adapter.device,
+      started_at: new Date().toISOString(),
+      incarnation: this.incarnation,
+      timeout_s: this.timeoutS,
+      host: os.hostname(),
+      pid: process.pid,
+    };
+    // The id first: a second process with this id stops here, before it touches the first one's models or jobs.
+    await this.liveness.claimId(this.record, this.incarnation);
+    this.registered = true;
+    this.heartbeat = setInterval(() => {
+      void this.beat();
+      void this.publishStats();
+    }, heartbeatMs(this.timeoutS));
+    // Redis came back (restarted, failed over): say so at once, re-registering if it lost the record.
+    this.redis.on('ready', () => void this.beat());
     this.adapter.onExit((reason) => this.onEngineExit(reason));
     await this.startEngine();
-    // A new engine holds no adapters: models placed on this agent id before are gone.
-    const lost = await this.registry.markModelsLost(this.config.agentId, 'its worker agent restarted; load it from a saved checkpoint');
+    // A new engine holds no adapters: models placed on this agent id before are gone, except those a drain saved.
+    const restored = await this.restoreDrained();
+    const lost = await this.registry.markModelsLost(this.config.agentId, 'its worker agent restarted; load it from a saved checkpoint', restored);
     if (lost.length) this.log.warn('models from a previous run of this agent are unavailable', { models: lost });
+    await rebuildCheckpoints(this.registry, this.config.storageDir, this.log).catch((e) => this.log.error('rebuilding checkpoint records failed', { error: String(e) }));
 
-    const common = { connection: this.redis, prefix: this.names.bull, maxStalledCount: 0 };
+    const common = { connection: this.redis, prefix: this.names.bull, maxStalledCount: 0, lockDuration: this.config.jobLockMs ?? 30_000 };
     this.workers.push(
-      new Worker<AnyJob>(this.trainQueue, (job) => this.runTrain(job), { ...common, concurrency: 1 }),
+      // No stalled check on the training queue: outcomes are recorded apart, the reaper handles dead agents.
+      new Worker<AnyJob>(this.trainQueue, (job) => this.runTrain(job), { ...common, concurrency: 1, skipStalledCheck: true }),
       // An engine that only trains (verl) takes no sample jobs: they wait for agents that sample.
       ...(this.adapter.samples === false ? [] : this.served).map(
         (m) =>
@@ -99,24 +157,43 @@ export class Agent {
       w.on('failed', (job, err) => this.log.warn('job failed', { queue: w.name, jobId: job?.id, op: job?.name, error: err.message }));
       await w.waitUntilReady();
     }
-    await this.registry.registerAgent({
-      agent_id: this.config.agentId,
-      train_queue: this.trainQueue,
-      models: this.served,
-      engine: this.adapter.kind,
-      device: this.adapter.device,
-      started_at: new Date().toISOString(),
-    });
-    this.heartbeat = setInterval(() => {
-      this.registry.heartbeatAgent(this.config.agentId).catch((e) => this.log.warn('heartbeat failed', { error: String(e) }));
-      void this.publishStats();
-    }, HEARTBEAT_MS);
+    this.record = { ...this.record, models: this.served, device: this.adapter.device };
+    if ((await this.beat()) !== 'ok') throw new Error(`agent ${this.config.agentId} lost its registration while starting`);
     await this.publishStats();
     this.log.info('agent ready', { trainQueue: this.trainQueue, models: this.served.map((m) => m.name), device: this.adapter.device });
   }
 
+  /**
+   * Reloads the models the previous incarnation saved when it drained (weights, AdamW state and
+   * accumulated gradients), so their clients go on as if nothing happened; returns their ids.
+   */
+  private async restoreDrained(): Promise<Set<string>> {
+    const restored = new Set<string>();
+    const key = this.liveness.drainedKey(this.config.agentId);
+    const raw = await this.redis.get(key);
+    if (raw === null) return restored;
+    const drained = JSON.parse(raw) as { models: { model_id: string; dir: string }[] };
+    for (const d of drained.models) {
+      const rec = await this.registry.getModel(d.model_id);
+      if (!rec || rec.agent_id !== this.config.agentId || rec.lost_reason !== null) continue;
+      try {
+        await this.adapter.createModel({ op: 'create_model', model_id: rec.model_id, base_model: rec.base_model, lora: rec.lora });
+        await this.adapter.loadState(rec.model_id, d.dir, true, true);
+        this.loaded.add(rec.model_id);
+        restored.add(rec.model_id);
+      } catch (e) {
+        this.log.error('a drained model could not be reloaded; it is unavailable', { model: d.model_id, error: String(e) });
+      }
+      await rm(d.dir, { recursive: true, force: true }).catch(() => undefined);
+    }
+    await this.redis.del(key);
+    this.log.info('models reloaded after a drain', { models: [...restored] });
+    return restored;
+  }
+
   /** Engine memory for /metrics and `tinker-broker agents`; a failure to read it is not an error of the agent. */
   private async publishStats(): Promise<void> {
+    if (!this.registered || this.stopping) return;
     try {
       const mem = await engineMemory(this.adapter.enginePids?.() ?? [], this.adapter.device.startsWith('cuda'));
       await publishAgentStats(this.redis, this.names, {
@@ -132,14 +209,70 @@ export class Agent {
     }
   }
 
+  /** Counts one finished job in the metrics (and its tokens when it succeeded). */
+  private meter(job: Job<AnyJob>, start: number, status: JobStatus, result?: unknown): void {
+    if (status === 'ok') void this.countTokens(job, result);
+    recordJob(this.redis, this.names, { op: job.name, status, enqueuedAt: job.timestamp, startedAt: job.processedOn ?? start, finishedAt: Date.now() }).catch((e) =>
+      this.log.debug('metrics not recorded', { error: String(e) }),
+    );
+  }
+
+  /** Sampled tokens (generated sequences) and trained tokens (forward_backward inputs, not forward-only). */
+  private async countTokens(job: Job<AnyJob>, result: unknown): Promise<void> {
+    try {
+      const d = job.data;
+      if (d.op === 'forward_backward' && !d.forward_only) await recordTokens(this.redis, this.names, 'trained', d.data.reduce((s, x) => s + x.tokens.length, 0));
+      const seqs = (result as { sequences?: { tokens: unknown[] }[] } | null)?.sequences;
+      if (d.op === 'sample' && Array.isArray(seqs)) await recordTokens(this.redis, this.names, 'sampled', seqs.reduce((s, x) => s + x.tokens.length, 0));
+    } catch (e) {
+      this.log.debug('token counts not recorded', { error: String(e) });
+    }
+  }
+
   private async startEngine(): Promise<void> {
     await this.adapter.start();
     this.served = [];
     for (const spec of this.config.models) this.served.push(await this.adapter.loadBase(spec));
   }
 
-  private onEngineExit(reason: string): void {
+  /**
+   * One heartbeat: refreshes the liveness key and the record. A reaped agent (it was silent past
+   * its timeout) drops its models, which were reported unavailable, and registers again; an agent
+   * whose id another process holds now stops.
+   */
+  private async beat(): Promise<'ok' | 'reaped' | 'taken' | 'error'> {
+    if (this.stopping || !this.registered) return 'error';
+    try {
+      const r = await this.liveness.beat(this.record, this.incarnation);
+      if (r === 'reaped') {
+        const models = [...this.loaded];
+        this.loaded.clear();
+        this.log.warn('this agent was reaped (silent past its timeout): its models were reported unavailable and are dropped', { models });
+        for (const m of models) await this.adapter.unloadModel(m).catch(() => undefined);
+        await this.liveness.clearReaped(this.config.agentId, this.incarnation);
+        return await this.liveness.beat(this.record, this.incarnation);
+      }
+      if (r === 'ok' && (await this.redis.getdel(this.liveness.drainRequestKey(this.config.agentId))) !== null) {
+        this.log.info('drain requested (tinker-broker drain)');
+        void this.drain();
+      }
+      if (r === 'taken') {
+        this.log.error('another process registered this agent id; stopping', { agentId: this.config.agentId });
+        process.exitCode = 1;
+        void this.stop();
+      }
+      return r;
+    } catch (e) {
+      this.log.warn('heartbeat failed', { error: String(e) });
+      return 'error';
+    }
+  }
+
+  private onEngineExit(exitReason: string): void {
     if (this.stopping) return;
+    this.engineEpoch++;
+    const reason = this.killReason ?? exitReason;
+    this.killReason = null;
     this.log.error('engine process died', { reason });
     const models = [...this.loaded];
     this.loaded.clear();
@@ -172,9 +305,66 @@ export class Agent {
     throw new EngineError('server', `model ${modelId} is unavailable: ${why}`);
   }
 
-  private async runTrain(job: Job<AnyJob>): Promise<unknown> {
-    return this.guard(job, async () => {
+  /**
+   * One training op, its outcome recorded exactly once (queues/outcomes.ts). The result lives in the
+   * outcome record; BullMQ's job only says the op finished.
+   */
+  private async runTrain(job: Job<AnyJob>): Promise<null> {
+    const jobId = job.id!;
+    const op = job.name;
+    const token = `${this.incarnation}/${jobId}`;
+    const prev = await this.outcomes.claim(jobId, op, this.config.agentId, token);
+    if (prev) return this.standing(jobId, op, prev);
+    const start = Date.now();
+    let epoch = -1;
+    let result: unknown;
+    try {
       await this.ensureEngine();
+      epoch = this.engineEpoch;
+      result = await this.timed(op, this.trainOp(job));
+    } catch (err) {
+      let f = this.failure(job, err);
+      if (err instanceof OpTimeout || (epoch >= 0 && epoch !== this.engineEpoch))
+        f = { category: 'unknown', code: 'OUTCOME_UNKNOWN', message: outcomeUnknownMessage(op, err instanceof OpTimeout ? err.message : `the engine process died while running it: ${f.message}`) };
+      const stood = await this.outcomes.finish(jobId, token, { state: 'failed', op, agent_id: this.config.agentId, ...f });
+      this.meter(job, start, f.category === 'user' ? 'user_error' : 'server_error');
+      return this.standing(jobId, op, stood);
+    }
+    const stood = await this.outcomes.finish(jobId, token, { state: 'done', op, agent_id: this.config.agentId, result });
+    this.meter(job, start, stood.state === 'done' ? 'ok' : 'server_error', result);
+    return this.standing(jobId, op, stood);
+  }
+
+  /** Ends the BullMQ job as the recorded outcome says (which may be another's: the reaper's, an earlier run's). */
+  private async standing(jobId: string, op: string, o: Outcome): Promise<null> {
+    if (o.state === 'done') return null;
+    if (o.state === 'running') {
+      // Claimed by an earlier incarnation of this agent that died before finishing it.
+      const why = `the agent process that was running it (${o.token.split('/')[0]}) ended before recording its outcome`;
+      o = await this.liveness.failPending(jobId, op, this.config.agentId, why);
+      if (o.state === 'done') return null;
+    }
+    throw new UnrecoverableError(encodeJobFailure(o.category ?? 'server', o.message ?? 'failed'));
+  }
+
+  /** Rejects with OpTimeout and kills the engine (a hung engine) when the op runs past its limit. */
+  private timed<T>(op: string, p: Promise<T>): Promise<T> {
+    const limitS = this.config.opTimeoutsS?.[op] ?? DEFAULT_OP_TIMEOUTS_S[op] ?? 1800;
+    let timer: NodeJS.Timeout | undefined;
+    const timeout = new Promise<never>((_, reject) => {
+      timer = setTimeout(() => {
+        const why = `${op} ran past its time limit of ${limitS} s (TB_OP_TIMEOUTS); the agent killed its engine as hung`;
+        this.log.error('op timed out; killing the engine', { op, limitS });
+        this.killReason = why;
+        this.adapter.kill?.();
+        reject(new OpTimeout(why));
+      }, limitS * 1000);
+    });
+    return Promise.race([p, timeout]).finally(() => clearTimeout(timer));
+  }
+
+  private async trainOp(job: Job<AnyJob>): Promise<unknown> {
+    {
       const data = TrainJob.parse(job.data);
       switch (data.op) {
         case 'create_model': {
@@ -210,7 +400,7 @@ export class Agent {
           await this.registry.markModelLost(data.model_id, 'it was unloaded (unload_model)');
           return { model_id: data.model_id };
       }
-    });
+    }
   }
 
   /** The model a checkpoint job saves (it exists: create_model ran before any op of the model). */
@@ -325,59 +515,71 @@ export class Agent {
       waiting: () => queue.getWaitingCount(),
       run: async (jobs) => {
         await this.ensureEngine();
-        return this.adapter.sampleBatch!(jobs);
+        return this.timed('sample', this.adapter.sampleBatch!(jobs));
       },
     });
   }
 
+  /** A sample has no effect on any model: a failure (a timeout included) is a plain server error the client may retry. */
   private async runSample(job: Job<AnyJob>): Promise<unknown> {
-    return this.guard(job, async () => {
+    const start = Date.now();
+    try {
       await this.ensureEngine();
       const data = SampleJob.parse(job.data);
       const gatherer = this.gatherers.get(data.base_model);
-      const result = keepLastPromptLogprobs(gatherer ? await gatherer.submit(data) : await this.adapter.sample(data), data.prompt_logprobs_last_n ?? null);
-      if (data.record_stability) await writeStabilityRecords(this.redis, this.names, data.record_stability, data.prompt, result.sequences);
-      return result;
-    });
-  }
-
-  /** Runs one job; any failure becomes an unrecoverable job failure carrying its category. Each job is counted in the metrics. */
-  private async guard<T>(job: Job<AnyJob>, fn: () => Promise<T>): Promise<T> {
-    const modelId = (job.data as { model_id?: unknown }).model_id;
-    const log = this.log.child({ jobId: job.id, op: job.name, queue: job.queueName, ...(typeof modelId === 'string' ? { modelId } : {}) });
-    const start = Date.now();
-    let status: JobStatus = 'ok';
-    try {
-      const r = await fn();
-      log.debug('job done', { ms: Date.now() - start });
-      void this.countTokens(job, r);
+      const r = keepLastPromptLogprobs(gatherer ? await gatherer.submit(data) : await this.timed('sample', this.adapter.sample(data)), data.prompt_logprobs_last_n ?? null);
+      if (data.record_stability) await writeStabilityRecords(this.redis, this.names, data.record_stability, data.prompt, r.sequences);
+      this.meter(job, start, 'ok', r);
       return r;
     } catch (err) {
-      let category: ErrorCategory = 'server';
-      let message = String((err as Error)?.message ?? err);
-      if (err instanceof EngineError) category = err.category;
-      else if (isBrokerError(err)) category = err.category;
-      else if (err instanceof ZodError) message = `invalid ${job.name} job payload: ${err.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`;
-      status = category === 'user' ? 'user_error' : 'server_error';
-      throw new UnrecoverableError(encodeJobFailure(category, message));
-    } finally {
-      // BullMQ's timestamps: enqueued (timestamp), taken (processedOn); finished is now.
-      recordJob(this.redis, this.names, { op: job.name, status, enqueuedAt: job.timestamp, startedAt: job.processedOn ?? start, finishedAt: Date.now() }).catch((e) =>
-        log.debug('metrics not recorded', { error: String(e) }),
-      );
+      const f = this.failure(job, err);
+      this.meter(job, start, f.category === 'user' ? 'user_error' : 'server_error');
+      throw new UnrecoverableError(encodeJobFailure(f.category, f.message));
     }
   }
 
-  /** Sampled tokens (generated sequences) and trained tokens (forward_backward inputs, not forward-only). */
-  private async countTokens(job: Job<AnyJob>, result: unknown): Promise<void> {
-    try {
-      const d = job.data;
-      if (d.op === 'forward_backward' && !d.forward_only) await recordTokens(this.redis, this.names, 'trained', d.data.reduce((s, x) => s + x.tokens.length, 0));
-      const seqs = (result as { sequences?: { tokens: unknown[] }[] } | null)?.sequences;
-      if (d.op === 'sample' && Array.isArray(seqs)) await recordTokens(this.redis, this.names, 'sampled', seqs.reduce((s, x) => s + x.tokens.length, 0));
-    } catch (e) {
-      this.log.debug('token counts not recorded', { error: String(e) });
-    }
+  /** What a failed op reports: the error's category (user or server) and message. */
+  private failure(job: Job<AnyJob>, err: unknown): Failure {
+    let category: ErrorCategory = 'server';
+    let message = String((err as Error)?.message ?? err);
+    if (err instanceof EngineError) category = err.category;
+    else if (isBrokerError(err)) category = err.category;
+    else if (err instanceof ZodError) message = `invalid ${job.name} job payload: ${err.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`;
+    return { category, message };
+  }
+
+  /**
+   * The graceful stop (SIGTERM, `tinker-broker drain`): takes no new work, lets the ops in flight
+   * finish (however long: the operator's stop grace bounds it), saves every model with its AdamW
+   * state and accumulated gradients, records them for the next start of this agent id, and stops.
+   * Ops still queued stay queued: the restarted agent runs them on the reloaded models, and the
+   * reaper leaves the agent's futures pending while the drain record lasts (TB_DRAIN_KEEP_S).
+   */
+  drain(): Promise<void> {
+    this.draining ??= (async () => {
+      if (this.stopping || !this.registered) return this.stop();
+      const t0 = Date.now();
+      this.log.info('draining: finishing the ops in flight');
+      await Promise.all(this.workers.map((w) => w.close()));
+      await this.ensureEngine();
+      const saved: { model_id: string; dir: string }[] = [];
+      if (this.adapter.kind === 'torch') {
+        for (const m of this.loaded) {
+          const dir = path.join(this.config.storageDir, 'drain', this.config.agentId, `${m}-${Date.now()}`);
+          try {
+            await this.adapter.saveState(m, dir, true, true);
+            saved.push({ model_id: m, dir });
+          } catch (e) {
+            this.log.error('could not save a model while draining; it will be unavailable', { model: m, error: String(e) });
+          }
+        }
+      }
+      const keepS = this.config.drainKeepS ?? 3_600;
+      await this.redis.set(this.liveness.drainedKey(this.config.agentId), JSON.stringify({ models: saved, at: new Date().toISOString(), incarnation: this.incarnation }), 'EX', keepS);
+      this.log.info('drained', { models: saved.map((s) => s.model_id), ms: Date.now() - t0 });
+      await this.stop();
+    })();
+    return this.draining;
   }
 
   async stop(): Promise<void> {
@@ -386,11 +588,12 @@ export class Agent {
     clearInterval(this.heartbeat);
     await Promise.all(this.workers.map((w) => w.close()));
     await Promise.all(this.sampleQueues.map((q) => q.close().catch(() => undefined)));
-    await this.registry?.removeAgent(this.config.agentId).catch(() => undefined);
+    await this.liveness?.release(this.config.agentId, this.incarnation).catch(() => undefined);
     if (this.redis) await removeAgentStats(this.redis, this.names, this.config.agentId).catch(() => undefined);
     await this.adapter.stop().catch(() => undefined);
     await this.redis?.quit().catch(() => undefined);
     this.log.info('agent stopped');
+    this.resolveStopped();
   }
 }
 

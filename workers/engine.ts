@@ -122,6 +122,11 @@ export class EngineProcess extends EventEmitter<EngineEvents> {
     });
   }
 
+  /** Kills the process (SIGKILL works on a stopped or hung one); pending requests fail through the exit. */
+  kill(): void {
+    if (this.child && !this.exited) this.child.kill('SIGKILL');
+  }
+
   /** Closes the channel (the engine exits on EOF) and kills it if it does not exit in time. */
   async stop(graceMs = 5_000): Promise<void> {
     if (!this.child || this.exited) return;

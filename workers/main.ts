@@ -2,17 +2,26 @@ import { loadAgentConfig } from '../queues/config.js';
 import { logger } from '../queues/logger.js';
 import { Agent } from './agent.js';
 
-/** The worker agent process: `tsx workers/main.ts`. Configuration from the environment. */
+/**
+ * The worker agent process: `tsx workers/main.ts`. Configuration from the environment.
+ * SIGTERM/SIGINT drain the agent (docs/reliability.md): the op in flight finishes, however long the
+ * operator's stop grace allows, and every model is saved for the next start. A second signal exits
+ * at once without saving.
+ */
 async function main(): Promise<void> {
   const agent = new Agent(loadAgentConfig());
+  let signals = 0;
   const shutdown = (sig: string) => {
-    logger.info('agent stopping', { signal: sig });
-    const force = setTimeout(() => process.exit(1), 60_000);
-    force.unref();
-    agent.stop().then(() => process.exit(process.exitCode ?? 0), () => process.exit(1));
+    if (signals++ > 0) {
+      logger.warn('second signal: exiting without finishing the drain', { signal: sig });
+      process.exit(1);
+    }
+    logger.info('agent draining', { signal: sig });
+    void agent.drain();
   };
   process.on('SIGTERM', () => shutdown('SIGTERM'));
   process.on('SIGINT', () => shutdown('SIGINT'));
+  void agent.stopped.then(() => process.exit(process.exitCode ?? 0));
   await agent.start();
 }
 

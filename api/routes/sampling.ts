@@ -107,8 +107,6 @@ export function samplingRoutes(ctx: ApiContext): Router {
 
   r.post('/asample', async (req, res) => {
     const body = parseBody(SampleBody, req.body, 'asample');
-    if (body.topk_sample_logprobs > 0) throw invalid('topk_sample_logprobs is not supported by this server');
-    if (body.prompt_alt_tokens_k > 0) throw invalid('prompt_alt_tokens_k is not supported by this server');
 
     let session: Pick<SamplingSessionRecord, 'base_model' | 'model_path' | 'adapter_dir'>;
     let sessionId: string;
@@ -139,6 +137,13 @@ export function samplingRoutes(ctx: ApiContext): Router {
     if (body.topk_prompt_logprobs > model.topk_max)
       throw invalid(`topk_prompt_logprobs ${body.topk_prompt_logprobs} exceeds the bound for this model (${model.topk_max})`);
     for (const t of tokens) if (t < 0 || t >= model.vocab_size) throw invalid(`prompt token id ${t} is outside the vocabulary [0, ${model.vocab_size})`);
+    if (body.topk_sample_logprobs > model.topk_max)
+      throw invalid(`topk_sample_logprobs ${body.topk_sample_logprobs} exceeds the bound for this model (${model.topk_max})`);
+    if (body.prompt_alt_tokens_k > 0) {
+      if (tokens.length < 2) throw invalid('prompt_alt_tokens_k needs a prompt of at least 2 tokens');
+      if ((tokens.length - 1) * body.prompt_alt_tokens_k > MAX_TARGET_CELLS)
+        throw invalid(`prompt_alt_tokens_k ${body.prompt_alt_tokens_k} asks for ${(tokens.length - 1) * body.prompt_alt_tokens_k} draws; at most ${MAX_TARGET_CELLS}`);
+    }
     const targets = parseTargetPromptLogprobs(body.target_prompt_logprobs, tokens.length, model.vocab_size);
     const lastN = body.prompt_logprobs_last_n ?? null;
     if (lastN !== null) {
@@ -187,6 +192,8 @@ export function samplingRoutes(ctx: ApiContext): Router {
       // Only samples of a sampling session are recorded: the record belongs to that session (and its tenant).
       prompt_logprobs_last_n: lastN,
       target_prompt_logprobs: targets,
+      topk_sample_logprobs: body.topk_sample_logprobs,
+      prompt_alt_tokens_k: body.prompt_alt_tokens_k,
       record_stability: body.record_stability_info && ownerSession ? { session_id: ownerSession, request_id: requestId } : null,
     };
     await ctx.queues.add(queue, jobId, job);

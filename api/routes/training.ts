@@ -197,7 +197,8 @@ async function createViaLoad(ctx: ApiContext, req: Request, body: z.output<typeo
 export function trainingRoutes(ctx: ApiContext): Router {
   const r = Router();
 
-  r.post('/forward_backward', express.raw({ type: () => true, limit: '512mb' }), async (req, res) => {
+  // The body is read only up to its bound (express answers past it before buffering the rest).
+  r.post('/forward_backward', express.raw({ type: () => true, limit: `${ctx.config.maxTrainBodyMb ?? 64}mb` }), async (req, res) => {
     if (!Buffer.isBuffer(req.body) || req.body.length === 0) throw invalid('forward_backward needs a protobuf ForwardBackwardRequest body');
     const fb = decodeForwardBackwardRequest(req.body);
     if (!fb.model_id) throw invalid('forward_backward: model_id is required');

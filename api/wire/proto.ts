@@ -264,6 +264,7 @@ export function encodeSampleResponse(r: SampleResult): Buffer {
       stop_reason: s.stop_reason === 'length' ? 1 : 0,
       tokens: le(s.tokens, 'i32'),
       logprobs: le(s.logprobs, 'f32'),
+      ...(s.topk_logprobs ? { topk_sampled_logprobs: encodeTopk(s.topk_logprobs) } : {}),
     })),
     prompt_cache_hit_tokens: 0,
   };
@@ -271,5 +272,10 @@ export function encodeSampleResponse(r: SampleResult): Buffer {
   if (r.topk_prompt_logprobs) obj.topk_prompt_logprobs = encodeTopk(r.topk_prompt_logprobs);
   if (r.target_prompt_logprobs)
     obj.target_prompt_logprobs = { dense: le(r.target_prompt_logprobs.data, 'f32'), dtype: DTYPE.FLOAT32, shape: r.target_prompt_logprobs.shape };
+  if (r.prompt_alt_tokens)
+    obj.prompt_alt_tokens = {
+      tokens: { dense: le(r.prompt_alt_tokens.tokens.data, 'i64'), dtype: DTYPE.INT64, shape: r.prompt_alt_tokens.tokens.shape },
+      logprobs: { dense: le(r.prompt_alt_tokens.logprobs.data, 'f32'), dtype: DTYPE.FLOAT32, shape: r.prompt_alt_tokens.logprobs.shape },
+    };
   return Buffer.from(SampleResponseT.encode(SampleResponseT.fromObject(obj)).finish());
 }

@@ -41,6 +41,24 @@ describe('sampling fields of SDK 0.38', function () {
     expect(out.raw_target_bad_shape).to.match(/^400 .*target_prompt_logprobs must have shape \[len\(prompt\) - 1, K\] = \[7, K\]/);
   });
 
+  it('topk_sample_logprobs: per generated token, the top-K of its distribution; greedy picks the first, scored as compute_logprobs does', () => {
+    expect(out.greedy_topk).to.have.length(out.greedy_tokens.length);
+    out.greedy_topk.forEach((row: [number, number][], t: number) => {
+      expect(row).to.have.length(4);
+      for (let j = 1; j < 4; j++) expect(row[j]![1]).to.be.at.most(row[j - 1]![1]);
+      expect(row[0]![0], `token ${t}`).to.equal(out.greedy_tokens[t]);
+      expect(row[0]![1], `token ${t}`).to.be.closeTo(out.greedy_rescored[t], 1e-4);
+    });
+  });
+
+  it('prompt_alt_tokens_k (temperature 0): k draws per prompt position after the first, the argmax with its top-1 logprob', () => {
+    expect(out.alt_tokens).to.have.length(out.full.length - 1);
+    out.alt_tokens.forEach((row: number[], i: number) => {
+      expect(row).to.deep.equal([out.full_topk[i + 1][0][0], out.full_topk[i + 1][0][0]]);
+      out.alt_logprobs[i].forEach((v: number) => expect(v).to.be.closeTo(out.full_topk[i + 1][0][1], 1e-6));
+    });
+  });
+
   it('prompt_logprobs_last_n needs prompt logprobs and at most len(prompt) - 1', () => {
     // The SDK checks these itself (ValueError) before it sends; the server refuses them too (raw HTTP).
     expect(out.last_n_without_logprobs).to.match(/Error.*prompt_logprobs_last_n/);

@@ -34,7 +34,19 @@ def main() -> None:
     rows = len(PROMPT) - 1
     ids = np.array([[PROMPT[i + 1], full.topk_prompt_logprobs[i + 1][0][0], -1] for i in range(rows)], dtype=np.int64)
     targeted = sample(target_prompt_logprobs=types.TensorData.from_numpy(ids))
+    # topk_sample_logprobs, greedy: the first entry is the chosen token; the engine's own logprobs
+    # of prompt + sampled tokens (compute_logprobs) score it the same.
+    greedy = sc.sample(prompt, 1, types.SamplingParams(max_tokens=4, temperature=0.0, stop=[]), topk_sample_logprobs=4).result(timeout=120)
+    gseq = greedy.sequences[0]
+    rescored = sc.compute_logprobs(types.ModelInput.from_ints(PROMPT + list(gseq.tokens))).result(timeout=120)
+    # prompt_alt_tokens_k at temperature 0: every draw is the argmax, scored as the top-1 prompt logprob.
+    alt = sc.sample(prompt, 1, types.SamplingParams(max_tokens=1, temperature=0.0), prompt_alt_tokens_k=2).result(timeout=120)
     out = {
+        "alt_tokens": alt.prompt_alt_tokens.tokens.to_numpy().tolist(),
+        "alt_logprobs": alt.prompt_alt_tokens.logprobs.to_numpy().tolist(),
+        "greedy_tokens": list(gseq.tokens),
+        "greedy_topk": gseq.topk_logprobs,
+        "greedy_rescored": [float(v) for v in rescored[len(PROMPT):]],
         "target_ids": ids.tolist(),
         "target": targeted.target_prompt_logprobs.to_numpy().tolist(),
         "full": full.prompt_logprobs,

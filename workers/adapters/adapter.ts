@@ -27,10 +27,10 @@ export interface EngineAdapter {
   optimStep(job: OptimStepJob): Promise<{ metrics: Record<string, number> }>;
   /** Writes the sampler version's PEFT adapter into `job.dir` (which must not exist); returns its size. */
   saveSampler(job: SaveSamplerJob): Promise<{ size_bytes: number }>;
-  /** Writes the training state (adapter, optionally optimizer) into `dir` (which must not exist). */
-  saveState(modelId: string, dir: string, optimizer: boolean): Promise<{ size_bytes: number }>;
+  /** Writes the training state (adapter, optionally optimizer, and for a drain the accumulated gradients) into `dir` (which must not exist). */
+  saveState(modelId: string, dir: string, optimizer: boolean, gradients?: boolean): Promise<{ size_bytes: number }>;
   /** Loads a training checkpoint into an existing model; without `optimizer` the Adam state starts fresh. */
-  loadState(modelId: string, dir: string, optimizer: boolean): Promise<void>;
+  loadState(modelId: string, dir: string, optimizer: boolean, gradients?: boolean): Promise<void>;
   unloadModel(modelId: string): Promise<void>;
   sample(job: SampleJob): Promise<SampleResult>;
   /**
@@ -38,6 +38,8 @@ export interface EngineAdapter {
    * or one error per job, in order. Without it the agent sends jobs one at a time to `sample`.
    */
   sampleBatch?(jobs: SampleJob[]): Promise<(SampleResult | Error)[]>;
+  /** Kills a hung engine at once (SIGKILL); its exit is then reported through `onExit`. */
+  kill?(): void;
   /** Process ids of the engine (for its memory in /metrics and `tinker-broker agents`); descendants are found from them. */
   enginePids?(): number[];
   /** Called when the engine died: every model it held is gone. */

@@ -33,6 +33,8 @@ function sampleRequest(job: SampleJob): Record<string, unknown> {
     prompt_logprobs: job.prompt_logprobs,
     topk_prompt_logprobs: job.topk_prompt_logprobs,
     target_prompt_logprobs: job.target_prompt_logprobs ?? null,
+    topk_sample_logprobs: job.topk_sample_logprobs ?? 0,
+    prompt_alt_tokens_k: job.prompt_alt_tokens_k ?? 0,
   };
 }
 
@@ -94,6 +96,10 @@ export class TorchAdapter implements EngineAdapter {
     return this.engine.stop();
   }
 
+  kill(): void {
+    this.engine.kill();
+  }
+
   async loadBase(spec: BaseModelSpec): Promise<ServedModel> {
     const r = await this.engine.call<{ vocab_size: number; arch: string; max_context_length: number }>('load_base', {
       name: spec.name,
@@ -137,13 +143,13 @@ export class TorchAdapter implements EngineAdapter {
     return { size_bytes: r.size_bytes ?? 0 };
   }
 
-  async saveState(modelId: string, dir: string, optimizer: boolean): Promise<{ size_bytes: number }> {
-    const r = await this.engine.call<{ size_bytes: number }>('save_state', { model_id: modelId, dir, optimizer });
+  async saveState(modelId: string, dir: string, optimizer: boolean, gradients = false): Promise<{ size_bytes: number }> {
+    const r = await this.engine.call<{ size_bytes: number }>('save_state', { model_id: modelId, dir, optimizer, gradients });
     return { size_bytes: r.size_bytes };
   }
 
-  async loadState(modelId: string, dir: string, optimizer: boolean): Promise<void> {
-    await this.engine.call('load_state', { model_id: modelId, dir, optimizer });
+  async loadState(modelId: string, dir: string, optimizer: boolean, gradients = false): Promise<void> {
+    await this.engine.call('load_state', { model_id: modelId, dir, optimizer, gradients });
   }
 
   async unloadModel(modelId: string): Promise<void> {

@@ -42,3 +42,28 @@ def score_targets(prompt_logits: torch.Tensor, targets: torch.Tensor) -> dict[st
     values = logp.gather(-1, targets.clamp(min=0))
     values = torch.where(wanted, values, torch.zeros_like(values))
     return {"shape": list(targets.shape), "data": values.flatten().tolist()}
+
+
+def alt_tokens(prompt_logits: torch.Tensor, k: int, temperature: float, seed: int | None) -> dict[str, Any]:
+    """``prompt_alt_tokens_k``: ``k`` independent draws, with replacement, from the next-token
+    distribution at every prompt position after the first (rows 0..P-2 of ``prompt_logits``), at
+    the request's temperature, with the logprob of each draw in the distribution it was drawn from
+    (as a sampled token's logprob). Temperature 0 repeats the argmax, scored at temperature 1.
+    Draws use their own generator (seeded from the request's seed + 1), so they leave the sampled
+    sequences unchanged."""
+    logits = prompt_logits[:-1].float().cpu()
+    if temperature == 0.0:
+        logp = torch.log_softmax(logits, dim=-1)
+        tokens = logp.argmax(dim=-1, keepdim=True).expand(-1, k)
+    else:
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        gen = torch.Generator(device="cpu")
+        if seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(seed + 1)
+        tokens = torch.multinomial(logp.exp(), k, replacement=True, generator=gen)
+    values = logp.gather(-1, tokens)
+    shape = list(tokens.shape)
+    return {"tokens": {"shape": shape, "data": tokens.flatten().tolist()},
+            "logprobs": {"shape": shape, "data": values.flatten().tolist()}}

@@ -36,7 +36,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .errors import UserError
 from .models import BaseModel, Registry
-from .prompt_scores import parse_targets, score_targets
+from .prompt_scores import alt_tokens, parse_targets, score_targets
 from .params import (check_token_ids, get_bool, get_float, get_int, get_int_list, get_obj, get_opt_int,
                      get_opt_str, get_str, get_str_list)
 
@@ -142,13 +142,14 @@ class RowParams:
             self.all_greedy and other.all_greedy)
 
 
-def choose_tokens(logits: torch.Tensor, rows: RowParams, ntok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next token (B,) and its logprob (B,) for each row of ``logits`` (B, V), on their device."""
+def choose_tokens(logits: torch.Tensor, rows: RowParams,
+                  ntok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Next token (B,), its logprob (B,) and the (B, V) log-distribution it comes from, on the device."""
     logits = logits.float()
     if rows.all_greedy:
         logp = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)
-        return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), logp
     scaled = logits / rows.temperature
     if rows.any_filter:
         scaled = filter_logits(scaled, rows.top_k, rows.top_p)
@@ -160,7 +161,7 @@ def choose_tokens(logits: torch.Tensor, rows: RowParams, ntok: torch.Tensor) -> 
     tokens = torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
     if rows.any_greedy:
         tokens = torch.where(rows.greedy, logits.argmax(dim=-1), tokens)
-    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), logp
 
 
 @dataclass
@@ -168,9 +169,16 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str | None = None
+    # topk_sample_logprobs: per generated token, the top-K [id, logprob] of the distribution it
+    # was drawn from (the same distribution as its logprob); None when not requested.
+    topk: list[list[list[Any]]] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "logprobs": self.logprobs, "stop_reason": self.stop_reason or "length"}
+        out: dict[str, Any] = {"tokens": self.tokens, "logprobs": self.logprobs,
+                               "stop_reason": self.stop_reason or "length"}
+        if self.topk is not None:
+            out["topk_logprobs"] = self.topk
+        return out
 
 
 @dataclass
@@ -187,6 +195,9 @@ class SampleRequest:
     sequences: list[Sequence] = field(default_factory=list)
     targets: torch.Tensor | None = None  # target_prompt_logprobs ids (prompt_scores.py)
     target_prompt_logprobs: dict[str, Any] | None = None
+    topk_sample: int = 0  # topk_sample_logprobs
+    alt_k: int = 0  # prompt_alt_tokens_k
+    prompt_alt_tokens: Any = None
     rows_left: int = 0  # sequences still generating
     error: Exception | None = None  # the generation failed
     prompt_logprobs: list[Any] | None = None
@@ -211,11 +222,15 @@ class SampleRequest:
             raise UserError(f"prompt ({len(prompt)} tokens) + max_tokens ({req.params.max_tokens}) exceeds the "
                             f"model's context length {limit}")
         req.targets = parse_targets(args, len(prompt), base.vocab_size)
+        req.topk_sample = get_int(args, "topk_sample_logprobs", default=0, minimum=0)
+        req.alt_k = get_int(args, "prompt_alt_tokens_k", default=0, minimum=0)
+        if req.alt_k > 0 and len(prompt) < 2:
+            raise UserError("prompt_alt_tokens_k needs a prompt of at least 2 tokens")
         return req
 
     @property
     def needs_prompt_logits(self) -> bool:
-        return self.want_prompt_logprobs or self.topk > 0 or self.targets is not None
+        return self.want_prompt_logprobs or self.topk > 0 or self.targets is not None or self.alt_k > 0
 
     def result(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -225,6 +240,8 @@ class SampleRequest:
         }
         if self.target_prompt_logprobs is not None:
             out["target_prompt_logprobs"] = self.target_prompt_logprobs
+        if self.prompt_alt_tokens is not None:
+            out["prompt_alt_tokens"] = self.prompt_alt_tokens
         return out
 
 
@@ -278,6 +295,8 @@ def _compute_prompt_logprobs(base: BaseModel, req: SampleRequest) -> None:
         req.prompt_logprobs, req.topk_prompt_logprobs = prompt_logprob_lists(req.prompt, out.logits[0], req.topk)
     if req.targets is not None:
         req.target_prompt_logprobs = score_targets(out.logits[0], req.targets)
+    if req.alt_k > 0:
+        req.prompt_alt_tokens = alt_tokens(out.logits[0], req.alt_k, req.params.temperature, req.params.seed)
 
 
 def _joinable(cache: DynamicCache) -> bool:
@@ -335,7 +354,7 @@ class Generation:
 
     def add(self, reqs: list[SampleRequest]) -> None:
         for r in reqs:
-            r.sequences = [Sequence() for _ in range(r.num_samples)]
+            r.sequences = [Sequence(topk=[] if r.topk_sample > 0 else None) for _ in range(r.num_samples)]
             r.rows_left = r.num_samples
         self.waiting.extend(reqs)
 
@@ -358,13 +377,22 @@ class Generation:
 
     def _decode(self) -> None:
         assert self.rows is not None and self.cache is not None
-        tokens, logprobs = choose_tokens(self.logits, self.rows, self.ntok)
+        tokens, logprobs, dist = choose_tokens(self.logits, self.rows, self.ntok)
         host = torch.stack([tokens.double(), logprobs.double()], dim=-1).cpu().tolist()
+        want_top = max(r.topk_sample for r in self.row_req)
+        top_ids: list[list[int]] = []
+        top_vals: list[list[float]] = []
+        if want_top > 0:
+            tops = dist.topk(min(want_top, dist.shape[-1]), dim=-1)
+            top_ids, top_vals = tops.indices.cpu().tolist(), tops.values.cpu().tolist()
         still: list[int] = []
         for row, (tok_f, lp) in enumerate(host):
             seq, req, tok = self.row_seq[row], self.row_req[row], int(tok_f)
             seq.tokens.append(tok)
             seq.logprobs.append(lp)
+            if seq.topk is not None:
+                k = req.topk_sample
+                seq.topk.append([[i, v] for i, v in zip(top_ids[row][:k], top_vals[row][:k])])
             if _stops(seq, tok, req.params, self.base, self.row_window[row]):
                 seq.stop_reason = "stop"
             elif len(seq.tokens) < req.params.max_tokens:

@@ -12,7 +12,9 @@ A checkpoint directory holds:
 
 ``<key>`` is the PEFT state-dict name of a LoRA matrix (``base_model.model.<module>.lora_A.weight``),
 the same key as in ``adapter_model.safetensors``: it does not contain the engine's adapter name, so
-a checkpoint of one ``model_id`` loads into another. Accumulated gradients are never saved.
+a checkpoint of one ``model_id`` loads into another. Accumulated gradients are saved only when asked
+(``gradients: true``, the agent's drain: ``gradients.safetensors``, by the same keys) and loaded only
+when asked; a client's checkpoint never holds them.
 
 ``save_state`` writes everything into ``<dir>.tmp-<random>`` (files fsynced) and renames it to
 ``dir``, so a crash never leaves a partial checkpoint at ``dir``; ``dir`` must not exist yet.
@@ -42,6 +44,7 @@ STATE_FORMAT = 1
 STATE_FILE = "tinker_state.json"
 OPTIMIZER_TENSORS = "optimizer.safetensors"
 OPTIMIZER_META = "optimizer.json"
+GRADIENTS = "gradients.safetensors"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 LORA_FIELDS = ("rank", "train_unembed", "train_mlp", "train_attn")  # must match to load
 
@@ -142,6 +145,10 @@ def save_state(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
             tensors, meta = _optimizer_payload(model)
             save_file(tensors, os.path.join(tmp, OPTIMIZER_TENSORS), metadata={"format": "pt"})
             _write_json(os.path.join(tmp, OPTIMIZER_META), meta)
+        if get_bool(args, "gradients", default=False):
+            grads = {key: p.grad.detach().to("cpu", torch.float32).contiguous()
+                     for key, p in _keyed_params(model).items() if p.grad is not None}
+            save_file(grads, os.path.join(tmp, GRADIENTS), metadata={"format": "pt"})
         _write_json(os.path.join(tmp, STATE_FILE), {
             "format": STATE_FORMAT, "base_model": model.base.name, "lora": _lora_json(model),
             "has_optimizer": with_optimizer})
@@ -294,12 +301,21 @@ def load_state(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
     keyed = _keyed_params(model)
     weights = _read_weights(path, keyed)
     optimizer = _read_optimizer(path, model, keyed) if with_optimizer else None
+    grads: dict[str, torch.Tensor] = {}
+    grads_path = os.path.join(path, GRADIENTS)
+    if get_bool(args, "gradients", default=False) and os.path.isfile(grads_path):
+        grads = _read_tensors(grads_path)
+        for key, g in grads.items():
+            if key not in keyed:
+                raise UserError(f"load_state: {grads_path}: gradient for a parameter the model does not have: {key}")
+            _check_tensor(grads_path, key, g, keyed[key])
 
     # Commit: nothing below raises for bad input.
     with torch.no_grad():
         for key, p in keyed.items():
             p.copy_(weights[key].to(device=p.device, dtype=p.dtype))
-    for p in keyed.values():
-        p.grad = None
+    for key, p in keyed.items():
+        g = grads.get(key)
+        p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype)
     model.optimizer = optimizer
     return {"model_id": model.model_id, "has_optimizer": has_optimizer}

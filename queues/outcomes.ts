@@ -1,0 +1,91 @@
+import type { Redis } from 'ioredis';
+import { z } from 'zod';
+import type { ErrorCategory } from './errors.js';
+import type { Names } from './names.js';
+
+/**
+ * The outcome of each training op, recorded by the agent in a key of its own (not in BullMQ's job
+ * state, which a lost job lock can turn into "job stalled" after the op took effect). The record
+ * goes through one state change only, each a Lua compare-and-set:
+ *
+ *   (absent) --claim by the agent--> running --finish by the same claim--> done | failed
+ *   (absent) | running --reaper (dead or hung agent)--> failed with OUTCOME_UNKNOWN
+ *
+ * The first final state wins: an agent that finishes after the reaper gave up on it does not turn
+ * a reported failure into a success, and an op the reaper failed before it started is never run
+ * (the agent's claim finds the record and skips it). So no op is run twice and no future reports
+ * an outcome other than the one that happened (or says it cannot know).
+ */
+export const Outcome = z.object({
+  state: z.enum(['running', 'done', 'failed']),
+  op: z.string(),
+  agent_id: z.string(),
+  /** The claim: one agent incarnation and job. */
+  token: z.string(),
+  at: z.string(),
+  result: z.unknown().optional(),
+  category: z.enum(['user', 'server', 'unknown']).optional(),
+  code: z.string().optional(),
+  message: z.string().optional(),
+});
+export type Outcome = z.infer<typeof Outcome>;
+
+const CLAIM = `
+local v = redis.call('GET', KEYS[1])
+if v then return v end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return false
+`;
+
+/** ARGV[3]: the claim token that may finish; '' = the reaper, which may finish any running or absent record. */
+const FINISH = `
+local v = redis.call('GET', KEYS[1])
+if v then
+  local o = cjson.decode(v)
+  if o.state ~= 'running' then return v end
+  if ARGV[3] ~= '' and o.token ~= ARGV[3] then return v end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return false
+`;
+
+export class Outcomes {
+  constructor(
+    private readonly redis: Redis,
+    private readonly names: Names,
+    private readonly ttlS: number,
+  ) {}
+
+  key(jobId: string): string {
+    return `${this.names.prefix}:outcome:${jobId}`;
+  }
+
+  async get(jobId: string): Promise<Outcome | null> {
+    const raw = await this.redis.get(this.key(jobId));
+    return raw === null ? null : Outcome.parse(JSON.parse(raw));
+  }
+
+  /** Claims the op for running; returns null when claimed, else the record that was there first (do not run). */
+  async claim(jobId: string, op: string, agentId: string, token: string): Promise<Outcome | null> {
+    const rec: Outcome = { state: 'running', op, agent_id: agentId, token, at: new Date().toISOString() };
+    const prev = (await this.redis.eval(CLAIM, 1, this.key(jobId), JSON.stringify(rec), String(this.ttlS))) as string | null;
+    return prev === null ? null : Outcome.parse(JSON.parse(prev));
+  }
+
+  /** Records the final outcome unless another one is already final; returns the record that stands. */
+  async finish(
+    jobId: string,
+    token: string | '',
+    final: Omit<Outcome, 'token' | 'at'> & { state: 'done' | 'failed' },
+  ): Promise<Outcome> {
+    const rec: Outcome = { ...final, token: token || 'reaper', at: new Date().toISOString() };
+    const prev = (await this.redis.eval(FINISH, 1, this.key(jobId), JSON.stringify(rec), String(this.ttlS), token)) as string | null;
+    return prev === null ? rec : Outcome.parse(JSON.parse(prev));
+  }
+
+  async failUnknown(jobId: string, op: string, agentId: string, message: string): Promise<Outcome> {
+    return this.finish(jobId, '', { state: 'failed', op, agent_id: agentId, category: 'unknown', code: 'OUTCOME_UNKNOWN', message });
+  }
+}
+
+export type FailedOutcome = { category: ErrorCategory; code?: string | undefined; message: string };

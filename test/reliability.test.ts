@@ -1,0 +1,332 @@
+import { expect } from 'chai';
+import { rmSync } from 'node:fs';
+import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
+import { deletePrefix } from './helpers/stack.js';
+import { call, type HttpReply } from './helpers/stack.js';
+import { enginePid, OwnRedis, sleep, spawnAgent, stackEnv, startApi, stopAgent, waitFor, type AgentProc, type Api } from './helpers/procs.js';
+import { decodeForwardBackwardOutput, encodeForwardBackward, type TestDatum } from './helpers/wire.js';
+
+/**
+ * The worker-side guarantees of docs/reliability.md, with processes killed, stopped and restarted
+ * for real: worker agents are `workers/main.ts` processes, Redis is a redis-server of the test's own
+ * (AOF on) that is stopped and started again. Figures measured are printed with `[reliability]`.
+ */
+const PROTO = 'application/x-protobuf';
+const BATCH: TestDatum[] = [
+  { tokens: [5, 17, 42, 99, 7], targets: [17, 42, 99, 7, 300], weights: [1, 1, 1, 1, 1] },
+  { tokens: [11, 12, 13], targets: [12, 13, 14], weights: [0, 1, 1] },
+];
+const figure = (what: string, v: unknown) => console.log(`      [reliability] ${what}: ${typeof v === 'number' ? v.toFixed(2) : String(v)}`);
+
+class Client {
+  session = '';
+  private modelSeq = 0;
+  private readonly seqs = new Map<string, number>();
+  constructor(readonly api: Api) {}
+
+  async init(): Promise<void> {
+    this.session = (await call(this.api.baseUrl, 'POST', '/create_session', { tags: [] })).json.session_id;
+  }
+  /** Polls until the future is answered (a Redis outage or try_again: again). */
+  async result(requestId: string, accept = 'application/json', timeoutMs = 90_000): Promise<HttpReply> {
+    return waitFor(`future ${requestId}`, async () => {
+      const r = await call(this.api.baseUrl, 'POST', '/retrieve_future', { request_id: requestId }, { accept });
+      if (r.status >= 500 || r.json?.type === 'try_again') return null;
+      return r;
+    }, timeoutMs, 50);
+  }
+  async createModel(seed = 0): Promise<string> {
+    const r = await call(this.api.baseUrl, 'POST', '/create_model', { session_id: this.session, model_seq_id: this.modelSeq++, base_model: TINY_MODEL_ALIAS, lora_config: { rank: 4, seed } });
+    expect(r.status, JSON.stringify(r.json)).to.equal(200);
+    const done = await this.result(r.json.request_id);
+    expect(done.json.model_id, JSON.stringify(done.json)).to.be.a('string');
+    this.seqs.set(done.json.model_id, 1);
+    return done.json.model_id;
+  }
+  private seq(model: string): number {
+    const s = this.seqs.get(model)!;
+    this.seqs.set(model, s + 1);
+    return s;
+  }
+  async submitFb(model: string, data: TestDatum[] = BATCH, lossFn = 'cross_entropy'): Promise<string> {
+    const r = await call(this.api.baseUrl, 'POST', '/forward_backward', undefined, { raw: encodeForwardBackward({ modelId: model, seqId: this.seq(model), data, lossFn }) });
+    expect(r.status, JSON.stringify(r.json)).to.equal(200);
+    return r.json.request_id;
+  }
+  async submitOptim(model: string, lr = 0.05): Promise<string> {
+    const r = await call(this.api.baseUrl, 'POST', '/optim_step', { model_id: model, seq_id: this.seq(model), adam_params: { learning_rate: lr, beta1: 0.9, beta2: 0.95, eps: 1e-12, weight_decay: 0, grad_clip_norm: 0 } });
+    expect(r.status, JSON.stringify(r.json)).to.equal(200);
+    return r.json.request_id;
+  }
+  /** The summed loss of a finished forward_backward (throws with the reply when it failed). */
+  async loss(requestId: string): Promise<number> {
+    const r = await this.result(requestId, PROTO);
+    if (!(r.headers.get('content-type') ?? '').includes(PROTO)) throw new Error(`forward_backward failed: ${JSON.stringify(r.json)}`);
+    return decodeForwardBackwardOutput(r.body).metrics['loss:sum']!;
+  }
+  async optim(model: string): Promise<void> {
+    const r = await this.result(await this.submitOptim(model));
+    expect(r.json.type, JSON.stringify(r.json)).to.equal('optim_step');
+  }
+  /** fb + optim_step, `steps` times: the losses. */
+  async train(model: string, steps: number): Promise<number[]> {
+    const out: number[] = [];
+    for (let i = 0; i < steps; i++) {
+      out.push(await this.loss(await this.submitFb(model)));
+      await this.optim(model);
+    }
+    return out;
+  }
+}
+
+function expectUnknownOutcome(r: HttpReply, why: RegExp): void {
+  expect(r.json, JSON.stringify(r.json)).to.include({ category: 'unknown', code: 'OUTCOME_UNKNOWN' });
+  expect(r.json.error).to.match(/^OUTCOME_UNKNOWN: the outcome of this .* is unknown/);
+  expect(r.json.error).to.match(/load the model from a saved checkpoint/);
+  expect(r.json.error).to.match(why);
+}
+
+describe('reliability: worker agents, outcomes and liveness (real processes, own Redis)', function () {
+  this.timeout(300_000);
+  const redis = new OwnRedis();
+  let st: ReturnType<typeof stackEnv>;
+  let api: Api;
+  let client: Client;
+  const agents: AgentProc[] = [];
+  const stopped: number[] = [];
+
+  const agent = async (id: string, extra: Record<string, string> = {}): Promise<AgentProc> => {
+    const a = spawnAgent({ ...st.env, TB_AGENT_ID: id, TB_AGENT_TIMEOUT_S: '3', ...extra });
+    agents.push(a);
+    await waitFor(`agent ${id} registered`, async () => {
+      if (a.child.exitCode !== null) throw new Error(`agent exited: ${a.log()}`);
+      return (await api.built.ctx.registry.liveAgents()).some((r) => r.agent_id === id && r.models.length > 0);
+    }, 120_000);
+    return a;
+  };
+
+  before(async () => {
+    await redis.start();
+  });
+  beforeEach(async () => {
+    st = stackEnv(redis.url);
+    api = await startApi(st.env);
+    client = new Client(api);
+    await client.init();
+  });
+  afterEach(async () => {
+    for (const pid of stopped.splice(0)) {
+      try {
+        process.kill(pid, 'SIGKILL');
+      } catch {
+        /* gone */
+      }
+    }
+    for (const a of agents.splice(0)) await stopAgent(a);
+    await api.stop();
+    rmSync(st.storage, { recursive: true, force: true });
+  });
+  after(async () => {
+    await redis.destroy();
+  });
+
+  it('a non-finite result fails as a user error naming the datum and changes nothing (issue 13: old logprob -1e38)', async () => {
+    await agent(`a-${st.prefix}`);
+    const [a, b] = [await client.createModel(3), await client.createModel(3)];
+    for (const m of [a, b]) await client.train(m, 1);
+    const bad: TestDatum[] = [
+      { tokens: [5, 6, 7], targets: [6, 7, 8], logprobs: [-3, -3, -3], advantages: [1, 1, 1] },
+      { tokens: [5, 6, 7], targets: [6, 7, 8], logprobs: [-3, -1e38, -3], advantages: [1, 1, 1] },
+    ];
+    const r = await client.result(await client.submitFb(a, bad, 'importance_sampling'), PROTO);
+    expect(r.json.category, JSON.stringify(r.json)).to.equal('user');
+    expect(r.json.error).to.match(/datum 1: the loss is -inf .*nothing was applied/);
+    // The next optim_step is honest (applied, reported done) and both models go on identically.
+    const la = await client.train(a, 3);
+    const lb = await client.train(b, 3);
+    expect(la).to.deep.equal(lb);
+    expect(la.every(Number.isFinite)).to.equal(true);
+  });
+
+  it('a Redis outage longer than the job lock does not turn a completed op into a failure, nor run it twice', async () => {
+    const a = await agent(`a-${st.prefix}`, { TB_JOB_LOCK_MS: '2000' });
+    const [m, twin] = [await client.createModel(5), await client.createModel(5)];
+    const reference = await client.train(twin, 3);
+    // Hold the engine so the op is in flight when Redis goes away, and finishes while it is gone.
+    const engine = await enginePid(a);
+    process.kill(engine, 'SIGSTOP');
+    stopped.push(engine);
+    const fb = await client.submitFb(m);
+    await waitFor('the op to be taken', () => redisActive(api, a.id));
+    const down = Date.now();
+    await redis.stop();
+    process.kill(engine, 'SIGCONT');
+    await sleep(6_000); // three job locks
+    await redis.start();
+    figure('Redis outage (s), job lock 2 s', (Date.now() - down) / 1000);
+    const first = await client.loss(fb);
+    await client.optim(m);
+    const rest = await client.train(m, 2);
+    expect([first, ...rest]).to.deep.equal(reference);
+  });
+
+  it('a killed agent: its running and queued futures fail with OUTCOME_UNKNOWN within the timeout, its models are unavailable, also under a new agent id', async () => {
+    const a = await agent(`a-${st.prefix}`);
+    const m = await client.createModel(1);
+    await client.train(m, 1);
+    const engine = await enginePid(a);
+    process.kill(engine, 'SIGSTOP'); // the first op stays in flight
+    stopped.push(engine);
+    const ids = [await client.submitFb(m), await client.submitOptim(m), await client.submitFb(m)];
+    await sleep(300);
+    const killedAt = Date.now();
+    await stopAgent(a, 'SIGKILL');
+    const replies = await Promise.all(ids.map((id) => client.result(id)));
+    const took = (Date.now() - killedAt) / 1000;
+    figure('agent SIGKILL -> all futures failed (s), timeout 3 s', took);
+    for (const r of replies) expectUnknownOutcome(r, /stopped answering \(no heartbeat for over 3 s\)/);
+    expect(took).to.be.below(3 + 3 + 2 + 2); // timeout + reaper grace + sweep interval + slack
+    const rec = await api.built.ctx.registry.getModel(m);
+    expect(rec?.lost_reason).to.match(/stopped answering/);
+    // The agent comes back under a new id: the model stays unavailable, said clearly; new models train.
+    await agent(`b-${st.prefix}`);
+    const next = await client.result(await client.submitFb(m));
+    expect(next.json.error, JSON.stringify(next.json)).to.match(/unavailable: its worker agent .* stopped answering/);
+    const fresh = await client.createModel(2);
+    expect((await client.train(fresh, 1))[0]).to.be.a('number');
+  });
+
+  it('a hung engine (SIGSTOP) is killed at the op time limit: OUTCOME_UNKNOWN, model unavailable, engine restarted', async () => {
+    const a = await agent(`a-${st.prefix}`, { TB_OP_TIMEOUTS: 'forward_backward=3' });
+    const m = await client.createModel(1);
+    await client.train(m, 1);
+    const engine = await enginePid(a);
+    process.kill(engine, 'SIGSTOP');
+    stopped.push(engine);
+    const t0 = Date.now();
+    const r = await client.result(await client.submitFb(m));
+    figure('hung engine -> future failed (s), limit 3 s', (Date.now() - t0) / 1000);
+    expectUnknownOutcome(r, /forward_backward ran past its time limit of 3 s/);
+    const lost = await waitFor('the model marked lost', async () => (await api.built.ctx.registry.getModel(m))?.lost_reason);
+    expect(lost).to.match(/ran past its time limit/);
+    const fresh = await client.createModel(2);
+    expect((await client.train(fresh, 1))[0]).to.be.a('number');
+    expect(await enginePid(a)).to.not.equal(engine);
+  });
+
+  it('an agent id alive elsewhere cannot be registered again; the first agent keeps it', async () => {
+    const id = `a-${st.prefix}`;
+    const first = await agent(id);
+    const second = spawnAgent({ ...st.env, TB_AGENT_ID: id, TB_AGENT_TIMEOUT_S: '3' });
+    agents.push(second);
+    expect(await second.exited).to.equal(1);
+    expect(second.log()).to.match(/agent id 'a-rel-[0-9a-f]+' is alive elsewhere on this Redis \(prefix 'rel-[0-9a-f]+'\) by .* pid \d+/);
+    await sleep(1_500);
+    const live = await api.built.ctx.registry.liveAgents();
+    expect(live.map((r) => r.agent_id)).to.deep.equal([id]);
+    expect(live[0]!.pid).to.equal(first.child.pid);
+    expect((await client.train(await client.createModel(0), 1))[0]).to.be.a('number');
+  });
+
+  it('re-registers after Redis restarts empty, and after a long outage', async () => {
+    await agent(`a-${st.prefix}`);
+    await redis.stop();
+    redis.wipe();
+    const t0 = Date.now();
+    await redis.start();
+    await waitFor('healthz ready again', async () => (await fetch(`${api.baseUrl}/healthz`)).status === 200, 30_000);
+    figure('empty Redis restarted -> agent registered again (s)', (Date.now() - t0) / 1000);
+    await client.init();
+    expect((await client.train(await client.createModel(0), 1))[0]).to.be.a('number');
+    // An outage past the liveness timeout: the key expired meanwhile; the agent is not reaped, it re-registers.
+    await redis.stop();
+    await sleep(5_000);
+    await redis.start();
+    await waitFor('healthz ready again', async () => (await fetch(`${api.baseUrl}/healthz`)).status === 200, 30_000);
+    await sleep(3_000);
+    expect(await api.built.ctx.futures.liveness.reapedWhy(`a-${st.prefix}`)).to.equal(null);
+  });
+
+  it('drain: SIGTERM finishes the op in flight, saves every model, and the restarted agent continues with the same losses', async () => {
+    const id = `a-${st.prefix}`;
+    const a = await agent(id);
+    const [m, twin] = [await client.createModel(7), await client.createModel(7)];
+    const reference = await client.train(twin, 5);
+    const before = await client.train(m, 2);
+    expect(before).to.deep.equal(reference.slice(0, 2));
+    const engine = await enginePid(a);
+    process.kill(engine, 'SIGSTOP'); // the op in flight when SIGTERM comes
+    stopped.push(engine);
+    const inFlight = await client.submitFb(m);
+    await waitFor('the op to be taken', () => redisActive(api, id));
+    const t0 = Date.now();
+    a.child.kill('SIGTERM');
+    const queued = await client.submitOptim(m); // queued behind the drain, run by the restarted agent
+    await sleep(1_000);
+    process.kill(engine, 'SIGCONT');
+    expect(await a.exited).to.equal(0);
+    figure('drain (op in flight released 1 s after SIGTERM) -> agent exited (s)', (Date.now() - t0) / 1000);
+    const drained = JSON.parse((await api.built.ctx.redis.get(`${st.prefix}:agent:${id}:drained`))!);
+    expect(drained.models.map((x: { model_id: string }) => x.model_id).sort()).to.deep.equal([m, twin].sort());
+    // Futures stay pending (not failed) while the agent is away, past its liveness timeout.
+    await sleep(3_000 + 3_000 + 2_000);
+    expect((await call(api.baseUrl, 'POST', '/retrieve_future', { request_id: queued })).json.type).to.equal('try_again');
+    const t1 = Date.now();
+    await agent(id);
+    expect(await client.loss(inFlight)).to.equal(reference[2]);
+    expect((await client.result(queued)).json.type).to.equal('optim_step');
+    figure('restart after drain -> queued op answered (s)', (Date.now() - t1) / 1000);
+    const after = await client.train(m, 2);
+    expect(after).to.deep.equal(reference.slice(3));
+  });
+
+  it('tinker-broker drain: drains a running agent, which exits 0 with its models saved', async () => {
+    const id = `a-${st.prefix}`;
+    const a = await agent(id);
+    const m = await client.createModel(1);
+    await client.train(m, 1);
+    const { spawnSync } = await import('node:child_process');
+    const r = spawnSync(process.execPath, ['--import', 'tsx', 'scripts/tinker-broker.ts', 'drain', '--agent', id, '--timeout-s', '60'], { env: { ...process.env, ...st.env }, encoding: 'utf8' });
+    expect(r.status, r.stderr).to.equal(0);
+    const line = JSON.parse(r.stdout.trim().split('\n').pop()!);
+    expect(line).to.include({ agent_id: id, status: 'drained', models_saved: 1 });
+    figure('tinker-broker drain -> agent drained (s)', line.seconds);
+    expect(await a.exited).to.equal(0);
+    const none = spawnSync(process.execPath, ['--import', 'tsx', 'scripts/tinker-broker.ts', 'drain', '--agent', id], { env: { ...process.env, ...st.env }, encoding: 'utf8' });
+    expect(none.status).to.equal(1);
+    expect(JSON.parse(none.stdout.trim())).to.deep.equal({ agent_id: id, status: 'not_live' });
+  });
+
+  it('rebuilds checkpoint records lost from Redis from the files on disk at agent start', async () => {
+    const id = `a-${st.prefix}`;
+    const a = await agent(id);
+    const m = await client.createModel(1);
+    await client.train(m, 1);
+    const seq = 4; // create 0, fb 1, optim 2 used; the client's counter is at 3
+    const w = await call(api.baseUrl, 'POST', '/save_weights', { model_id: m, seq_id: 3, path: 'w1' });
+    expect((await client.result(w.json.request_id)).json.path).to.equal(`tinker://${m}/weights/w1`);
+    const sw = await call(api.baseUrl, 'POST', '/save_weights_for_sampler', { model_id: m, seq_id: seq, path: 's1' });
+    expect((await client.result(sw.json.request_id)).json.path).to.equal(`tinker://${m}/sampler_weights/s1`);
+    const list = async () => (await call(api.baseUrl, 'GET', `/training_runs/${m}/checkpoints`)).json.checkpoints.map((c: { checkpoint_id: string }) => c.checkpoint_id).sort();
+    expect(await list()).to.deep.equal(['sampler_weights/s1', 'weights/w1']);
+    const before = await api.built.ctx.registry.getCheckpoint(`tinker://${m}/weights/w1`);
+    // Lose the records (not the files), then restart the agent.
+    const r = api.built.ctx.redis;
+    const keys = await r.keys(`${st.prefix}:ckpt*`);
+    await r.del(...keys, `${st.prefix}:model-ckpts:${m}`);
+    expect(await list()).to.deep.equal([]);
+    a.child.kill('SIGTERM');
+    expect(await a.exited).to.equal(0);
+    const b = await agent(id);
+    expect(await list(), b.log()).to.deep.equal(['sampler_weights/s1', 'weights/w1']);
+    const after = await api.built.ctx.registry.getCheckpoint(`tinker://${m}/weights/w1`);
+    expect(after).to.deep.include({ checkpoint_type: 'training', has_optimizer: true, dir: before!.dir, size_bytes: before!.size_bytes, tenant: before!.tenant, public: false, expires_at: null });
+  });
+});
+
+/** Whether the agent's training queue has an active job (the op was taken). */
+async function redisActive(api: Api, agentId: string): Promise<boolean> {
+  const q = api.built.ctx.queues.get(`train-${agentId}`);
+  return (await q.getActiveCount()) > 0;
+}
+void deletePrefix;

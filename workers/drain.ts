@@ -1,0 +1,50 @@
+import { loadApiConfig } from '../queues/config.js';
+import { Liveness } from '../queues/liveness.js';
+import { Names } from '../queues/names.js';
+import { Outcomes } from '../queues/outcomes.js';
+import { connect } from '../queues/redis.js';
+import { Registry } from '../queues/registry.js';
+
+export type DrainResult = { agent_id: string; status: 'drained' | 'not_live' | 'timeout'; models_saved?: number; seconds?: number };
+
+/**
+ * What `tinker-broker drain` does: sets each agent's drain request in Redis (the agent's next
+ * heartbeat takes it), then waits until the agent has released its liveness key and left its drain
+ * record (the models it saved).
+ */
+export async function drainAgents(env: NodeJS.ProcessEnv, agentIds: string[], timeoutS: number): Promise<DrainResult[]> {
+  const config = loadApiConfig({ ...env, TB_API_KEYS: env.TB_API_KEYS ?? 'tml-unused' });
+  const redis = connect(config.redisUrl, 'producer');
+  try {
+    const names = new Names(config.prefix);
+    const registry = new Registry(redis, names);
+    const liveness = new Liveness(redis, names, registry, new Outcomes(redis, names, config.retentionS));
+    const live = new Map((await registry.liveAgents()).map((a) => [a.agent_id, a]));
+    const targets = agentIds.length ? agentIds : [...live.keys()];
+    const out: DrainResult[] = [];
+    await Promise.all(
+      targets.map(async (id) => {
+        const rec = live.get(id);
+        if (!rec) return out.push({ agent_id: id, status: 'not_live' });
+        const t0 = Date.now();
+        await redis.set(liveness.drainRequestKey(id), '1', 'EX', Math.ceil(timeoutS));
+        const alive = names.agentAlive(id);
+        while (Date.now() - t0 < timeoutS * 1000) {
+          const v = await redis.get(alive);
+          const drained = await redis.get(liveness.drainedKey(id));
+          if ((v === null || !v.startsWith(`${rec.incarnation} `)) && drained !== null) {
+            const d = JSON.parse(drained) as { models: unknown[]; incarnation?: string };
+            if (d.incarnation === rec.incarnation)
+              return out.push({ agent_id: id, status: 'drained', models_saved: d.models.length, seconds: (Date.now() - t0) / 1000 });
+          }
+          await new Promise((r) => setTimeout(r, 200));
+        }
+        await redis.del(liveness.drainRequestKey(id));
+        return out.push({ agent_id: id, status: 'timeout' });
+      }),
+    );
+    return out;
+  } finally {
+    redis.disconnect();
+  }
+}

@@ -1,0 +1,93 @@
+import { existsSync } from 'node:fs';
+import { readdir, readFile, stat } from 'node:fs/promises';
+import path from 'node:path';
+import type { Logger } from '../queues/logger.js';
+import type { CheckpointRecord, Registry } from '../queues/registry.js';
+
+const KINDS = { weights: 'training', sampler_weights: 'sampler', external_weights: 'external' } as const;
+
+/**
+ * Rebuilds checkpoint records from the files on disk (`<storage>/<model_id>/<kind>/<name>`), for
+ * checkpoints whose record Redis no longer has (a Redis restarted without its data, a record lost)
+ * while their model's record exists (it names the tenant, base model and LoRA config). What only the
+ * record knew comes back as defaults: no expiry, not public, no user metadata; the time is the
+ * directory's mtime. Directories half-written or being replaced (`*.tmp-*`, `*.old-*`) are skipped.
+ * Runs at every agent start; returns the tinker paths rebuilt.
+ */
+export async function rebuildCheckpoints(registry: Registry, storageDir: string, log: Logger): Promise<string[]> {
+  const rebuilt: string[] = [];
+  if (!existsSync(storageDir)) return rebuilt;
+  // Directory names are model ids with unsafe characters replaced (api/paths.ts): map them back.
+  let byDir: Map<string, string> | null = null;
+  const modelIdOf = async (dirName: string): Promise<string | null> => {
+    if (!byDir) {
+      byDir = new Map();
+      let cursor = '0';
+      const prefix = registry.names.model('');
+      do {
+        const [next, keys] = await registry.redis.scan(cursor, 'MATCH', `${prefix}*`, 'COUNT', 500);
+        cursor = next;
+        for (const k of keys) {
+          const id = k.slice(prefix.length);
+          byDir.set(id.replace(/[^A-Za-z0-9._-]/g, '_'), id);
+        }
+      } while (cursor !== '0');
+    }
+    return byDir.get(dirName) ?? null;
+  };
+  for (const modelEntry of await readdir(storageDir, { withFileTypes: true })) {
+    if (!modelEntry.isDirectory() || modelEntry.name === 'drain') continue;
+    const dirName = modelEntry.name;
+    let model: Awaited<ReturnType<Registry['getModel']>> | undefined;
+    for (const [kind, type] of Object.entries(KINDS)) {
+      const kindDir = path.join(storageDir, dirName, kind);
+      if (!existsSync(kindDir)) continue;
+      for (const e of await readdir(kindDir, { withFileTypes: true })) {
+        if (!e.isDirectory() || /\.(tmp|old)-/.test(e.name)) continue;
+        if (model === undefined) {
+          const id = await modelIdOf(dirName);
+          model = id === null ? null : await registry.getModel(id);
+        }
+        if (!model) {
+          log.warn('checkpoint files without a model record are left alone', { dir: path.join(kindDir, e.name) });
+          break;
+        }
+        const tinkerPath = `tinker://${model.model_id}/${kind}/${e.name}`;
+        if (await registry.hasCheckpointRecord(tinkerPath)) continue;
+        const dir = path.join(kindDir, e.name);
+        let size = 0;
+        for (const f of await readdir(dir, { recursive: true, withFileTypes: true })) if (f.isFile()) size += (await stat(path.join(f.parentPath, f.name))).size;
+        let hasOptimizer = false;
+        if (type === 'training') {
+          try {
+            hasOptimizer = JSON.parse(await readFile(path.join(dir, 'tinker_state.json'), 'utf8')).has_optimizer === true;
+          } catch {
+            log.warn('a training checkpoint without a readable tinker_state.json is left alone', { dir });
+            continue;
+          }
+        }
+        const rec: CheckpointRecord = {
+          tinker_path: tinkerPath,
+          model_id: model.model_id,
+          checkpoint_id: `${kind}/${e.name}`,
+          checkpoint_type: type,
+          base_model: model.base_model,
+          lora: model.lora,
+          dir,
+          time: (await stat(dir)).mtime.toISOString(),
+          size_bytes: size,
+          expires_at: null,
+          public: false,
+          has_optimizer: hasOptimizer,
+          ephemeral: false,
+          user_metadata: null,
+          tenant: model.tenant,
+        };
+        await registry.putCheckpoint(rec);
+        rebuilt.push(tinkerPath);
+      }
+    }
+  }
+  if (rebuilt.length) log.warn('checkpoint records rebuilt from the files on disk', { count: rebuilt.length });
+  return rebuilt;
+}
