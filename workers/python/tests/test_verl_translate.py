@@ -26,9 +26,10 @@ from tinker_engine_verl import translate
 FIXTURES = Path(__file__).resolve().parents[3] / "test" / "fixtures" / "verl"
 
 
-def parsed(engine: Any, loss_fn: str, data: list[dict[str, Any]]) -> list[Any]:
+def parsed(engine: Any, loss_fn: str, data: list[dict[str, Any]], config: dict[str, Any] | None = None) -> list[Any]:
     base = engine.registry.base("tiny")
-    return [parse_datum(i, d, base, get_loss(loss_fn)) for i, d in enumerate(data)]
+    spec = get_loss(loss_fn)
+    return [parse_datum(i, d, base, spec, spec.parse_config(config or {})) for i, d in enumerate(data)]
 
 
 def next_token_datum(seq: list[int], **inputs: torch.Tensor) -> dict[str, Any]:
@@ -129,12 +130,22 @@ def rl_inputs(n: int, seed: int) -> dict[str, torch.Tensor]:
     return {"logprobs": -torch.rand(n, generator=gen) * 3 - 2.0, "advantages": torch.randn(n, generator=gen)}
 
 
+def stability_inputs(n: int, seed: int) -> dict[str, torch.Tensor]:
+    """What the API attaches for stable_reinforce: the recorded sampler logprobs at sampled positions."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = (torch.arange(n) >= n // 3).float()
+    return {"advantages": torch.randn(n, generator=gen) * mask,
+            "stability_logprobs": (-torch.rand(n, generator=gen) * 3 - 2.0) * mask, "stability_mask": mask}
+
+
 CASES = {
     "cross_entropy": ({}, lambda n, s: {"weights": torch.rand(n, generator=torch.Generator().manual_seed(s)) * 2 - 0.5}),
     "importance_sampling": ({}, rl_inputs),
     "ppo": ({"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, rl_inputs),
     "cispo": ({}, rl_inputs),
     "dro": ({"beta": 0.3}, rl_inputs),
+    "gspo": ({"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, rl_inputs),
+    "stable_reinforce": ({"kl_coeff": 0.1}, stability_inputs),
 }
 
 
@@ -156,7 +167,7 @@ def test_loss_logprobs_and_grads_match_the_torch_engine(engine: Any, loss_fn: st
 
     spec = get_loss(loss_fn)
     parsed_config = spec.parse_config(config)
-    datums = parsed(engine, loss_fn, data)
+    datums = parsed(engine, loss_fn, data, config)
     names = translate.input_names_for(spec, datums)
     # Two data-parallel "ranks" of one process each: rank 1 gets a padding row; each rank's loss is
     # scaled by dp_size (verl's FSDP averages gradients over ranks), so the summed backward / 2 is
@@ -273,7 +284,7 @@ def replay(fx: dict[str, Any]) -> None:
         max_context_length = 0
         vocab_size = input_vocab_size = 1 << 40
 
-    datums = [parse_datum(i, d, Base(), spec) for i, d in enumerate(req["data"])]
+    datums = [parse_datum(i, d, Base(), spec, config) for i, d in enumerate(req["data"])]
     names = translate.input_names_for(spec, datums)
     rows = [None if i < 0 else i for i in fx["fields"][translate.INDEX_KEY]["values"]]
     fields = translate.build_fields(datums, rows, names)

@@ -263,7 +263,7 @@ class VerlEngine:
         raw_data = args.get("data")
         if not isinstance(raw_data, list):
             raise UserError("data must be a list of datums")
-        datums = [parse_datum(i, d, model.base, spec) for i, d in enumerate(raw_data)]
+        datums = [parse_datum(i, d, model.base, spec, config) for i, d in enumerate(raw_data)]
         for d in datums:
             translate.check_next_token_targets(d)
 

@@ -1,0 +1,95 @@
+"""Where a training step's time goes in the torch engine, in-process (no channel), on a CUDA machine.
+
+    python bench/gpu/profile_train.py --model 1.7b [--steps 3]
+
+Builds the same random-initialised Qwen3-shaped model as engine_vs_plain.py, creates the same
+LoRA (rank 32 on all linear layers and lm_head), and runs forward_backward + optim_step through
+the engine's own functions. Prints per-phase wall times (each phase followed by a device sync, so
+they add up to the step), then a torch.profiler table of the ops with the most CUDA time and of the
+ops with the most CPU self time, and the number of device->host synchronisations per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import engine_vs_plain as evp  # noqa: E402  (sets up the engine's import path too)
+
+from tinker_engine.device import Placement  # noqa: E402
+from tinker_engine.engine import Engine  # noqa: E402
+
+
+def timed(label: str, fn, times: dict[str, list[float]]):  # type: ignore[no-untyped-def]
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    r = fn()
+    torch.cuda.synchronize()
+    times.setdefault(label, []).append(1000 * (time.perf_counter() - t))
+    return r
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=["1.7b", "8b"], default="1.7b")
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "needs CUDA"
+    w = dict(batch=8, seq=1024, rank=32, vocab=evp.MODELS[args.model]["vocab_size"])
+    with tempfile.TemporaryDirectory(prefix="tb-prof-") as tmp:
+        path = Path(tmp) / "model"
+        evp.write_model(args.model, path, torch.device("cuda"), torch.bfloat16)
+        eng = Engine(Placement(device=torch.device("cuda"), dtype=torch.bfloat16))
+        eng.call("load_base", {"name": "b", "path": str(path)})
+        eng.call("create_model", {"model_id": "m", "base_model": "b", "lora": {
+            "rank": w["rank"], "seed": 0, "train_attn": True, "train_mlp": True, "train_unembed": True}})
+        inputs, targets = evp.training_data(w["batch"], w["seq"], w["vocab"])
+        data = evp.engine_datums(inputs, targets)
+        wire = json.dumps(data)
+        fb_args = {"model_id": "m", "loss_fn": "cross_entropy", "loss_fn_config": {}, "forward_only": False}
+        adam = {"model_id": "m", "adam": {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}}
+        times: dict[str, list[float]] = {}
+
+        def step() -> None:
+            parsed = timed("json decode of the request", lambda: json.loads(wire), times)
+            r = timed("forward_backward op", lambda: eng.call("forward_backward", {**fb_args, "data": parsed}), times)
+            timed("json encode of the result", lambda: json.dumps(r), times)
+            timed("optim_step op", lambda: eng.call("optim_step", adam), times)
+
+        for _ in range(2):
+            step()
+        times.clear()
+        for _ in range(args.steps):
+            step()
+        print(f"=== {args.model}: phases, ms (median of {args.steps}) ===")
+        total = 0.0
+        for k, v in times.items():
+            m = sorted(v)[len(v) // 2]
+            total += m
+            print(f"  {k:32s} {m:8.1f}")
+        print(f"  {'sum':32s} {total:8.1f}")
+
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        ka = prof.key_averages()
+        print(ka.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+        print(ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+        syncs = sum(e.count for e in ka if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"))
+        d2h = sum(e.count for e in ka if e.key in ("aten::item", "aten::_local_scalar_dense"))
+        print(f"host syncs in one step: cuda*Synchronize {syncs}, item/_local_scalar_dense {d2h}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
