@@ -34,12 +34,19 @@ def check_losses(indices: list[int], losses: list[torch.Tensor], outputs: list[t
                             "the model is as before this forward_backward")
 
 
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of every tensor is finite, with one host sync: the max-abs (inf) norm
+    propagates NaN and infinity and, unlike the 2-norm, cannot overflow for finite values."""
+    if not tensors:
+        return True
+    return bool(torch.isfinite(torch.nn.utils.get_total_norm(tensors, norm_type=float("inf"))))
+
+
 def check_grads(indices: list[int], params: list[torch.nn.Parameter]) -> None:
     """Raises after backward when the accumulated gradient holds a NaN or infinity."""
-    for p in params:
-        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-            raise UserError(f"{_datums(indices)}: the gradient is not finite; nothing was applied, "
-                            "the model is as before this forward_backward")
+    if not _all_finite([p.grad for p in params if p.grad is not None]):
+        raise UserError(f"{_datums(indices)}: the gradient is not finite; nothing was applied, "
+                        "the model is as before this forward_backward")
 
 
 class StepUndo:
@@ -69,13 +76,11 @@ class StepUndo:
 
 
 def step_is_finite(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> bool:
+    tensors: list[torch.Tensor] = [p.detach() for p in params]
     for p in params:
-        if not bool(torch.isfinite(p).all()):
-            return False
-        for v in optimizer.state.get(p, {}).values():
-            if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
-                return False
-    return True
+        tensors += [v for v in optimizer.state.get(p, {}).values()
+                    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0]
+    return _all_finite(tensors)
 
 
 def check_norm(norm: float) -> None:
