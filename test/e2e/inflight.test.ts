@@ -1,6 +1,5 @@
 import { expect } from 'chai';
-import { TINY_MODEL_ALIAS } from '../../scripts/stack.js';
-import { E2EServer } from './server.js';
+import { suiteRunningScript } from './server.js';
 
 /**
  * Sampler kinds (SDK 0.38 `SamplingClientKind`): a snapshot client keeps the weights it was created
@@ -13,14 +12,9 @@ const maxDiff = (a: Lps, b: Lps) => Math.max(...a.map((v, i) => Math.abs(v - b[i
 
 describe('inflight sampling clients follow the newest inflight save', function () {
   this.timeout(600_000);
-  const server = new E2EServer();
+  const suite = suiteRunningScript('test/e2e/sdk_inflight.py');
   let out: any;
-  before(async function () {
-    this.timeout(300_000);
-    await server.start();
-    out = server.runPython(['test/e2e/sdk_inflight.py', TINY_MODEL_ALIAS]);
-  });
-  after(async () => server.destroy());
+  before(() => (out = suite.output()));
 
   it('trains: each step moves the prompt logprobs', () => {
     expect(out.loss2).to.be.below(out.loss1);

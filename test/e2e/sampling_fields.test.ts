@@ -1,18 +1,12 @@
 import { expect } from 'chai';
-import { TINY_MODEL_ALIAS } from '../../scripts/stack.js';
-import { E2EServer } from './server.js';
+import { suiteRunningScript } from './server.js';
 
 /** SDK 0.38 sampling fields against the engine's own full prompt logprobs. */
 describe('sampling fields of SDK 0.38', function () {
   this.timeout(600_000);
-  const server = new E2EServer();
+  const suite = suiteRunningScript('test/e2e/sdk_sampling_fields.py');
   let out: any;
-  before(async function () {
-    this.timeout(300_000);
-    await server.start();
-    out = server.runPython(['test/e2e/sdk_sampling_fields.py', TINY_MODEL_ALIAS]);
-  });
-  after(async () => server.destroy());
+  before(() => (out = suite.output()));
 
   it('prompt_logprobs_last_n: the last N entries (and their top-K) are the full ones, earlier entries None', () => {
     const n = out.full.length;

@@ -5,6 +5,7 @@ import { createServer } from 'node:net';
 import os from 'node:os';
 import path from 'node:path';
 import { deletePrefix, REDIS_URL } from '../helpers/stack.js';
+import { TINY_MODEL_ALIAS } from '../../scripts/stack.js';
 
 /**
  * The server as a user starts it (`tinker-broker start`, what `npm start` runs), isolated by a
@@ -101,4 +102,20 @@ export class E2EServer {
     const lines = r.stdout.trim().split('\n');
     return JSON.parse(lines[lines.length - 1]!);
   }
+}
+
+/**
+ * Inside a `describe`: a fresh server for the suite that runs one SDK script against the tiny model
+ * before the tests and is destroyed after them. `output()` is the script's JSON result.
+ */
+export function suiteRunningScript(script: string): { server: E2EServer; output: () => any } {
+  const server = new E2EServer();
+  let out: any;
+  before(async function () {
+    this.timeout(300_000);
+    await server.start();
+    out = server.runPython([script, TINY_MODEL_ALIAS]);
+  });
+  after(async () => server.destroy());
+  return { server, output: () => out };
 }

@@ -1,6 +1,5 @@
 import { expect } from 'chai';
-import { TINY_MODEL_ALIAS } from '../../scripts/stack.js';
-import { E2EServer } from './server.js';
+import { suiteRunningScript } from './server.js';
 
 /**
  * stable_reinforce through the SDK: what the server refuses (each with a message naming the
@@ -9,14 +8,9 @@ import { E2EServer } from './server.js';
  */
 describe('stable_reinforce: provenance and stability records', function () {
   this.timeout(600_000);
-  const server = new E2EServer();
+  const suite = suiteRunningScript('test/e2e/sdk_stability.py');
   let out: any;
-  before(async function () {
-    this.timeout(300_000);
-    await server.start();
-    out = server.runPython(['test/e2e/sdk_stability.py', TINY_MODEL_ALIAS]);
-  });
-  after(async () => server.destroy());
+  before(() => (out = suite.output()));
 
   it('refuses datums without provenance, unrecorded or foreign sequences, wrong tokens and prompt advantages', () => {
     expect(out.no_provenance).to.match(/BadRequestError.*loss_fn 'stable_reinforce' needs provenance on every datum/);

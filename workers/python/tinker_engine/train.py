@@ -164,8 +164,18 @@ def _batch_target_logprobs(logits: torch.Tensor, batch: list[Datum], device: tor
     return [flat[row, : d.tokens.shape[0]] for row, d in enumerate(batch)]
 
 
-def forward_backward(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
-    model = registry.model(get_str(args, "model_id"))
+@dataclass(frozen=True)
+class ForwardBackwardRequest:
+    """A parsed ``forward``/``forward_backward`` request, shared by every engine."""
+
+    loss: LossSpec
+    config: dict[str, float]
+    forward_only: bool
+    datums: list[Datum]
+
+
+def parse_forward_backward(args: dict[str, Any], base: Any) -> ForwardBackwardRequest:
+    """Loss, its config, the forward-only flag and every datum, checked against ``base``'s bounds."""
     loss = get_loss(get_str(args, "loss_fn"))
     raw_config = args.get("loss_fn_config")
     if raw_config is not None and not isinstance(raw_config, dict):
@@ -175,8 +185,15 @@ def forward_backward(registry: Registry, args: dict[str, Any]) -> dict[str, Any]
     raw_data = args.get("data")
     if not isinstance(raw_data, list):
         raise UserError("data must be a list of datums")
-    base = model.base
     datums = [parse_datum(i, d, base, loss, config) for i, d in enumerate(raw_data)]
+    return ForwardBackwardRequest(loss, config, forward_only, datums)
+
+
+def forward_backward(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
+    model = registry.model(get_str(args, "model_id"))
+    base = model.base
+    req = parse_forward_backward(args, base)
+    loss, config, forward_only, datums = req.loss, req.config, req.forward_only, req.datums
 
     base.activate(model.adapter, trainable=True)
     saved = None if forward_only else [None if p.grad is None else p.grad.clone() for p in model.parameters()]

@@ -35,7 +35,6 @@ import torch.distributed as dist
 
 from tinker_engine import PROTOCOL_VERSION
 from tinker_engine.errors import UserError
-from tinker_engine.losses import get_loss
 from tinker_engine.models import ADAPTER_FILES, LoraSpec, seeded_lora_values
 from tinker_engine.params import get_bool, get_obj, get_str
 from tinker_engine.save import _normalise_config
@@ -43,7 +42,7 @@ from tinker_engine.state import (LORA_FIELDS, MOMENTS, OPTIMIZER_META, OPTIMIZER
                                  _check_tensor, _describe_lora, _fsync_dir_tree, _fsync_path, _read_json,
                                  _read_tensors, _require_file, _write_json)
 from tinker_engine.tensors import tensor_to_json
-from tinker_engine.train import AdamParams, max_batch_tokens, parse_datum
+from tinker_engine.train import AdamParams, max_batch_tokens, parse_forward_backward
 
 from . import translate
 
@@ -254,16 +253,8 @@ class VerlEngine:
         from verl.utils import tensordict_utils as tu
 
         model = self.model(get_str(args, "model_id"))
-        spec = get_loss(get_str(args, "loss_fn"))
-        raw_config = args.get("loss_fn_config")
-        if raw_config is not None and not isinstance(raw_config, dict):
-            raise UserError("loss_fn_config must be an object")
-        config = spec.parse_config(raw_config)
-        forward_only = get_bool(args, "forward_only", default=False)
-        raw_data = args.get("data")
-        if not isinstance(raw_data, list):
-            raise UserError("data must be a list of datums")
-        datums = [parse_datum(i, d, model.base, spec, config) for i, d in enumerate(raw_data)]
+        req = parse_forward_backward(args, model.base)
+        spec, config, forward_only, datums = req.loss, req.config, req.forward_only, req.datums
         for d in datums:
             translate.check_next_token_targets(d)
 
