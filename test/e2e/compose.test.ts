@@ -165,7 +165,14 @@ describe('docker-compose.yml', function () {
       await until('agent cpu1 alive', () => redisCli('EXISTS', 'tb:agent:cpu1:alive') === '1', 300_000, 1000);
 
       // Both agents serve the base model's sampling queue: a burst of 32 samples reaches cpu1 beside cpu0.
-      const engineSamples = (service: string) => (logs(service).match(/op=sample /g) ?? []).length;
+      // The engine logs one line per op: `op=sample` for one request, `op=sample_batch … requests=N`
+      // for N requests the agent gathered into one batch.
+      const engineSamples = (service: string) => {
+        const log = logs(service);
+        const single = (log.match(/op=sample /g) ?? []).length;
+        const batched = [...log.matchAll(/op=sample_batch [^\n]*?requests=(\d+)/g)].reduce((n, m) => n + Number(m[1]), 0);
+        return single + batched;
+      };
       const cpu0Before = engineSamples('agent-cpu0');
       script.stdin!.write('burst\n');
       const burst = await until('the sampling burst', () => {

@@ -229,9 +229,14 @@ class Proc {
       const actor = proc('actor', ['--agent', 'cpu-actor', '--agents-only']);
       await until('api listening', async () => (await fetch(`http://127.0.0.1:${port}/api/v1/healthz`)).status > 0, 60_000, [api]);
       await until('actor registered', async () => (await agents()).join() === 'cpu-actor:torch', 120_000, [actor]);
-      // The API's own view of the served models (healthz ready), not only the registry's: under load
-      // the SDK's create_model could otherwise reach the API before it sees the actor.
-      await until('api ready', async () => (await fetch(`http://127.0.0.1:${port}/api/v1/healthz`)).status === 200, 60_000, [api]);
+      // The API's own view of the served models, as the SDK reads it, not only the registry's: under
+      // load the SDK's create_model could otherwise reach the API before it sees the actor. (healthz
+      // stays 503 here until the rollout agent of phase B serves the preset's second model.)
+      const capabilities = async () => {
+        const res = await fetch(`http://127.0.0.1:${port}/api/v1/get_server_capabilities`, { headers: { 'X-API-Key': E2E_KEY } });
+        return res.status === 200 ? ((await res.json()) as { supported_models: { trainable: boolean }[] }).supported_models : [];
+      };
+      await until('api serves the actor', async () => (await capabilities()).some((m) => m.trainable), 60_000, [api]);
 
       py = spawn(PYTHON, ['-c', SCRIPT], {
         env: { ...process.env, TINKER_BASE_URL: `http://127.0.0.1:${port}`, TINKER_API_KEY: E2E_KEY, HF_HUB_OFFLINE: '1' },
