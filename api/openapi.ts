@@ -10,10 +10,7 @@ import * as S from './http-schemas.js';
 
 type Doc = { summary: string; body?: z.ZodType; query?: z.ZodType; protobuf?: string; future?: boolean; tag: string };
 
-const Paging = z.object({
-  limit: z.coerce.number().int().min(1).max(1000).default(20),
-  offset: z.coerce.number().int().min(0).default(0),
-});
+const Paging = S.PageQuery();
 
 /** Keyed by `METHOD /path` as the routers declare them. */
 export const OPERATIONS: Record<string, Doc> = {
@@ -61,7 +58,7 @@ export const OPERATIONS: Record<string, Doc> = {
   'PUT /training_runs/{id}/checkpoints/{kind}/{name}/ttl': { tag: 'rest', summary: "Set or clear a checkpoint's time to live", body: S.CheckpointTtlBody },
   'GET /training_runs/{id}/checkpoints/{kind}/{name}/external_weights_urls': { tag: 'rest', summary: 'Signed download URLs of external weights' },
   'POST /copy_weights': { tag: 'rest', summary: 'Copy a checkpoint under a new training run', body: S.CopyWeightsBody },
-  'GET /checkpoints': { tag: 'rest', summary: 'Every listed checkpoint, newest first', query: Paging },
+  'GET /checkpoints': { tag: 'rest', summary: 'Every listed checkpoint, newest first', query: S.PageQuery(100) },
   'POST /weights_info': { tag: 'rest', summary: 'Base model and LoRA settings of a tinker:// path', body: S.WeightsInfoBody },
   'GET /sessions': { tag: 'rest', summary: 'Sessions, newest first', query: Paging },
   'GET /sessions/{id}': { tag: 'rest', summary: 'One session: its training runs and samplers' },

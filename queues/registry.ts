@@ -341,8 +341,16 @@ export class Registry {
   }
   /** A model's listed checkpoints, newest first. */
   async listModelCheckpoints(modelId: string): Promise<CheckpointRecord[]> {
-    const paths = await this.redis.zrevrange(this.modelCkpts(modelId), 0, -1);
-    return (await this.loadCheckpoints(paths)).filter((c) => !c.ephemeral);
+    return (await this.checkpointsOfModels([modelId]))[0]!;
+  }
+  /** The listed checkpoints of each model, newest first, in two round trips however many models. */
+  async checkpointsOfModels(modelIds: string[]): Promise<CheckpointRecord[][]> {
+    if (modelIds.length === 0) return [];
+    const p = this.redis.pipeline();
+    for (const id of modelIds) p.zrevrange(this.modelCkpts(id), 0, -1);
+    const paths = ((await p.exec()) ?? []).map(([err, v]) => (err ? [] : (v as string[])));
+    const byPath = new Map((await this.loadCheckpoints(paths.flat())).map((c) => [c.tinker_path, c]));
+    return paths.map((ps) => ps.flatMap((x) => byPath.get(x) ?? []).filter((c) => !c.ephemeral));
   }
   /** Every listed checkpoint of one tenant, newest first, one page. */
   async listAllCheckpoints(tenant: string, offset: number, limit: number): Promise<{ checkpoints: CheckpointRecord[]; total: number }> {
@@ -417,12 +425,29 @@ export class Registry {
   async sessionFinished(sessionId: string): Promise<boolean> {
     return (await this.redis.exists(`${this.names.session(sessionId)}:finish`)) === 1;
   }
-  async sessionFinish(sessionId: string): Promise<Record<string, unknown> | null> {
-    const raw = await this.redis.get(`${this.names.session(sessionId)}:finish`);
-    return raw === null ? null : JSON.parse(raw);
-  }
   async sessionInfo(sessionId: string): Promise<Record<string, unknown> | null> {
-    const raw = await this.redis.get(this.names.session(sessionId));
-    return raw === null ? null : JSON.parse(raw);
+    return (await this.sessionInfos([sessionId]))[0] ?? null;
+  }
+  /** Session records by id (null where gone), in one round trip. */
+  async sessionInfos(sessionIds: string[]): Promise<(Record<string, unknown> | null)[]> {
+    return this.mgetJson(sessionIds.map((id) => this.names.session(id)));
+  }
+  /** Finish records by session id (null where the session has not finished), in one round trip. */
+  async sessionFinishes(sessionIds: string[]): Promise<(Record<string, unknown> | null)[]> {
+    return this.mgetJson(sessionIds.map((id) => `${this.names.session(id)}:finish`));
+  }
+  /** How many listed checkpoints the training runs of each session hold, in three round trips. */
+  async sessionCheckpointCounts(sessionIds: string[]): Promise<number[]> {
+    if (sessionIds.length === 0) return [];
+    const p = this.redis.pipeline();
+    for (const id of sessionIds) p.smembers(`${this.names.session(id)}:models`);
+    const models = ((await p.exec()) ?? []).map(([err, v]) => (err ? [] : (v as string[])));
+    const ckpts = await this.checkpointsOfModels(models.flat());
+    let at = 0;
+    return models.map((ms) => ms.reduce((n) => n + ckpts[at++]!.length, 0));
+  }
+  private async mgetJson(keys: string[]): Promise<(Record<string, unknown> | null)[]> {
+    if (keys.length === 0) return [];
+    return (await this.redis.mget(keys)).map((raw) => (raw === null ? null : JSON.parse(raw)));
   }
 }

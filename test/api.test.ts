@@ -1,7 +1,7 @@
 import { existsSync, mkdirSync, writeFileSync } from 'node:fs';
 import path from 'node:path';
 import { expect } from 'chai';
-import { sweepExpiredCheckpoints } from '../api/checkpoints.js';
+import { sweepExpiredCheckpoints } from '../api/services/checkpoints.js';
 import { TINY_MODEL_ALIAS, TINY_MODEL_DIR } from '../scripts/stack.js';
 import { awaitFuture, call, startStack, type HttpReply, type TestStack } from './helpers/stack.js';
 import { decodeForwardBackwardOutput, decodeSampleResponse, encodeForwardBackward, type TestDatum } from './helpers/wire.js';
@@ -224,7 +224,7 @@ describe('API with a worker agent and the tiny model', function () {
     const save = await call(s.baseUrl, 'POST', '/save_weights_for_sampler', { model_id: id, seq_id: 1, path: 'blocked' });
     const failed = await result(save.json.request_id);
     expect(failed.status).to.equal(200);
-    expect(failed.json.category).to.equal('server');
+    expect(failed.json).to.include({ category: 'server', code: 'ENGINE_FAILED' });
     expect(failed.json.error).to.match(/sampler_weights/);
     // The next op of the same model runs.
     const out = await fbOutput((await submitFb(id, 2)).json.request_id);
@@ -243,7 +243,7 @@ describe('API with a worker agent and the tiny model', function () {
     });
     const sub = await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw });
     const r = await result(sub.json.request_id, PROTO);
-    expect(r.json.category).to.equal('user');
+    expect(r.json).to.include({ category: 'user', code: 'INVALID_REQUEST' });
     expect(r.json.error).to.match(/clip/);
   });
 
