@@ -39,10 +39,13 @@ class _TargetLogprobs(torch.autograd.Function):
         for start in range(0, logits.shape[0], chunk):
             end = start + chunk
             g = grad[start:end]
-            part = torch.exp(logits[start:end].float() - lse[start:end].unsqueeze(-1))
+            # In place on one float32 chunk (each pass over it is ~0.6 GiB of memory traffic);
+            # the final copy converts to the logits' dtype.
+            part = logits[start:end].to(torch.float32, copy=True)  # never the saved logits themselves
+            part.sub_(lse[start:end].unsqueeze(-1)).exp_()
             part.mul_(-g.sum(dim=-1, keepdim=True))
             part.scatter_add_(-1, targets[start:end], g)
-            out[start:end] = part.to(out.dtype)
+            out[start:end].copy_(part)
         return out, None, None
 
 
