@@ -1,5 +1,6 @@
 import type { Redis } from 'ioredis';
 import { z } from 'zod';
+import { ENGINE_KINDS, ENGINES } from './config.js';
 import { BrokerError } from './errors.js';
 import { LoraConfig } from './schemas.js';
 import type { Names } from './names.js';
@@ -113,9 +114,9 @@ export type FailedFuture = z.infer<typeof FailedFuture>;
  * that shares a sample queue with rollout agents sets the pace of everyone's requests. Engines not
  * listed come after these.
  */
-export const SAMPLE_ENGINE_ORDER: readonly string[] = ['vllm', 'torch'];
-/** Engines that train only: their agents consume no sample queue (workers/adapters/verl.ts). */
-export const TRAIN_ONLY_ENGINES: readonly string[] = ['verl'];
+const SAMPLE_ENGINE_ORDER: readonly string[] = ['vllm', 'torch'];
+/** Engines that do not sample: their agents consume no sample queue. */
+const TRAIN_ONLY_ENGINES: readonly string[] = ENGINE_KINDS.filter((e) => !ENGINES[e].samples);
 
 /**
  * Where a sample job of `baseModel` goes: the fastest engine kind among the live `agents` serving it

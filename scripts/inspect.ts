@@ -7,6 +7,8 @@ import { readAgentStats, readMetrics } from '../queues/metrics.js';
 import { Names } from '../queues/names.js';
 import { Outcomes } from '../queues/outcomes.js';
 import { Registry, type ModelRecord } from '../queues/registry.js';
+import type { ApiConfig } from '../queues/config.js';
+import { planPreset } from '../presets/plan.js';
 import { loadPreset } from '../presets/schema.js';
 import { table, UsageError, type CommandTable, type OptionSpec, type Parsed } from './cli.js';
 
@@ -28,11 +30,17 @@ TB_HOST and TB_PORT its api.host and api.port.`;
 type Target = { redisUrl: string; prefix: string; apiUrl: string; redis: Redis; names: Names; registry: Registry };
 
 async function connectTarget(p: Parsed): Promise<Target> {
-  const { preset } = loadPreset(p.values.preset as string);
-  const redisUrl = process.env.REDIS_URL ?? preset.redis.url;
-  const prefix = process.env.TB_PREFIX ?? preset.redis.prefix;
-  const host = process.env.TB_HOST ?? preset.api.host;
-  const apiUrl = `http://${host === '0.0.0.0' ? '127.0.0.1' : host}:${process.env.TB_PORT ?? preset.api.port}`;
+  const file = p.values.preset as string;
+  const { preset, dir } = loadPreset(file);
+  let api: ApiConfig;
+  try {
+    // The preset under the environment, parsed as `start` parses it (queues/config.ts).
+    api = planPreset(preset, dir, file, { apiOnly: true, python: '', env: process.env }).api!;
+  } catch (e) {
+    throw new UsageError((e as Error).message);
+  }
+  const { redisUrl, prefix, host, port } = api;
+  const apiUrl = `http://${host === '0.0.0.0' ? '127.0.0.1' : host}:${port}`;
   const redis = new Redis(redisUrl, { lazyConnect: true, maxRetriesPerRequest: 1, retryStrategy: () => null, connectTimeout: 2000 });
   redis.on('error', () => undefined);
   try {
