@@ -94,6 +94,14 @@ const AgentEnv = CommonEnv.extend({
   TB_ENGINE: z.enum(ENGINE_KINDS).default('torch'),
   /** vLLM engine: attach to running OpenAI-compatible servers (one URL per model, comma separated) instead of starting `vllm serve`. */
   TB_VLLM_URL: csv.optional(),
+  /** vLLM engine: the `vllm` executable. @defaultValue `.venv-vllm/bin/vllm` when it exists, else `vllm` */
+  TB_VLLM_BIN: z.string().optional(),
+  /** vLLM engine: sampler versions kept loaded per base model. @defaultValue 8 */
+  TB_VLLM_MAX_ADAPTERS: z.coerce.number().int().positive().default(8),
+  /** vLLM engine: seconds a server may take to become healthy. @defaultValue 1200 */
+  TB_VLLM_START_TIMEOUT_S: z.coerce.number().positive().default(1200),
+  /** vLLM engine: appended to the `vllm serve` command line, space separated (e.g. `--max-model-len 8192`). */
+  TB_VLLM_EXTRA_ARGS: z.string().default('').transform((s) => s.split(/\s+/).filter(Boolean)),
   // Reliability (docs/reliability.md).
   /** Seconds without a heartbeat after which the agent counts as dead: its futures fail (OUTCOME_UNKNOWN), its models are unavailable. @defaultValue 30 */
   TB_AGENT_TIMEOUT_S: z.coerce.number().positive().default(30),
@@ -186,6 +194,8 @@ export type AgentConfig = {
   engine?: EngineKind | undefined;
   /** vLLM engine: URLs of running servers to attach to, one per model in `models` order (none: the agent starts `vllm serve`). */
   vllmUrls?: string[] | undefined;
+  /** vLLM engine: how it starts `vllm serve` (TB_VLLM_BIN, TB_VLLM_MAX_ADAPTERS, TB_VLLM_START_TIMEOUT_S, TB_VLLM_EXTRA_ARGS). */
+  vllm?: { bin?: string | undefined; maxAdapters: number; startTimeoutMs: number; extraArgs: string[] } | undefined;
   /** Liveness timeout in seconds. @defaultValue 30 */
   agentTimeoutS?: number | undefined;
   /** Engine time limit per op kind, in seconds (defaults: `DEFAULT_OP_TIMEOUTS_S`). */
@@ -297,6 +307,7 @@ export function loadAgentConfig(env: NodeJS.ProcessEnv = process.env, preset?: {
     engineRestart: e.TB_ENGINE_RESTART,
     engine: e.TB_ENGINE,
     vllmUrls: e.TB_VLLM_URL?.length ? e.TB_VLLM_URL : undefined,
+    vllm: { bin: e.TB_VLLM_BIN, maxAdapters: e.TB_VLLM_MAX_ADAPTERS, startTimeoutMs: e.TB_VLLM_START_TIMEOUT_S * 1000, extraArgs: e.TB_VLLM_EXTRA_ARGS },
     agentTimeoutS: e.TB_AGENT_TIMEOUT_S,
     opTimeoutsS: parseOpTimeouts(e.TB_OP_TIMEOUTS),
     jobLockMs: e.TB_JOB_LOCK_MS,

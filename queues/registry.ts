@@ -227,11 +227,6 @@ export class Registry {
   async getModel(modelId: string): Promise<ModelRecord | null> {
     return this.getJson(this.names.model(modelId), ModelRecord);
   }
-  async requireModel(modelId: string): Promise<ModelRecord> {
-    const m = await this.getModel(modelId);
-    if (!m) throw new BrokerError('NOT_FOUND', `unknown model_id '${modelId}': create it with create_model first`);
-    return m;
-  }
   async markModelLost(modelId: string, reason: string): Promise<void> {
     const m = await this.getModel(modelId);
     if (m && m.lost_reason === null) await this.redis.set(this.names.model(modelId), JSON.stringify({ ...m, lost_reason: reason }), 'XX');

@@ -87,7 +87,7 @@ export class Agent {
   static adapterFor(config: AgentConfig, log: Logger): EngineAdapter {
     const engine = config.engine ?? 'torch';
     if (engine === 'torch') return new TorchAdapter({ python: config.python, device: config.engineDevice, log });
-    if (engine === 'vllm') return new VllmAdapter({ device: config.engineDevice, urls: config.vllmUrls, log });
+    if (engine === 'vllm') return new VllmAdapter({ device: config.engineDevice, urls: config.vllmUrls, log, ...config.vllm });
     if (engine === 'verl') return new VerlAdapter({ python: config.python, device: config.engineDevice, log, models: config.models });
     throw new Error(`agent ${config.agentId}: engine '${String(engine)}' is not available in this version (torch, vllm and verl are)`);
   }
