@@ -396,7 +396,8 @@ export class Registry {
   async listModels(tenant: string, offset: number, limit: number): Promise<{ models: ModelRecord[]; total: number }> {
     const key = this.names.tenantIndex(tenant, 'models');
     const [ids, total] = await Promise.all([this.redis.zrevrange(key, offset, offset + limit - 1), this.redis.zcard(key)]);
-    const models = (await Promise.all(ids.map((id) => this.getModel(id)))).filter((m): m is ModelRecord => m !== null);
+    const raws = ids.length ? await this.redis.mget(ids.map((id) => this.names.model(id))) : [];
+    const models = raws.flatMap((raw) => (raw === null ? [] : [ModelRecord.parse(JSON.parse(raw))]));
     return { models, total };
   }
   async indexSampler(sessionId: string, samplerId: string): Promise<void> {
