@@ -1,6 +1,6 @@
 import { Job, QueueEvents } from 'bullmq';
 import type { Redis } from 'ioredis';
-import { decodeJobFailure, outcomeUnknownMessage, type ErrorCategory } from '../queues/errors.js';
+import { decodeJobFailure, failure, outcomeUnknownMessage, recordedFailure, type Failure } from '../queues/errors.js';
 import { decodeRequestId, encodeRequestId, type FutureRef } from '../queues/futures.js';
 import type { OrderingGate } from '../queues/gate.js';
 import { Liveness } from '../queues/liveness.js';
@@ -23,7 +23,7 @@ import type { AnyJob, JobOp } from '../queues/schemas.js';
  */
 export type FutureState =
   | { kind: 'done'; op: JobOp; result: unknown }
-  | { kind: 'failed'; op: string; category: ErrorCategory; message: string; code?: string | undefined }
+  | ({ kind: 'failed'; op: string } & Failure)
   | { kind: 'pending'; queueState: 'active'; heldModel?: string }
   | { kind: 'unknown' };
 
@@ -66,7 +66,7 @@ export class FutureResolver {
 
   private fromOutcome(o: Outcome): FutureState {
     if (o.state === 'done') return { kind: 'done', op: o.op as JobOp, result: o.result };
-    return { kind: 'failed', op: o.op, category: o.category ?? 'server', message: o.message ?? 'failed', code: o.code };
+    return { kind: 'failed', op: o.op, ...recordedFailure(o) };
   }
 
   /**
@@ -138,13 +138,13 @@ export class FutureResolver {
     const exists = (await this.redis.exists(`${this.names.bull}:${ref.queue}:${ref.jobId}`)) === 1;
     if (!exists) {
       const failed = await this.registry.getFailedFuture(ref.jobId);
-      if (failed) return { kind: 'failed', ...failed };
+      if (failed) return { kind: 'failed', op: failed.op, ...recordedFailure(failed) };
       const model = await this.gate.heldModel(ref.jobId);
       if (model === null) return { kind: 'unknown' };
       await this.gate.release(model);
       // The release may have failed it (a gap past its deadline).
       const failedNow = await this.registry.getFailedFuture(ref.jobId);
-      if (failedNow) return { kind: 'failed', ...failedNow };
+      if (failedNow) return { kind: 'failed', op: failedNow.op, ...recordedFailure(failedNow) };
       if (train) {
         const st = await this.pendingTrain(ref, 'training op');
         return st.kind === 'pending' ? { ...st, heldModel: model } : st;
@@ -168,10 +168,9 @@ export class FutureResolver {
           .exec();
       }
       if (job.failedReason) {
-        const f = decodeJobFailure(job.failedReason);
+        const { verdict, ...f } = decodeJobFailure(job.failedReason);
         // A training job that failed without the agent's verdict (a stall, a crash) may have run.
-        if (train && !/^\[(user|server|unknown)\] /.test(job.failedReason))
-          return { kind: 'failed', op, category: 'unknown', code: 'OUTCOME_UNKNOWN', message: outcomeUnknownMessage(op, f.message) };
+        if (train && !verdict) return { kind: 'failed', op, ...failure('OUTCOME_UNKNOWN', outcomeUnknownMessage(op, f.message)) };
         return { kind: 'failed', op, ...f };
       }
       // A training op's result lives in its outcome record (read again: it may have finished since the
