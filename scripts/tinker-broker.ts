@@ -23,12 +23,14 @@ const PROG = 'tinker-broker';
 export const presetOption: OptionSpec = { type: 'string', arg: 'FILE', default: DEFAULT_PRESET, help: 'launch preset (YAML, see presets/README.md)' };
 
 const START_DETAILS = `
-Environment variables override the preset:
+Every environment variable of the API and the agents (README, Configuration; queues/config.ts)
+overrides the preset and is checked as it is without one; among them:
   REDIS_URL          redis.url            TB_PREFIX         redis.prefix
   TB_HOST            api.host             TB_PORT           api.port
   TB_API_KEYS        api.keys (comma separated)
   TB_ADMIN_KEYS      keys of the /admin dashboard (default: the API key, when there is exactly one)
   TB_STORAGE_DIR     storage.dir          TB_LONG_POLL_MS   longest retrieve_future wait (default 25000)
+  TB_FUTURE_RETENTION_S                   storage.retention_hours (in seconds)
   TB_REDIS_DIR       data directory of a Redis started here (default var/redis)
   TB_PYTHON          engine interpreter (default .venv/bin/python, else python3)
   TB_LOG_LEVEL       error|warn|info|debug (default info)
