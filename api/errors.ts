@@ -1,5 +1,5 @@
 import type { ErrorRequestHandler, RequestHandler } from 'express';
-import { BrokerError, isBrokerError } from '../queues/errors.js';
+import { BrokerError, invalid, isBrokerError } from '../queues/errors.js';
 import { logger } from '../queues/logger.js';
 
 /**
@@ -11,10 +11,10 @@ export const errorHandler: ErrorRequestHandler = (err, req, res, _next) => {
   let be: BrokerError;
   if (isBrokerError(err)) be = err;
   else if (isRedisUnavailable(err)) be = redisUnavailable();
-  else if (err?.type === 'entity.parse.failed') be = new BrokerError('INVALID_REQUEST', `malformed JSON body: ${err.message}`);
-  else if (err?.type === 'entity.too.large') be = new BrokerError('INVALID_REQUEST', `request body too large (limit ${err.limit} bytes)`);
+  else if (err?.type === 'entity.parse.failed') be = invalid(`malformed JSON body: ${err.message}`);
+  else if (err?.type === 'entity.too.large') be = bodyTooLarge(err.limit);
   else if (typeof err?.status === 'number' && err.status >= 400 && err.status < 500)
-    be = new BrokerError('INVALID_REQUEST', String(err.message ?? 'bad request'));
+    be = invalid(String(err.message ?? 'bad request'));
   else {
     ((res.locals.log as typeof logger | undefined) ?? logger).error('unhandled error', { path: req.path, error: String(err?.stack ?? err) });
     be = new BrokerError('INTERNAL', `internal error: ${String(err?.message ?? err)}`);
@@ -45,4 +45,9 @@ export function isRedisUnavailable(err: unknown): boolean {
   const code = (err as { code?: unknown }).code;
   if (typeof code === 'string' && ['ECONNREFUSED', 'ECONNRESET', 'ETIMEDOUT', 'EPIPE', 'ENOTCONN', 'EHOSTUNREACH'].includes(code)) return true;
   return /Connection is closed|Stream isn't writeable|max retries per request|ECONNREFUSED|Socket closed unexpectedly/i.test(err.message);
+}
+
+/** A body past its route's limit (express's body parsers, and the forward_backward body reader). */
+export function bodyTooLarge(limitBytes: number): BrokerError {
+  return invalid(`request body too large (limit ${limitBytes} bytes)`);
 }

@@ -3,7 +3,7 @@ import { readdir } from 'node:fs/promises';
 import path from 'node:path';
 import type { Request, RequestHandler } from 'express';
 import { z } from 'zod';
-import { BrokerError } from '../queues/errors.js';
+import { BrokerError, invalid } from '../queues/errors.js';
 import type { ApiContext } from './context.js';
 
 /**
@@ -56,12 +56,12 @@ export function fileDownloadHandler(ctx: ApiContext): RequestHandler {
     if (!good || !sig || good.length !== Buffer.from(sig).length || !timingSafeEqual(good, Buffer.from(sig)))
       throw new BrokerError('UNAUTHORIZED', 'invalid download URL signature');
     const t = Token.safeParse(JSON.parse(Buffer.from(payload!, 'base64url').toString('utf8')));
-    if (!t.success) throw new BrokerError('INVALID_REQUEST', 'malformed download URL');
+    if (!t.success) throw invalid('malformed download URL');
     if (t.data.e < Date.now()) throw new BrokerError('GONE', 'this download URL has expired; ask for new ones');
     const ckpt = await ctx.registry.getCheckpoint(t.data.p);
     if (!ckpt) throw new BrokerError('NOT_FOUND', `checkpoint ${t.data.p} no longer exists`);
     const file = path.resolve(ckpt.dir, t.data.f);
-    if (!file.startsWith(path.resolve(ckpt.dir) + path.sep)) throw new BrokerError('INVALID_REQUEST', 'file outside the checkpoint');
+    if (!file.startsWith(path.resolve(ckpt.dir) + path.sep)) throw invalid('file outside the checkpoint');
     res.sendFile(file);
   };
 }

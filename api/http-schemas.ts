@@ -1,5 +1,5 @@
 import { z } from 'zod';
-import { BrokerError } from '../queues/errors.js';
+import { invalid } from '../queues/errors.js';
 
 /**
  * Request bodies of the Tinker HTTP API (SDK 0.38), as the SDK sends them. Unknown fields
@@ -9,7 +9,7 @@ export function parseBody<S extends z.ZodType>(schema: S, body: unknown, what: s
   const res = schema.safeParse(body ?? {});
   if (!res.success) {
     const issues = res.error.issues.map((i) => `${i.path.length ? i.path.join('.') : '(body)'}: ${i.message}`);
-    throw new BrokerError('INVALID_REQUEST', `invalid ${what} request: ${issues.join('; ')}`);
+    throw invalid(`invalid ${what} request: ${issues.join('; ')}`);
   }
   return res.data;
 }

@@ -1,5 +1,5 @@
 import path from 'node:path';
-import { BrokerError } from '../queues/errors.js';
+import { invalid } from '../queues/errors.js';
 
 /**
  * `tinker://<model_id>/<kind>/<name>` paths (kind `weights`, `sampler_weights` or `external_weights`) and where
@@ -16,7 +16,7 @@ export function formatTinkerPath(p: TinkerPath): string {
 
 export function parseTinkerPath(s: string): TinkerPath {
   const m = /^tinker:\/\/([^/]+)\/(weights|sampler_weights|external_weights)\/([^/]+)$/.exec(s);
-  if (!m) throw new BrokerError('INVALID_REQUEST', `'${s}' is not a tinker path of the form tinker://<model_id>/weights|sampler_weights|external_weights/<name>`);
+  if (!m) throw invalid(`'${s}' is not a tinker path of the form tinker://<model_id>/weights|sampler_weights|external_weights/<name>`);
   return { modelId: m[1]!, kind: m[2] as TinkerPath['kind'], name: m[3]! };
 }
 

@@ -1,12 +1,10 @@
 import type { RequestHandler } from 'express';
-import { BrokerError } from '../queues/errors.js';
-import { jobIds } from '../queues/names.js';
+import { invalid } from '../queues/errors.js';
 import type { ApiContext } from './context.js';
-import { ownsModel } from './tenants.js';
+import { bodyTooLarge } from './errors.js';
+import { MAX_TARGET_K, useUpSeqId } from './services/training.js';
 import { ForwardBackwardScan, type ScanLimits } from './wire/fb-scan.js';
 
-/** The widest K of a (N, K) loss input any model accepts (the route's MAX_TARGET_K). */
-const MAX_K = 128;
 /** Bytes of one loss-input element at most (int64 / float64). */
 const MAX_ELEMENT_BYTES = 8;
 /**
@@ -24,7 +22,7 @@ const WATCH_FROM_BYTES = 2 ** 20;
  * model's exact bounds. Past `TB_MAX_TRAIN_BODY_MB` the body is refused as body-parser would.
  *
  * A refusal uses up the request's seq_id in the model's gate, as the route's own refusals do
- * (routes/training.ts guardSeq: the SDK never resends a refused seq_id), when the model_id and
+ * (services/training.ts useUpSeqId: the SDK never resends a refused seq_id), when the model_id and
  * seq_id came before the datums (the SDK writes them first) and the caller owns the model.
  */
 export function forwardBackwardBody(ctx: ApiContext): RequestHandler {
@@ -41,7 +39,7 @@ export function forwardBackwardBody(ctx: ApiContext): RequestHandler {
   };
   return (req, _res, next) => {
     const declared = Number(req.headers['content-length']);
-    if (Number.isFinite(declared) && declared > limit) return next(tooLarge(limit));
+    if (Number.isFinite(declared) && declared > limit) return next(bodyTooLarge(limit));
     const chunks: Buffer[] = [];
     let size = 0;
     let scan: ForwardBackwardScan | null = null;
@@ -67,14 +65,14 @@ export function forwardBackwardBody(ctx: ApiContext): RequestHandler {
         const { modelId, seqId } = scan;
         stopReading();
         void useUpSeqId(ctx, req, modelId, seqId).then(
-          () => next(new BrokerError('INVALID_REQUEST', `forward_backward: ${refusal.message}`)),
+          () => next(invalid(`forward_backward: ${refusal.message}`)),
           (e) => next(e),
         );
       }
     };
     const onData = (chunk: Buffer) => {
       size += chunk.length;
-      if (size > limit) return fail(tooLarge(limit));
+      if (size > limit) return fail(bodyTooLarge(limit));
       chunks.push(chunk);
       if (!watching && size > WATCH_FROM_BYTES) {
         watching = limits().then((l) => {
@@ -101,19 +99,11 @@ export function forwardBackwardBody(ctx: ApiContext): RequestHandler {
   };
 }
 
-function tooLarge(limit: number): BrokerError {
-  return new BrokerError('INVALID_REQUEST', `request body too large (limit ${limit} bytes)`);
-}
-
 /** The largest context and loss input any served model accepts (no agent: no early refusal). */
 async function servedLimits(ctx: ApiContext): Promise<ScanLimits> {
   let maxTokens = 0;
   for (const { model } of (await ctx.registry.servedModels()).values()) maxTokens = Math.max(maxTokens, model.max_context_length);
   if (maxTokens === 0) return { maxTokens: Infinity, maxTensorBytes: Infinity };
-  return { maxTokens, maxTensorBytes: maxTokens * MAX_K * MAX_ELEMENT_BYTES };
+  return { maxTokens, maxTensorBytes: maxTokens * MAX_TARGET_K * MAX_ELEMENT_BYTES };
 }
 
-async function useUpSeqId(ctx: ApiContext, req: Parameters<RequestHandler>[0], modelId: string | null | undefined, seqId: number | null | undefined) {
-  if (typeof modelId !== 'string' || typeof seqId !== 'number' || !Number.isInteger(seqId) || seqId < 1) return;
-  if ((await ctx.gate.isOpen(modelId)) && (await ownsModel(ctx, req, modelId))) await ctx.gate.skip(modelId, seqId, jobIds.train(modelId, seqId));
-}

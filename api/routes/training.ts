@@ -20,8 +20,8 @@ import {
 import { formatTinkerPath, storageDirFor } from '../paths.js';
 import { loadableCheckpoint } from '../services/checkpoints.js';
 import { createModelFromCheckpoint } from '../services/models.js';
-import { forwardBackwardJob } from '../services/training.js';
-import { issueFuture, ownsModel, requireModel } from '../tenants.js';
+import { forwardBackwardJob, useUpSeqId } from '../services/training.js';
+import { issueFuture, requireModel } from '../tenants.js';
 import { decodeForwardBackwardRequest } from '../wire/proto.js';
 
 /** The ordered training ops of a model (forward_backward, optim_step, saves and loads), through the gate in seq_id order. */
@@ -38,25 +38,12 @@ export function unknownEndpointGuard(ctx: ApiContext): RequestHandler {
   };
 }
 
-/**
- * Runs a route's checks. The SDK has used up a `seq_id` even when the server refuses the request
- * (it does not resend a 400), so once model_id and seq_id are known a refusal skips that seq_id
- * in the gate: later ops of the model must not wait behind it. Only the model's own tenant can
- * use up its seq_ids.
- */
+/** Runs a route's checks; a refusal uses up the request's seq_id (`useUpSeqId`). */
 async function guardSeq<T>(ctx: ApiContext, req: Request, modelId: unknown, seqId: unknown, fn: () => Promise<T>): Promise<T> {
   try {
     return await fn();
   } catch (e) {
-    if (
-      typeof modelId === 'string' &&
-      typeof seqId === 'number' &&
-      Number.isInteger(seqId) &&
-      seqId >= 1 &&
-      (await ctx.gate.isOpen(modelId)) &&
-      (await ownsModel(ctx, req, modelId))
-    )
-      await ctx.gate.skip(modelId, seqId, jobIds.train(modelId, seqId));
+    await useUpSeqId(ctx, req, modelId, seqId);
     throw e;
   }
 }

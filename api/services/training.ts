@@ -1,7 +1,10 @@
+import type { Request } from 'express';
 import { invalid } from '../../queues/errors.js';
+import { jobIds } from '../../queues/names.js';
 import type { ModelRecord } from '../../queues/registry.js';
 import type { Datum, ForwardBackwardJob } from '../../queues/schemas.js';
 import type { ApiContext } from '../context.js';
+import { ownsModel } from '../tenants.js';
 import { attachStability } from '../stability.js';
 import type { DecodedForwardBackward } from '../wire/proto.js';
 
@@ -74,4 +77,14 @@ export async function forwardBackwardJob(ctx: ApiContext, fb: DecodedForwardBack
   if (fb.loss_fn === 'stable_reinforce') await attachStability(ctx, model, data, fb.provenance);
   const { data: _lazy, provenance: _spans, ...rest } = fb;
   return { op: 'forward_backward', ...rest, data };
+}
+
+/**
+ * The SDK has used up a `seq_id` even when the server refuses the request (it does not resend a
+ * 400), so a refusal once model_id and seq_id are known skips that seq_id in the model's gate:
+ * later ops of the model must not wait behind it. Only the model's own tenant can use up its seq_ids.
+ */
+export async function useUpSeqId(ctx: ApiContext, req: Request, modelId: unknown, seqId: unknown): Promise<void> {
+  if (typeof modelId !== 'string' || typeof seqId !== 'number' || !Number.isInteger(seqId) || seqId < 1) return;
+  if ((await ctx.gate.isOpen(modelId)) && (await ownsModel(ctx, req, modelId))) await ctx.gate.skip(modelId, seqId, jobIds.train(modelId, seqId));
 }
