@@ -1,5 +1,5 @@
-import { Job, QueueEvents } from 'bullmq';
 import type { Redis } from 'ioredis';
+import { Completions } from '../queues/completions.js';
 import { decodeJobFailure, outcomeUnknownMessage, type ErrorCategory } from '../queues/errors.js';
 import { decodeRequestId, encodeRequestId, type FutureRef } from '../queues/futures.js';
 import type { OrderingGate } from '../queues/gate.js';
@@ -9,17 +9,17 @@ import { Outcomes, type Outcome } from '../queues/outcomes.js';
 import type { Names } from '../queues/names.js';
 import type { QueueSet } from '../queues/queues.js';
 import type { Registry } from '../queues/registry.js';
-import type { AnyJob, JobOp } from '../queues/schemas.js';
+import type { JobOp } from '../queues/schemas.js';
 
 /**
  * A training op's future is answered from its outcome record (queues/outcomes.ts), which the agent
- * writes once; a sample's from BullMQ's job state. A pending training op whose agent was reaped
- * (queues/liveness.ts) fails with OUTCOME_UNKNOWN. Every API process runs the reaper (`startReaper`).
+ * writes once; a sample's from BullMQ's job state (queues/queues.ts `view`). A pending training op
+ * whose agent was reaped (queues/liveness.ts) fails with OUTCOME_UNKNOWN. Every API process runs the
+ * reaper (`startReaper`).
  *
- * Futures are answered from BullMQ job state plus one shared completion listener
- * per queue: a `retrieve_future` reads the job; if it is pending, registers a waiter on the
- * queue's listener, reads again, and sleeps on the waiter for at most the long-poll window.
- * No polling loop. Listeners exist only for queues that hold a real pending job.
+ * A `retrieve_future` reads the state; if it is pending, registers a waiter for the op's completion
+ * signal (queues/completions.ts), reads again, and sleeps on the waiter for at most the long-poll
+ * window. No polling loop.
  */
 export type FutureState =
   | { kind: 'done'; op: JobOp; result: unknown }
@@ -28,18 +28,17 @@ export type FutureState =
   | { kind: 'unknown' };
 
 const QUEUE_NAME = /^(train|sample)-[A-Za-z0-9_.-]{1,128}$/;
-/** The job ids the API issues (queues/names.ts jobIds); anything else (`events`, `meta`, `id`) names BullMQ's own keys. */
+/** The job ids the API issues (queues/names.ts jobIds); anything else names no future. */
 const JOB_ID = /^[ctuls]-[A-Za-z0-9-]{1,200}$/;
 
 export class FutureResolver {
-  private readonly events = new Map<string, Promise<QueueEvents>>();
-  private readonly waiters = new Map<string, Set<() => void>>();
+  private readonly completions: Completions;
   readonly outcomes: Outcomes;
   readonly liveness: Liveness;
 
   constructor(
     private readonly redis: Redis,
-    private readonly blockingConnection: () => Redis,
+    blockingConnection: () => Redis,
     private readonly names: Names,
     private readonly queues: QueueSet,
     private readonly gate: OrderingGate,
@@ -50,6 +49,7 @@ export class FutureResolver {
   ) {
     this.outcomes = new Outcomes(redis, names, retentionS);
     this.liveness = new Liveness(redis, names, registry, this.outcomes);
+    this.completions = new Completions(redis, blockingConnection, names);
   }
 
   /** Runs the liveness reaper every `everyMs`; returns its stop function. */
@@ -70,20 +70,17 @@ export class FutureResolver {
   }
 
   /**
-   * A final outcome, read: the outcome record and the job (payload) of an ordered op then leave Redis
-   * soon (create_model's stay for the retention: its job id makes it idempotent).
+   * The outcome record of a training op, read as its future: a final one, and the op's job (its
+   * payload), then leave Redis soon (create_model's stay for the retention: its job id makes it idempotent).
    */
-  private async readOutcome(ref: FutureRef, o: Outcome): Promise<FutureState> {
-    if (o.op !== 'create_model') {
-      const ms = this.ttlAfterReadS * 1000;
-      await this.redis
-        .multi()
-        .call('PEXPIRE', this.outcomes.key(ref.jobId), ms, 'LT')
-        .call('PEXPIRE', `${this.names.bull}:${ref.queue}:${ref.jobId}`, ms, 'LT')
-        .call('PEXPIRE', this.names.futureOwner(encodeRequestId(ref)), ms, 'LT')
-        .exec();
-    }
-    return this.fromOutcome(o);
+  private readOutcome(ref: FutureRef): Promise<Outcome | null> {
+    return this.outcomes.read(
+      ref.jobId,
+      this.queues.jobKey(ref.queue, ref.jobId),
+      this.names.futureOwner(encodeRequestId(ref)),
+      this.ttlAfterReadS * 1000,
+      ref.jobId.startsWith('c-'),
+    );
   }
 
   /** A pending training op whose agent was reaped fails (OUTCOME_UNKNOWN), unless its outcome is already final. */
@@ -96,53 +93,19 @@ export class FutureResolver {
     return { kind: 'pending', queueState: 'active' };
   }
 
-  private notify(queue: string, jobId: string): void {
-    const set = this.waiters.get(`${queue}/${jobId}`);
-    if (set) for (const wake of set) wake();
-  }
-
-  /** The shared listener of one queue, created on first use; it reads from the stream's current end. */
-  private listen(queue: string): Promise<QueueEvents> {
-    let p = this.events.get(queue);
-    if (!p) {
-      p = (async () => {
-        // Start at the last event already in the stream, not at '$': an event written between
-        // "ready" and the first blocking read is then still delivered.
-        const last = await this.redis.xrevrange(`${this.names.bull}:${queue}:events`, '+', '-', 'COUNT', 1);
-        const qe = new QueueEvents(queue, {
-          connection: this.blockingConnection(),
-          prefix: this.names.bull,
-          lastEventId: last[0]?.[0] ?? '0-0',
-        });
-        qe.on('completed', ({ jobId }) => this.notify(queue, jobId));
-        qe.on('failed', ({ jobId }) => this.notify(queue, jobId));
-        // Connection errors (Redis unreachable) are reported by the app's own connection watch.
-        qe.on('error', () => undefined);
-        await qe.waitUntilReady();
-        return qe;
-      })();
-      this.events.set(queue, p);
-      // A listener that failed to start is dropped, so the next poll tries again.
-      p.catch(() => this.events.delete(queue));
-    }
-    return p;
-  }
-
   async state(ref: FutureRef): Promise<FutureState> {
     if (!QUEUE_NAME.test(ref.queue) || !JOB_ID.test(ref.jobId)) return { kind: 'unknown' };
     const train = ref.queue.startsWith('train-');
     if (train) {
-      const o = await this.outcomes.get(ref.jobId);
-      if (o && o.state !== 'running') return this.readOutcome(ref, o);
+      const o = await this.readOutcome(ref);
+      if (o && o.state !== 'running') return this.fromOutcome(o);
     }
-    const exists = (await this.redis.exists(`${this.names.bull}:${ref.queue}:${ref.jobId}`)) === 1;
-    if (!exists) {
-      const failed = await this.registry.getFailedFuture(ref.jobId);
-      if (failed) return { kind: 'failed', ...failed };
-      const model = await this.gate.heldModel(ref.jobId);
-      if (model === null) return { kind: 'unknown' };
+    const failed = await this.registry.getFailedFuture(ref.jobId);
+    if (failed) return { kind: 'failed', ...failed };
+    const model = await this.gate.heldModel(ref.jobId);
+    if (model !== null) {
+      // Held behind a gap: the release fails it once the gap has timed out.
       await this.gate.release(model);
-      // The release may have failed it (a gap past its deadline).
       const failedNow = await this.registry.getFailedFuture(ref.jobId);
       if (failedNow) return { kind: 'failed', ...failedNow };
       if (train) {
@@ -151,19 +114,18 @@ export class FutureResolver {
       }
       return { kind: 'pending', queueState: 'active', heldModel: model };
     }
-    const job = (await Job.fromId(this.queues.get(ref.queue), ref.jobId)) as Job<AnyJob> | undefined;
+    const job = await this.queues.view(ref.queue, ref.jobId);
     if (!job) return { kind: 'unknown' };
-    const op = job.data.op;
-    if (job.finishedOn) {
+    const op = job.op as JobOp;
+    if (job.finished) {
       // Payloads and results of ordered training ops and samples are not kept long once read (a
       // repeat of their seq_id is recognised by the gate, not by the job). Others (create_model)
       // stay for the retention, as their job id is what makes them idempotent.
-      const seq = (job.data as { seq_id?: number }).seq_id ?? 0;
-      if (op === 'sample' || seq >= 1) {
+      if (op === 'sample' || job.seqId >= 1) {
         const ms = this.ttlAfterReadS * 1000;
         await this.redis
           .multi()
-          .call('PEXPIRE', `${this.names.bull}:${ref.queue}:${ref.jobId}`, ms, 'LT')
+          .call('PEXPIRE', this.queues.jobKey(ref.queue, ref.jobId), ms, 'LT')
           .call('PEXPIRE', this.names.futureOwner(encodeRequestId(ref)), ms, 'LT')
           .exec();
       }
@@ -176,9 +138,9 @@ export class FutureResolver {
       }
       // A training op's result lives in its outcome record (read again: it may have finished since the
       // first read); without one it has expired.
-      if (train && job.returnvalue === null) {
-        const o = await this.outcomes.get(ref.jobId);
-        return o && o.state !== 'running' ? this.readOutcome(ref, o) : { kind: 'unknown' };
+      if (train) {
+        const o = await this.readOutcome(ref);
+        return o && o.state !== 'running' ? this.fromOutcome(o) : { kind: 'unknown' };
       }
       return { kind: 'done', op, result: job.returnvalue };
     }
@@ -191,13 +153,7 @@ export class FutureResolver {
     if (!ref) return { kind: 'unknown' };
     const first = await this.state(ref);
     if (first.kind !== 'pending') return first;
-    await this.listen(ref.queue);
-    const key = `${ref.queue}/${ref.jobId}`;
-    let wake!: () => void;
-    const woken = new Promise<void>((resolve) => (wake = resolve));
-    const set = this.waiters.get(key) ?? new Set();
-    set.add(wake);
-    this.waiters.set(key, set);
+    const { woken, cancel } = await this.completions.watch(ref);
     let timer: NodeJS.Timeout | undefined;
     try {
       const second = await this.state(ref);
@@ -214,14 +170,11 @@ export class FutureResolver {
       return await this.state(ref);
     } finally {
       clearTimeout(timer);
-      set.delete(wake);
-      if (set.size === 0) this.waiters.delete(key);
+      cancel();
     }
   }
 
-  async close(): Promise<void> {
-    const all = await Promise.allSettled([...this.events.values()]);
-    await Promise.all(all.map((r) => (r.status === 'fulfilled' ? r.value.close() : undefined)));
-    this.events.clear();
+  close(): Promise<void> {
+    return this.completions.close();
   }
 }

@@ -9,6 +9,7 @@ import { tenantOf } from '../auth.js';
 import { issueFuture, ownsModel, requireCheckpoint, requireModel, requireSession } from '../tenants.js';
 import { parseRecipient } from '../../queues/age.js';
 import type { z } from 'zod';
+import { AgentGone } from '../../queues/gate.js';
 import type { CheckpointRecord } from '../../queues/registry.js';
 import type { LoraConfig } from '../../queues/schemas.js';
 import { placeModel } from './models.js';
@@ -123,23 +124,35 @@ async function guardSeq<T>(ctx: ApiContext, req: Request, modelId: unknown, seqI
   }
 }
 
+/**
+ * The fast path of every ordered training op: one script admits it, records its future's owner and,
+ * when it is in order, queues it (queues/gate.ts); the model was read by the route (2 round trips).
+ * A model that is lost, or whose agent is gone, gets a future that fails with the reason (an HTTP
+ * 5xx would be retried by the SDK for minutes).
+ */
 async function submitTrainOp(ctx: ApiContext, req: Request, model: ModelRecord, seqId: number, job: TrainJob): Promise<string> {
   const jobId = jobIds.train(model.model_id, seqId);
   const requestId = encodeRequestId({ queue: model.train_queue, jobId });
   let lost = model.lost_reason;
-  if (!lost && !(await ctx.registry.isAgentAlive(model.agent_id))) {
-    lost = `its worker agent ${model.agent_id} is not running; load it from a saved checkpoint`;
-    await ctx.registry.markModelLost(model.model_id, lost);
+  if (!lost) {
+    try {
+      // The future is recorded only once the gate took the op: a refused request leaves nothing in Redis.
+      await guardSeq(ctx, req, model.model_id, seqId, () =>
+        ctx.gate.submit(model.model_id, seqId, model.train_queue, jobId, job, {
+          tenant: tenantOf(req),
+          ownerTtlS: ctx.config.retentionS * 2,
+          agentId: model.agent_id,
+        }),
+      );
+      return requestId;
+    } catch (e) {
+      if (!(e instanceof AgentGone)) throw e;
+      lost = `its worker agent ${model.agent_id} is not running; load it from a saved checkpoint`;
+      await ctx.registry.markModelLost(model.model_id, lost);
+    }
   }
-  if (lost) {
-    // The op gets a future that fails with the reason (an HTTP 5xx would be retried by the SDK for minutes).
-    if ((await ctx.gate.skip(model.model_id, seqId, jobId)) === 'admitted')
-      await ctx.registry.putFailedFuture(jobId, { op: job.op, category: 'server', message: `model ${model.model_id} is unavailable: ${lost}` }, ctx.config.retentionS);
-    return issueFuture(ctx, req, requestId);
-  }
-  // The future is recorded only once the gate took the op: a refused request leaves nothing in Redis.
-  await ctx.gate.submit(model.model_id, seqId, model.train_queue, jobId, job);
-  await ctx.registry.touchModel(model.model_id);
+  if ((await ctx.gate.skip(model.model_id, seqId, jobId)) === 'admitted')
+    await ctx.registry.putFailedFuture(jobId, { op: job.op, category: 'server', message: `model ${model.model_id} is unavailable: ${lost}` }, ctx.config.retentionS);
   return issueFuture(ctx, req, requestId);
 }
 
