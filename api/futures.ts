@@ -5,10 +5,11 @@ import { decodeRequestId, encodeRequestId, type FutureRef } from '../queues/futu
 import type { OrderingGate } from '../queues/gate.js';
 import { Liveness } from '../queues/liveness.js';
 import { logger } from '../queues/logger.js';
-import { Outcomes, type Outcome } from '../queues/outcomes.js';
+import { Outcome, Outcomes } from '../queues/outcomes.js';
 import type { Names } from '../queues/names.js';
 import type { QueueSet } from '../queues/queues.js';
-import type { Registry } from '../queues/registry.js';
+import { FailedFuture, type Registry } from '../queues/registry.js';
+import { runScript } from '../queues/scripts.js';
 import type { JobOp } from '../queues/schemas.js';
 
 /**
@@ -83,76 +84,93 @@ export class FutureResolver {
     );
   }
 
-  /** A pending training op whose agent was reaped fails (OUTCOME_UNKNOWN), unless its outcome is already final. */
-  private async pendingTrain(ref: FutureRef, op: string): Promise<FutureState> {
-    const agentId = ref.queue.slice('train-'.length);
-    const why = await this.liveness.reapedWhy(agentId);
-    if (why !== null) {
-      return this.fromOutcome(await this.liveness.failPending(ref.jobId, op, agentId, why));
-    }
-    return { kind: 'pending', queueState: 'active' };
-  }
-
   async state(ref: FutureRef): Promise<FutureState> {
     if (!QUEUE_NAME.test(ref.queue) || !JOB_ID.test(ref.jobId)) return { kind: 'unknown' };
-    const train = ref.queue.startsWith('train-');
-    if (train) {
-      const o = await this.readOutcome(ref);
-      if (o && o.state !== 'running') return this.fromOutcome(o);
-    }
-    const failed = await this.registry.getFailedFuture(ref.jobId);
-    if (failed) return { kind: 'failed', ...failed };
-    const model = await this.gate.heldModel(ref.jobId);
-    if (model !== null) {
+    return ref.queue.startsWith('train-') ? this.trainState(ref) : this.sampleState(ref);
+  }
+
+  /** A training op's future: its outcome, else what keeps it pending or failed, read in one round trip. */
+  private async trainState(ref: FutureRef): Promise<FutureState> {
+    const agentId = ref.queue.slice('train-'.length);
+    const [o, failed, held, name, finishedOn, failedReason, reaped] = (await runScript(
+      this.redis,
+      'future-train',
+      [
+        this.outcomes.key(ref.jobId),
+        this.queues.jobKey(ref.queue, ref.jobId),
+        this.names.futureOwner(encodeRequestId(ref)),
+        this.names.failedFuture(ref.jobId),
+        this.names.gateHeldIndex(),
+        this.liveness.reapedKey(agentId),
+      ],
+      [ref.jobId, this.ttlAfterReadS * 1000, ref.jobId.startsWith('c-') ? '1' : '0'],
+    )) as (string | null)[];
+    const outcome = o ? Outcome.parse(JSON.parse(o)) : null;
+    if (outcome && outcome.state !== 'running') return this.fromOutcome(outcome);
+    if (failed) return { kind: 'failed', ...FailedFuture.parse(JSON.parse(failed)) };
+    const op = outcome?.op ?? name ?? 'training op';
+    const pending = async (heldModel?: string): Promise<FutureState> => {
+      // A pending op whose agent was reaped fails (OUTCOME_UNKNOWN), unless its outcome is already final.
+      if (reaped) return this.fromOutcome(await this.liveness.failPending(ref.jobId, op, agentId, reaped.slice(reaped.indexOf(' ') + 1)));
+      return { kind: 'pending', queueState: 'active', ...(heldModel ? { heldModel } : {}) };
+    };
+    if (held) {
       // Held behind a gap: the release fails it once the gap has timed out.
-      await this.gate.release(model);
+      await this.gate.release(held);
       const failedNow = await this.registry.getFailedFuture(ref.jobId);
       if (failedNow) return { kind: 'failed', ...failedNow };
-      if (train) {
-        const st = await this.pendingTrain(ref, 'training op');
-        return st.kind === 'pending' ? { ...st, heldModel: model } : st;
-      }
-      return { kind: 'pending', queueState: 'active', heldModel: model };
+      return pending(held);
     }
+    if (!name) return { kind: 'unknown' };
+    if (!finishedOn) return pending();
+    // The job ended without an outcome record: ordered ops' jobs leave soon once read.
+    if (ref.jobId.startsWith('t-')) await this.expireOnceRead(ref);
+    if (failedReason) {
+      const f = decodeJobFailure(failedReason);
+      // A training job that failed without the agent's verdict (a stall, a crash) may have run.
+      if (!/^\[(user|server|unknown)\] /.test(failedReason)) return { kind: 'failed', op, category: 'unknown', code: 'OUTCOME_UNKNOWN', message: outcomeUnknownMessage(op, f.message) };
+      return { kind: 'failed', op, ...f };
+    }
+    // Its outcome may have been recorded since the read; without one it has expired.
+    const again = await this.readOutcome(ref);
+    return again && again.state !== 'running' ? this.fromOutcome(again) : { kind: 'unknown' };
+  }
+
+  /** A sample's future: its BullMQ job's state. */
+  private async sampleState(ref: FutureRef): Promise<FutureState> {
     const job = await this.queues.view(ref.queue, ref.jobId);
-    if (!job) return { kind: 'unknown' };
-    const op = job.op as JobOp;
-    if (job.finished) {
-      // Payloads and results of ordered training ops and samples are not kept long once read (a
-      // repeat of their seq_id is recognised by the gate, not by the job). Others (create_model)
-      // stay for the retention, as their job id is what makes them idempotent.
-      if (op === 'sample' || job.seqId >= 1) {
-        const ms = this.ttlAfterReadS * 1000;
-        await this.redis
-          .multi()
-          .call('PEXPIRE', this.queues.jobKey(ref.queue, ref.jobId), ms, 'LT')
-          .call('PEXPIRE', this.names.futureOwner(encodeRequestId(ref)), ms, 'LT')
-          .exec();
-      }
-      if (job.failedReason) {
-        const f = decodeJobFailure(job.failedReason);
-        // A training job that failed without the agent's verdict (a stall, a crash) may have run.
-        if (train && !/^\[(user|server|unknown)\] /.test(job.failedReason))
-          return { kind: 'failed', op, category: 'unknown', code: 'OUTCOME_UNKNOWN', message: outcomeUnknownMessage(op, f.message) };
-        return { kind: 'failed', op, ...f };
-      }
-      // A training op's result lives in its outcome record (read again: it may have finished since the
-      // first read); without one it has expired.
-      if (train) {
-        const o = await this.readOutcome(ref);
-        return o && o.state !== 'running' ? this.fromOutcome(o) : { kind: 'unknown' };
-      }
-      return { kind: 'done', op, result: job.returnvalue };
+    if (!job) {
+      const failed = await this.registry.getFailedFuture(ref.jobId);
+      return failed ? { kind: 'failed', ...failed } : { kind: 'unknown' };
     }
-    return train ? this.pendingTrain(ref, op) : { kind: 'pending', queueState: 'active' };
+    if (!job.finished) return { kind: 'pending', queueState: 'active' };
+    // Samples' payloads and results are not kept long once read.
+    await this.expireOnceRead(ref);
+    const op = job.op as JobOp;
+    if (job.failedReason) return { kind: 'failed', op, ...decodeJobFailure(job.failedReason) };
+    return { kind: 'done', op, result: job.returnvalue };
+  }
+
+  private async expireOnceRead(ref: FutureRef): Promise<void> {
+    const ms = this.ttlAfterReadS * 1000;
+    await this.redis
+      .multi()
+      .call('PEXPIRE', this.queues.jobKey(ref.queue, ref.jobId), ms, 'LT')
+      .call('PEXPIRE', this.names.futureOwner(encodeRequestId(ref)), ms, 'LT')
+      .exec();
   }
 
   /** The future's state, waiting up to `timeoutMs` for it to finish; `signal` ends the wait early. */
   async retrieve(requestId: string, timeoutMs: number, signal?: AbortSignal): Promise<FutureState> {
     const ref = decodeRequestId(requestId);
     if (!ref) return { kind: 'unknown' };
-    const first = await this.state(ref);
-    if (first.kind !== 'pending') return first;
+    // A sample queue's listener is made only for a pending job (a finished or unknown one needs none).
+    if (!ref.queue.startsWith('train-')) {
+      const first = await this.state(ref);
+      if (first.kind !== 'pending') return first;
+    }
+    // The waiter first, then the read: a completion signalled in between is not missed. Training
+    // ops share one subscription, made once per process.
     const { woken, cancel } = await this.completions.watch(ref);
     let timer: NodeJS.Timeout | undefined;
     try {

@@ -14,6 +14,7 @@ export type ScriptName =
   | 'outcome-claim'
   | 'outcome-finish'
   | 'outcome-read'
+  | 'future-train'
   | 'liveness-beat'
   | 'liveness-release';
 
