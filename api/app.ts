@@ -13,9 +13,10 @@ import { apiKeyAuth } from './auth.js';
 import type { ApiContext } from './context.js';
 import { errorHandler, notFoundHandler, redisUnavailable } from './errors.js';
 import { FutureResolver } from './futures.js';
-import { startCheckpointSweeper } from './checkpoints.js';
+import { startCheckpointSweeper } from './services/checkpoints.js';
 import { futureRoutes } from './routes/futures.js';
-import { restRoutes } from './routes/rest.js';
+import { checkpointRoutes } from './routes/checkpoints.js';
+import { sessionRoutes } from './routes/sessions.js';
 import { modelRoutes } from './routes/models.js';
 import { samplingRoutes } from './routes/sampling.js';
 import { healthHandler, serviceRoutes } from './routes/service.js';
@@ -126,11 +127,12 @@ export function buildApp(config: ApiConfig): BuiltApp {
   v1.use(apiKeyAuth(config.apiKeys));
   v1.use(express.json({ limit: '64mb', type: ['application/json', 'text/json'] }));
   v1.use(serviceRoutes(ctx));
+  v1.use(sessionRoutes(ctx));
   v1.use(modelRoutes(ctx));
   v1.use(trainingRoutes(ctx));
   v1.use(samplingRoutes(ctx));
   v1.use(futureRoutes(ctx));
-  v1.use(restRoutes(ctx));
+  v1.use(checkpointRoutes(ctx));
   v1.use(unknownEndpointGuard(ctx));
   // The OpenAPI document is open, like /healthz: it describes the API, nothing of its state.
   let openapi: Record<string, unknown> | undefined;

@@ -1,6 +1,6 @@
 import type { Redis } from 'ioredis';
 import { Completions } from '../queues/completions.js';
-import { decodeJobFailure, outcomeUnknownMessage, type ErrorCategory } from '../queues/errors.js';
+import { decodeJobFailure, failure, outcomeUnknownMessage, recordedFailure, type Failure } from '../queues/errors.js';
 import { decodeRequestId, encodeRequestId, type FutureRef } from '../queues/futures.js';
 import type { OrderingGate } from '../queues/gate.js';
 import { Liveness } from '../queues/liveness.js';
@@ -24,7 +24,7 @@ import type { JobOp } from '../queues/schemas.js';
  */
 export type FutureState =
   | { kind: 'done'; op: JobOp; result: unknown }
-  | { kind: 'failed'; op: string; category: ErrorCategory; message: string; code?: string | undefined }
+  | ({ kind: 'failed'; op: string } & Failure)
   | { kind: 'pending'; queueState: 'active'; heldModel?: string }
   | { kind: 'unknown' };
 
@@ -67,7 +67,7 @@ export class FutureResolver {
 
   private fromOutcome(o: Outcome): FutureState {
     if (o.state === 'done') return { kind: 'done', op: o.op as JobOp, result: o.result };
-    return { kind: 'failed', op: o.op, category: o.category ?? 'server', message: o.message ?? 'failed', code: o.code };
+    return { kind: 'failed', op: o.op, ...recordedFailure(o) };
   }
 
   /**
@@ -107,7 +107,10 @@ export class FutureResolver {
     )) as (string | null)[];
     const outcome = o ? Outcome.parse(JSON.parse(o)) : null;
     if (outcome && outcome.state !== 'running') return this.fromOutcome(outcome);
-    if (failed) return { kind: 'failed', ...FailedFuture.parse(JSON.parse(failed)) };
+    if (failed) {
+      const f = FailedFuture.parse(JSON.parse(failed));
+      return { kind: 'failed', op: f.op, ...recordedFailure(f) };
+    }
     const op = outcome?.op ?? name ?? 'training op';
     const pending = async (heldModel?: string): Promise<FutureState> => {
       // A pending op whose agent was reaped fails (OUTCOME_UNKNOWN), unless its outcome is already final.
@@ -118,7 +121,7 @@ export class FutureResolver {
       // Held behind a gap: the release fails it once the gap has timed out.
       await this.gate.release(held);
       const failedNow = await this.registry.getFailedFuture(ref.jobId);
-      if (failedNow) return { kind: 'failed', ...failedNow };
+      if (failedNow) return { kind: 'failed', op: failedNow.op, ...recordedFailure(failedNow) };
       return pending(held);
     }
     if (!name) return { kind: 'unknown' };
@@ -126,9 +129,9 @@ export class FutureResolver {
     // The job ended without an outcome record: ordered ops' jobs leave soon once read.
     if (ref.jobId.startsWith('t-')) await this.expireOnceRead(ref);
     if (failedReason) {
-      const f = decodeJobFailure(failedReason);
+      const { verdict, ...f } = decodeJobFailure(failedReason);
       // A training job that failed without the agent's verdict (a stall, a crash) may have run.
-      if (!/^\[(user|server|unknown)\] /.test(failedReason)) return { kind: 'failed', op, category: 'unknown', code: 'OUTCOME_UNKNOWN', message: outcomeUnknownMessage(op, f.message) };
+      if (!verdict) return { kind: 'failed', op, ...failure('OUTCOME_UNKNOWN', outcomeUnknownMessage(op, f.message)) };
       return { kind: 'failed', op, ...f };
     }
     // Its outcome may have been recorded since the read; without one it has expired.
@@ -141,13 +144,16 @@ export class FutureResolver {
     const job = await this.queues.view(ref.queue, ref.jobId);
     if (!job) {
       const failed = await this.registry.getFailedFuture(ref.jobId);
-      return failed ? { kind: 'failed', ...failed } : { kind: 'unknown' };
+      return failed ? { kind: 'failed', op: failed.op, ...recordedFailure(failed) } : { kind: 'unknown' };
     }
     if (!job.finished) return { kind: 'pending', queueState: 'active' };
     // Samples' payloads and results are not kept long once read.
     await this.expireOnceRead(ref);
     const op = job.op as JobOp;
-    if (job.failedReason) return { kind: 'failed', op, ...decodeJobFailure(job.failedReason) };
+    if (job.failedReason) {
+      const { verdict: _verdict, ...f } = decodeJobFailure(job.failedReason);
+      return { kind: 'failed', op, ...f };
+    }
     return { kind: 'done', op, result: job.returnvalue };
   }
 

@@ -17,6 +17,13 @@ export function parseBody<S extends z.ZodType>(schema: S, body: unknown, what: s
 const id = z.string().min(1);
 const nonNegInt = z.number().int().nonnegative();
 
+/** `?limit=&offset=` of the REST listings (`defaultLimit` per listing). */
+export const PageQuery = (defaultLimit = 20) =>
+  z.object({
+    limit: z.coerce.number().int().min(1).max(1000).default(defaultLimit),
+    offset: z.coerce.number().int().min(0).default(0),
+  });
+
 export const CreateSessionBody = z.object({
   tags: z.array(z.string()).default([]),
   user_metadata: z.record(z.string(), z.unknown()).nullable().optional(),

@@ -10,22 +10,19 @@ import * as S from './http-schemas.js';
 
 type Doc = { summary: string; body?: z.ZodType; query?: z.ZodType; protobuf?: string; future?: boolean; tag: string };
 
-const Paging = z.object({
-  limit: z.coerce.number().int().min(1).max(1000).default(20),
-  offset: z.coerce.number().int().min(0).default(0),
-});
+const Paging = S.PageQuery();
 
-/** Keyed by `METHOD /path` as the routers declare them. */
+/** Keyed by `METHOD /path` as the routers declare them; a tag names the route file (`api/routes/<tag>.ts`). */
 export const OPERATIONS: Record<string, Doc> = {
   'POST /client/config': { tag: 'service', summary: 'Feature flags for the SDK' },
   'POST /client/dynamic_config': { tag: 'service', summary: 'Refresh interval and runtime flags for the SDK' },
-  'POST /create_session': { tag: 'service', summary: 'Start a client session', body: S.CreateSessionBody },
-  'POST /session_heartbeat': { tag: 'service', summary: "Keep a session alive (410 once it has finished)", body: S.SessionHeartbeatBody },
+  'POST /create_session': { tag: 'sessions', summary: 'Start a client session', body: S.CreateSessionBody },
+  'POST /session_heartbeat': { tag: 'sessions', summary: "Keep a session alive (410 once it has finished)", body: S.SessionHeartbeatBody },
   'POST /telemetry': { tag: 'service', summary: 'Accepted and dropped' },
   'GET /get_server_capabilities': { tag: 'service', summary: 'Base models served by live agents, and whether each is trainable' },
   'GET /healthz': { tag: 'service', summary: 'ready (200) once agents serve the required models, else starting (503); no API key needed' },
-  'POST /create_model': { tag: 'training', summary: 'Create a LoRA training model on a base model', body: S.CreateModelBody, future: true },
-  'POST /get_info': { tag: 'training', summary: 'A training model: base model, LoRA rank, tokenizer id', body: S.ModelIdBody },
+  'POST /create_model': { tag: 'models', summary: 'Create a LoRA training model on a base model', body: S.CreateModelBody, future: true },
+  'POST /get_info': { tag: 'models', summary: 'A training model: base model, LoRA rank, tokenizer id', body: S.ModelIdBody },
   'POST /forward_backward': {
     tag: 'training',
     summary: 'Forward and backward pass over a batch (forward only when forward_only is set); ordered by seq_id per model',
@@ -42,7 +39,7 @@ export const OPERATIONS: Record<string, Doc> = {
     future: true,
   },
   'POST /save_weights_external': { tag: 'training', summary: 'Save the adapter as files for download (optionally age-encrypted)', body: S.SaveWeightsExternalBody, future: true },
-  'POST /unload_model': { tag: 'training', summary: "Free a model's weights on its agent", body: S.ModelIdBody, future: true },
+  'POST /unload_model': { tag: 'models', summary: "Free a model's weights on its agent", body: S.ModelIdBody, future: true },
   'POST /create_sampling_session': { tag: 'sampling', summary: 'A sampling session on a base model or a sampler version', body: S.CreateSamplingSessionBody },
   'POST /join_sampling_session': { tag: 'sampling', summary: 'Join an existing sampling session', body: S.JoinSamplingSessionBody },
   'GET /samplers/{id}': { tag: 'sampling', summary: 'A sampling session: base model and sampler version' },
@@ -52,26 +49,26 @@ export const OPERATIONS: Record<string, Doc> = {
     summary: "An operation's result; held open up to the long-poll window, then {type: try_again}",
     body: S.RetrieveFutureBody,
   },
-  'GET /training_runs': { tag: 'rest', summary: 'Training runs (models), newest first', query: Paging },
-  'GET /training_runs/{id}': { tag: 'rest', summary: 'One training run' },
-  'GET /training_runs/{id}/checkpoints': { tag: 'rest', summary: "A training run's checkpoints" },
-  'DELETE /training_runs/{id}/checkpoints/{kind}/{name}': { tag: 'rest', summary: 'Delete a checkpoint and its files' },
-  'POST /training_runs/{id}/checkpoints/{kind}/{name}/publish': { tag: 'rest', summary: 'Make a checkpoint public' },
-  'DELETE /training_runs/{id}/checkpoints/{kind}/{name}/publish': { tag: 'rest', summary: 'Make a checkpoint private again' },
-  'PUT /training_runs/{id}/checkpoints/{kind}/{name}/ttl': { tag: 'rest', summary: "Set or clear a checkpoint's time to live", body: S.CheckpointTtlBody },
-  'GET /training_runs/{id}/checkpoints/{kind}/{name}/external_weights_urls': { tag: 'rest', summary: 'Signed download URLs of external weights' },
-  'POST /copy_weights': { tag: 'rest', summary: 'Copy a checkpoint under a new training run', body: S.CopyWeightsBody },
-  'GET /checkpoints': { tag: 'rest', summary: 'Every listed checkpoint, newest first', query: Paging },
-  'POST /weights_info': { tag: 'rest', summary: 'Base model and LoRA settings of a tinker:// path', body: S.WeightsInfoBody },
-  'GET /sessions': { tag: 'rest', summary: 'Sessions, newest first', query: Paging },
-  'GET /sessions/{id}': { tag: 'rest', summary: 'One session: its training runs and samplers' },
-  'POST /sessions/{id}/finish': { tag: 'rest', summary: 'Mark a session finished', body: S.FinishSessionBody },
-  'POST /sessions/search': { tag: 'rest', summary: 'Find sessions by id or user metadata', body: S.SessionSearchBody },
-  'GET /sessions/{id}/trace_export': { tag: 'rest', summary: 'Trace export (empty here)' },
-  'GET /audit': { tag: 'rest', summary: 'Audit events (empty here)' },
-  'GET /billing/usage/events': { tag: 'rest', summary: 'Billing events (empty here)' },
-  'GET /billing/usage/checkpoints/current': { tag: 'rest', summary: 'Checkpoint storage in use' },
-  'PUT /sessions/{id}/project': { tag: 'rest', summary: "Set a session's project" },
+  'GET /training_runs': { tag: 'models', summary: 'Training runs (models), newest first', query: Paging },
+  'GET /training_runs/{id}': { tag: 'models', summary: 'One training run' },
+  'GET /training_runs/{id}/checkpoints': { tag: 'checkpoints', summary: "A training run's checkpoints" },
+  'DELETE /training_runs/{id}/checkpoints/{kind}/{name}': { tag: 'checkpoints', summary: 'Delete a checkpoint and its files' },
+  'POST /training_runs/{id}/checkpoints/{kind}/{name}/publish': { tag: 'checkpoints', summary: 'Make a checkpoint public' },
+  'DELETE /training_runs/{id}/checkpoints/{kind}/{name}/publish': { tag: 'checkpoints', summary: 'Make a checkpoint private again' },
+  'PUT /training_runs/{id}/checkpoints/{kind}/{name}/ttl': { tag: 'checkpoints', summary: "Set or clear a checkpoint's time to live", body: S.CheckpointTtlBody },
+  'GET /training_runs/{id}/checkpoints/{kind}/{name}/external_weights_urls': { tag: 'checkpoints', summary: 'Signed download URLs of external weights' },
+  'POST /copy_weights': { tag: 'checkpoints', summary: 'Copy a checkpoint under a new training run', body: S.CopyWeightsBody },
+  'GET /checkpoints': { tag: 'checkpoints', summary: 'Every listed checkpoint, newest first', query: S.PageQuery(100) },
+  'POST /weights_info': { tag: 'checkpoints', summary: 'Base model and LoRA settings of a tinker:// path', body: S.WeightsInfoBody },
+  'GET /sessions': { tag: 'sessions', summary: 'Sessions, newest first', query: Paging },
+  'GET /sessions/{id}': { tag: 'sessions', summary: 'One session: its training runs and samplers' },
+  'POST /sessions/{id}/finish': { tag: 'sessions', summary: 'Mark a session finished', body: S.FinishSessionBody },
+  'POST /sessions/search': { tag: 'sessions', summary: 'Find sessions by id or user metadata', body: S.SessionSearchBody },
+  'GET /sessions/{id}/trace_export': { tag: 'sessions', summary: 'Trace export (empty here)' },
+  'GET /audit': { tag: 'checkpoints', summary: 'Audit events (empty here)' },
+  'GET /billing/usage/events': { tag: 'service', summary: 'Billing events (empty here)' },
+  'GET /billing/usage/checkpoints/current': { tag: 'checkpoints', summary: 'Checkpoint storage in use' },
+  'PUT /sessions/{id}/project': { tag: 'sessions', summary: "Set a session's project" },
 };
 
 type Layer = { route?: { path: string | string[]; methods: Record<string, boolean> }; handle?: { stack?: Layer[] } };

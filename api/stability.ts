@@ -1,4 +1,4 @@
-import { BrokerError } from '../queues/errors.js';
+import { invalid } from '../queues/errors.js';
 import type { ModelRecord } from '../queues/registry.js';
 import type { Datum } from '../queues/schemas.js';
 import { useStabilityRecords, type StabilityRecord } from '../queues/stability.js';
@@ -12,8 +12,6 @@ import type { DatumProvenance, ProvenanceSpan } from './wire/proto.js';
  * target position, 0 elsewhere) and `stability_mask` (1 at those positions). Every refusal names
  * the datum and position.
  */
-
-const invalid = (m: string) => new BrokerError('INVALID_REQUEST', m);
 
 type Run = { span: ProvenanceSpan; rec: StabilityRecord };
 

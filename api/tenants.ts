@@ -1,4 +1,5 @@
 import type { Request } from 'express';
+import { checkpointMissing } from '../queues/checkpoints.js';
 import { BrokerError } from '../queues/errors.js';
 import type { CheckpointRecord, ModelRecord, SamplingSessionRecord } from '../queues/registry.js';
 import { tenantOf } from './auth.js';
@@ -19,8 +20,11 @@ function owns(req: Request, owner: string | null | undefined): boolean {
   return !!owner && owner === tenantOf(req);
 }
 
-export async function requireSession(ctx: ApiContext, req: Request, sessionId: string, hint = ''): Promise<void> {
-  if (!owns(req, await ctx.registry.sessionTenant(sessionId))) throw notFound(`unknown session '${sessionId}'${hint}`);
+/** The one answer for a session that does not exist, has expired or is another tenant's. */
+export const unknownSession = (sessionId: string) => notFound(`unknown session '${sessionId}': call create_session first`);
+
+export async function requireSession(ctx: ApiContext, req: Request, sessionId: string): Promise<void> {
+  if (!owns(req, await ctx.registry.sessionTenant(sessionId))) throw unknownSession(sessionId);
 }
 
 export async function requireModel(ctx: ApiContext, req: Request, modelId: string): Promise<ModelRecord> {
@@ -54,7 +58,7 @@ export async function requireCheckpoint(
 ): Promise<CheckpointRecord> {
   const c = await ctx.registry.getCheckpoint(tinkerPath);
   if (!c || !(owns(req, c.tenant) || (access === 'read' && c.public)))
-    throw notFound(`${what} ${tinkerPath} does not exist (never saved, deleted or expired)`);
+    throw checkpointMissing(tinkerPath, what);
   return c;
 }
 

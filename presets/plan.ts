@@ -1,6 +1,6 @@
 import { existsSync } from 'node:fs';
 import path from 'node:path';
-import type { AgentConfig, ApiConfig, BaseModelSpec } from '../queues/config.js';
+import { deviceGpus, ENGINES, loadAgentConfig, loadApiConfig, loadCommonConfig, type AgentConfig, type ApiConfig, type BaseModelSpec, type EnvDefaults } from '../queues/config.js';
 import type { Engine, ModelRole, Preset } from './schema.js';
 
 /**
@@ -29,7 +29,7 @@ export type PlanOptions = {
   apiOnly?: boolean;
   agentsOnly?: boolean;
   python: string;
-  /** Environment overrides (REDIS_URL, TB_PREFIX, TB_HOST, TB_PORT, TB_API_KEYS, TB_STORAGE_DIR, TB_LONG_POLL_MS; for a single agent TB_AGENT_ID, TB_ENGINE_DEVICE, TB_VLLM_URL). */
+  /** The environment: every variable of queues/config.ts overrides the preset (TB_AGENT_ID, TB_ENGINE_DEVICE, TB_VLLM_URL and TB_AGENT_MODELS only in a plan of one agent). */
   env?: NodeJS.ProcessEnv;
 };
 
@@ -43,35 +43,26 @@ function resolveModelPath(p: string, presetDir: string): string {
   return p;
 }
 
+/** Agent settings only a plan of exactly one agent takes from the environment. */
+const ONE_AGENT_ONLY = ['TB_AGENT_ID', 'TB_ENGINE_DEVICE', 'TB_VLLM_URL', 'TB_AGENT_MODELS'];
+
 export function planPreset(preset: Preset, presetDir: string, name: string, opts: PlanOptions): Plan {
   const env = opts.env ?? {};
   const node = opts.node ?? preset.api.node;
-  const prefix = env.TB_PREFIX ?? preset.redis.prefix;
-  const redisUrl = env.REDIS_URL ?? preset.redis.url;
-  const storageDir = path.resolve(env.TB_STORAGE_DIR ?? preset.storage.dir);
-  const retentionS = Math.round(preset.storage.retention_hours * 3600);
+  // The preset's values come in as the variables that override them (queues/config.ts parses both).
+  const presetEnv: EnvDefaults = {
+    REDIS_URL: preset.redis.url,
+    TB_PREFIX: preset.redis.prefix,
+    TB_STORAGE_DIR: preset.storage.dir,
+    TB_FUTURE_RETENTION_S: String(Math.round(preset.storage.retention_hours * 3600)),
+  };
+  const { redisUrl, prefix, storageDir, retentionS } = loadCommonConfig(env, presetEnv);
   const models = preset.models.map((m) => ({ ...m, path: resolveModelPath(m.path, presetDir) }));
   const byName = new Map(models.map((m) => [m.name, m]));
 
-  const api: ApiConfig | null =
-    opts.agentsOnly || preset.api.node !== node
-      ? null
-      : {
-          redisUrl,
-          prefix,
-          storageDir,
-          retentionS,
-          host: env.TB_HOST ?? preset.api.host,
-          port: env.TB_PORT !== undefined ? Number(env.TB_PORT) : preset.api.port,
-          apiKeys: env.TB_API_KEYS ? env.TB_API_KEYS.split(',').map((k) => k.trim()).filter(Boolean) : preset.api.keys,
-          longPollMs: env.TB_LONG_POLL_MS ? Number(env.TB_LONG_POLL_MS) : 25_000,
-          requiredModels: preset.models.map((m) => m.name),
-          maxQueuedSamples: 2000,
-          adminKeys: env.TB_ADMIN_KEYS ? env.TB_ADMIN_KEYS.split(',').map((k) => k.trim()).filter(Boolean) : undefined,
-        };
-
   const chosen = preset.agents.filter((a) => (opts.agentIds?.length ? opts.agentIds.includes(a.id) : a.node === node));
   if (opts.agentIds) for (const id of opts.agentIds) if (!preset.agents.some((a) => a.id === id)) throw new Error(`preset ${name} has no agent '${id}'`);
+  const agentEnv = chosen.length === 1 ? env : Object.fromEntries(Object.entries(env).filter(([k]) => !ONE_AGENT_ONLY.includes(k)));
   const agents = opts.apiOnly
     ? []
     : chosen.map((a) => {
@@ -80,7 +71,7 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
         for (const n of a.models) {
           const m = byName.get(n)!;
           const e = byPath.get(m.path) ?? {
-            name: path.isAbsolute(m.path) ? m.path : m.path,
+            name: m.path,
             path: m.path,
             aliases: [],
             trainable: false,
@@ -88,6 +79,7 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
             topkMax: m.topk_max,
             dtype: m.dtype,
             tensorParallel: m.parallelism.tensor,
+            ...(m.parallelism.expert > 1 ? { expertParallel: true } : {}),
             ...(m.engine === 'verl' ? { strategy: m.parallelism.strategy, offload: m.offload } : {}),
             roles: [],
           };
@@ -100,26 +92,34 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
           byPath.set(m.path, e);
         }
         const specs = [...byPath.values()];
-        return {
-          redisUrl,
-          prefix,
-          storageDir,
-          retentionS,
-          agentId: chosen.length === 1 && env.TB_AGENT_ID ? env.TB_AGENT_ID : a.id,
+        // The engine of the agent's models (the schema allows one engine per agent): the agent picks its adapter by it.
+        const engine = byName.get(a.models[0]!)!.engine;
+        const config = loadAgentConfig(agentEnv, {
+          defaults: {
+            ...presetEnv,
+            TB_AGENT_ID: a.id,
+            TB_ENGINE_DEVICE: a.device,
+            TB_SAMPLE_CONCURRENCY: String(a.sample_concurrency),
+            TB_ENGINE: engine,
+            TB_PYTHON: opts.python,
+          },
           models: specs.map(({ roles: _roles, ...s }) => s),
-          python: opts.python,
-          // In a container that sees only its own GPU, TB_ENGINE_DEVICE=cuda replaces the host numbering.
-          engineDevice: chosen.length === 1 && env.TB_ENGINE_DEVICE ? env.TB_ENGINE_DEVICE : a.device,
-          sampleConcurrency: a.sample_concurrency,
-          engineRestart: true,
-          // The engine of the agent's models (the schema allows one engine per agent): the agent picks its adapter by it.
-          engine: byName.get(a.models[0]!)!.engine,
-          // A single vLLM agent may attach to running servers instead of starting its own.
-          vllmUrls: chosen.length === 1 && env.TB_VLLM_URL ? env.TB_VLLM_URL.split(',').map((u) => u.trim()).filter(Boolean) : undefined,
-          device: a.device,
-          roles: Object.fromEntries(specs.map((s) => [s.aliases.join('|'), s.roles])),
-        };
+        });
+        return { ...config, engine, device: a.device, roles: Object.fromEntries(specs.map((s) => [s.aliases.join('|'), s.roles])) };
       });
+
+  // The API waits for the preset's models, or for those a one-agent plan serves instead (TB_AGENT_MODELS).
+  const served = env.TB_AGENT_MODELS && agents.length === 1 ? agents[0]!.models.map((m) => m.aliases[0] ?? m.name) : preset.models.map((m) => m.name);
+  const api: ApiConfig | null =
+    opts.agentsOnly || preset.api.node !== node
+      ? null
+      : loadApiConfig(env, {
+          ...presetEnv,
+          TB_HOST: preset.api.host,
+          TB_PORT: String(preset.api.port),
+          TB_API_KEYS: preset.api.keys.join(','),
+          TB_REQUIRED_MODELS: served.join(','),
+        });
 
   return {
     preset: name,
@@ -158,10 +158,10 @@ export function planProblems(p: Plan, generated: (modelPath: string) => boolean 
     const device = a.engineDevice ?? a.device;
     if (a.engine === 'verl' && deviceGpus(device).length === 0)
       out.push(`agent ${a.agentId}: engine 'verl' runs on GPUs; its device is '${device}' (use cuda, cuda:N or cuda:N,M,…)`);
-    if (a.engine === 'vllm') {
+    if (!ENGINES[a.engine].trains) {
       const trainable = a.models.filter((m) => m.trainable);
       if (trainable.length)
-        out.push(`agent ${a.agentId}: engine 'vllm' samples only, but model ${trainable.map((m) => m.aliases.join('|') || m.name).join(', ')} has role actor; train it on a torch agent`);
+        out.push(`agent ${a.agentId}: engine '${a.engine}' samples only, but model ${trainable.map((m) => m.aliases.join('|') || m.name).join(', ')} has role actor; train it on a torch agent`);
     }
     for (const m of a.models)
       if (!generated(m.path) && !existsSync(path.join(m.path, 'config.json')))
@@ -170,11 +170,6 @@ export function planProblems(p: Plan, generated: (modelPath: string) => boolean 
   return out;
 }
 
-/** GPUs named by a device string: `cuda` is GPU 0, `cuda:0,1` two GPUs, `cpu` none. */
-export function deviceGpus(device: string): number[] {
-  const m = /^cuda(?::([\d,]+))?$/.exec(device);
-  return m ? (m[1] ?? '0').split(',').map(Number) : [];
-}
 
 function pad(rows: string[][]): string {
   const widths = rows[0]!.map((_, i) => Math.max(...rows.map((r) => (r[i] ?? '').length)));

@@ -2,6 +2,7 @@ import { readFileSync } from 'node:fs';
 import path from 'node:path';
 import YAML from 'yaml';
 import { z } from 'zod';
+import { deviceGpus, ENGINE_KINDS } from '../queues/config.js';
 
 /**
  * Launch presets: one YAML file describes a whole setup (models and their roles, engines, the
@@ -12,7 +13,7 @@ import { z } from 'zod';
 export const ModelRole = z.enum(['actor', 'rollout', 'reference', 'teacher']);
 export type ModelRole = z.infer<typeof ModelRole>;
 
-export const Engine = z.enum(['torch', 'vllm', 'verl']);
+export const Engine = z.enum(ENGINE_KINDS);
 export type Engine = z.infer<typeof Engine>;
 
 const Device = z
@@ -28,23 +29,27 @@ export const ModelSpec = z
     role: ModelRole,
     /** @defaultValue `torch` */
     engine: Engine.default('torch'),
-    /** How the engine splits the model over the agent's GPUs. */
+    /** How the engine splits the model over the agent's GPUs; each field applies to one engine, and is refused on the others (`parallelismProblems`). */
     parallelism: z
       .object({
+        /** vllm: GPUs one model is split over (`--tensor-parallel-size`). @defaultValue 1 */
         tensor: z.number().int().positive().default(1),
+        /** Not available in this version: only 1 is accepted. @defaultValue 1 */
         pipeline: z.number().int().positive().default(1),
-        data: z.number().int().positive().default(1),
+        /** verl: the GPUs FSDP shards the model over, which are those of its agent's device (when given, it must equal their count). */
+        data: z.number().int().positive().optional(),
+        /** vllm: 1 (off), or the tensor size to run the experts expert-parallel over those GPUs (`--enable-expert-parallel`). @defaultValue 1 */
         expert: z.number().int().positive().default(1),
-        /** Training strategy of the verl engine. */
-        strategy: z.enum(['fsdp', 'fsdp2', 'megatron', 'veomni']).optional(),
+        /** verl: the training strategy. @defaultValue `fsdp2` */
+        strategy: z.enum(['fsdp', 'fsdp2'], { error: 'verl strategies available in this version: fsdp2, fsdp (megatron and veomni are not)' }).optional(),
       })
       .strict()
-      .default({ tensor: 1, pipeline: 1, data: 1, expert: 1 }),
+      .default({ tensor: 1, pipeline: 1, expert: 1 }),
     /** Largest LoRA rank a client may ask for (actors). @defaultValue 64 */
     lora_max_rank: z.number().int().positive().default(64),
     /** Largest K of top-K prompt logprobs (teachers, reference). @defaultValue 20 */
     topk_max: z.number().int().positive().default(20),
-    /** Keep idle weights in CPU memory. @defaultValue false */
+    /** verl: parameters and optimizer state in CPU memory between steps (verl's param and optimizer offload). @defaultValue false */
     offload: z.boolean().default(false),
     /** Weight dtype on the device. @defaultValue engine's choice (float32 on CPU, bfloat16 on GPU) */
     dtype: z.enum(['float32', 'bfloat16', 'float16']).optional(),
@@ -61,7 +66,7 @@ export const AgentSpec = z
     device: Device.default('cpu'),
     /** Names of the models (above) this agent serves. */
     models: z.array(z.string()).min(1),
-    /** Sample jobs this agent runs at once. @defaultValue 8 */
+    /** Sample jobs this agent runs at once. @defaultValue 64 */
     sample_concurrency: z.number().int().positive().default(64),
   })
   .strict();
@@ -135,9 +140,36 @@ export const Preset = z
     });
     p.models.forEach((m, i) => {
       if (!served.has(m.name)) ctx.addIssue({ code: 'custom', path: ['models', i, 'name'], message: `model '${m.name}' is served by no agent` });
+      const gpus = p.agents.filter((a) => a.models.includes(m.name)).map((a) => ({ id: a.id, device: a.device, n: deviceGpus(a.device).length }));
+      for (const [field, message] of parallelismProblems(m, gpus)) ctx.addIssue({ code: 'custom', path: ['models', i, ...field], message });
     });
   });
 export type Preset = z.infer<typeof Preset>;
+
+/**
+ * The fields of a model that only some engines use, refused where they would be ignored:
+ * `parallelism.tensor` and `.expert` (vllm), `.data`, `.strategy` and `offload` (verl),
+ * `.pipeline` (none). `agents`: the GPUs of each agent serving the model.
+ */
+function parallelismProblems(m: ModelSpec, agents: { id: string; device: string; n: number }[]): [(string | number)[], string][] {
+  const out: [(string | number)[], string][] = [];
+  const par = m.parallelism;
+  const engine = `engine '${m.engine}'`;
+  if (par.pipeline !== 1) out.push([['parallelism', 'pipeline'], 'pipeline parallelism is not available in this version (vllm splits a model with tensor, verl with data)']);
+  if (m.engine !== 'vllm') {
+    if (par.tensor !== 1) out.push([['parallelism', 'tensor'], `tensor parallelism applies to engine 'vllm'; ${engine} ${m.engine === 'verl' ? "shards the model over its agent's GPUs with FSDP" : 'runs a model on one device'}`]);
+    if (par.expert !== 1) out.push([['parallelism', 'expert'], `expert parallelism applies to engine 'vllm', not ${engine}`]);
+  } else if (par.expert !== 1 && par.expert !== par.tensor)
+    out.push([['parallelism', 'expert'], `vLLM runs the experts over the tensor-parallel GPUs: expert is 1 (off) or equal to tensor (${par.tensor}), got ${par.expert}`]);
+  if (m.engine !== 'verl') {
+    if (par.data !== undefined && par.data !== 1) out.push([['parallelism', 'data'], `data parallelism applies to engine 'verl', not ${engine}`]);
+    if (par.strategy !== undefined) out.push([['parallelism', 'strategy'], `strategy applies to engine 'verl', not ${engine}`]);
+    if (m.offload) out.push([['offload'], `offload applies to engine 'verl', not ${engine}`]);
+  } else if (par.data !== undefined)
+    for (const a of agents.filter((x) => x.n > 0 && x.n !== par.data))
+      out.push([['parallelism', 'data'], `data ${par.data}, but agent '${a.id}' runs this model on ${a.n} GPU(s) (${a.device}): verl shards it over every GPU of its agent`]);
+  return out;
+}
 
 export class PresetError extends Error {
   override readonly name = 'PresetError';

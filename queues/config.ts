@@ -4,9 +4,33 @@ import path from 'node:path';
 import { z } from 'zod';
 
 /**
- * Process configuration, parsed once at start from the environment (and, from the start
- * command, from a preset). Invalid values stop the process with a message naming the variable.
+ * Process configuration, parsed once at start: the environment, over a preset's values when the
+ * start command resolved one (presets/plan.ts hands them in as defaults the environment
+ * overrides), through the schemas below into one typed object per process role. Invalid values
+ * stop the process with a message naming the variable.
  */
+
+/**
+ * The engines an agent can drive and what each does: the one list (presets, the agent's adapter
+ * choice, sample routing and `start`'s checks read it).
+ */
+export const ENGINES = {
+  /** transformers + PEFT: trains and samples, on the CPU or one GPU (workers/adapters/torch.ts). */
+  torch: { trains: true, samples: true },
+  /** vLLM's OpenAI-compatible server: samples only, with the sampler versions as LoRA adapters (workers/adapters/vllm/). */
+  vllm: { trains: false, samples: true },
+  /** verl's FSDP engine over the agent's GPUs: trains only (workers/adapters/verl.ts). */
+  verl: { trains: true, samples: false },
+} as const satisfies Record<string, { trains: boolean; samples: boolean }>;
+
+export type EngineKind = keyof typeof ENGINES;
+
+/** GPUs named by a device string: `cuda` is GPU 0, `cuda:0,1` two GPUs, `cpu` (or anything else) none. */
+export function deviceGpus(device: string | undefined): number[] {
+  const m = /^cuda(?::(\d+(?:,\d+)*))?$/.exec(device ?? '');
+  return m ? (m[1] ?? '0').split(',').map(Number) : [];
+}
+export const ENGINE_KINDS = Object.keys(ENGINES) as [EngineKind, ...EngineKind[]];
 const csv = z
   .string()
   .transform((s) => s.split(',').map((x) => x.trim()).filter(Boolean));
@@ -52,8 +76,8 @@ const ApiEnv = CommonEnv.extend({
 const AgentEnv = CommonEnv.extend({
   /** This agent's id in the registry and in its queue name. @defaultValue `<hostname>-<pid>` */
   TB_AGENT_ID: z.string().regex(/^[a-zA-Z0-9_.-]+$/).optional(),
-  /** Base models this agent serves: `path[=alias]`, comma separated. */
-  TB_AGENT_MODELS: csv.pipe(z.array(z.string()).min(1, 'name at least one base model directory')),
+  /** Base models this agent serves: `path[=alias]`, comma separated (required without a preset). */
+  TB_AGENT_MODELS: csv.pipe(z.array(z.string()).min(1, 'name at least one base model directory')).optional(),
   /** Python interpreter of the engine. @defaultValue `.venv/bin/python` when it exists, else `python3` */
   TB_PYTHON: z.string().optional(),
   /** Device for the engine (`cpu`, `cuda`, `cuda:1`); empty lets the engine choose. */
@@ -66,10 +90,18 @@ const AgentEnv = CommonEnv.extend({
   TB_SAMPLE_BATCH_TOKENS: z.coerce.number().int().positive().default(131072),
   /** Restart the engine process when it dies. @defaultValue true */
   TB_ENGINE_RESTART: bool.default(true),
-  /** Engine of the models served: `torch` (trains and samples) or `vllm` (samples only). @defaultValue `torch` */
-  TB_ENGINE: z.enum(['torch', 'vllm']).default('torch'),
+  /** Engine of the models served (`ENGINES`). @defaultValue `torch` */
+  TB_ENGINE: z.enum(ENGINE_KINDS).default('torch'),
   /** vLLM engine: attach to running OpenAI-compatible servers (one URL per model, comma separated) instead of starting `vllm serve`. */
   TB_VLLM_URL: csv.optional(),
+  /** vLLM engine: the `vllm` executable. @defaultValue `.venv-vllm/bin/vllm` when it exists, else `vllm` */
+  TB_VLLM_BIN: z.string().optional(),
+  /** vLLM engine: sampler versions kept loaded per base model. @defaultValue 8 */
+  TB_VLLM_MAX_ADAPTERS: z.coerce.number().int().positive().default(8),
+  /** vLLM engine: seconds a server may take to become healthy. @defaultValue 1200 */
+  TB_VLLM_START_TIMEOUT_S: z.coerce.number().positive().default(1200),
+  /** vLLM engine: appended to the `vllm serve` command line, space separated (e.g. `--max-model-len 8192`). */
+  TB_VLLM_EXTRA_ARGS: z.string().default('').transform((s) => s.split(/\s+/).filter(Boolean)),
   // Reliability (docs/reliability.md).
   /** Seconds without a heartbeat after which the agent counts as dead: its futures fail (OUTCOME_UNKNOWN), its models are unavailable. @defaultValue 30 */
   TB_AGENT_TIMEOUT_S: z.coerce.number().positive().default(30),
@@ -80,6 +112,19 @@ const AgentEnv = CommonEnv.extend({
   /** How long a drained agent's saved models wait for its restart, in seconds; meanwhile its futures stay pending. @defaultValue 3600 */
   TB_DRAIN_KEEP_S: z.coerce.number().int().positive().default(3_600),
 });
+
+/** What `tinker-broker start` itself reads. */
+const LauncherEnv = z.object({
+  /** When set, how long a stop waits for the agents' drain before exiting, in seconds. */
+  TB_STOP_GRACE_S: z.coerce.number().positive().optional(),
+  /** Data directory of a Redis that `start` starts itself. @defaultValue `var/redis` */
+  TB_REDIS_DIR: z.string().default('var/redis'),
+});
+
+/** Variables a preset's values come in as (presets/plan.ts); the environment overrides each. */
+export type EnvDefaults = Partial<Record<keyof z.input<typeof ApiEnv> | keyof z.input<typeof AgentEnv>, string>>;
+
+export type CommonConfig = { redisUrl: string; prefix: string; storageDir: string; retentionS: number };
 
 export type ApiConfig = {
   redisUrl: string;
@@ -120,6 +165,8 @@ export type BaseModelSpec = {
   dtype?: string | undefined;
   /** GPUs the engine splits the model over (the preset's `parallelism.tensor`; vLLM `--tensor-parallel-size`). @defaultValue 1 */
   tensorParallel?: number | undefined;
+  /** vLLM engine: expert parallelism over the tensor-parallel GPUs (the preset's `parallelism.expert` > 1; `--enable-expert-parallel`). */
+  expertParallel?: boolean | undefined;
   /** verl engine: the preset's `parallelism.strategy` (fsdp2 when unset). */
   strategy?: string | undefined;
   /** verl engine: the preset's `offload` (parameters and optimizer state in CPU memory between steps). */
@@ -127,9 +174,6 @@ export type BaseModelSpec = {
 };
 
 export const MODEL_DEFAULTS = { trainable: true, loraMaxRank: 64, topkMax: 20 } as const;
-
-/** The engine an agent drives: `torch` (workers/adapters/torch.ts), `vllm` (workers/adapters/vllm.ts, sampling only), `verl` (workers/adapters/verl.ts, training only, GPUs). */
-export type EngineKind = 'torch' | 'vllm' | 'verl';
 
 export type AgentConfig = {
   redisUrl: string;
@@ -150,6 +194,8 @@ export type AgentConfig = {
   engine?: EngineKind | undefined;
   /** vLLM engine: URLs of running servers to attach to, one per model in `models` order (none: the agent starts `vllm serve`). */
   vllmUrls?: string[] | undefined;
+  /** vLLM engine: how it starts `vllm serve` (TB_VLLM_BIN, TB_VLLM_MAX_ADAPTERS, TB_VLLM_START_TIMEOUT_S, TB_VLLM_EXTRA_ARGS). */
+  vllm?: { bin?: string | undefined; maxAdapters: number; startTimeoutMs: number; extraArgs: string[] } | undefined;
   /** Liveness timeout in seconds. @defaultValue 30 */
   agentTimeoutS?: number | undefined;
   /** Engine time limit per op kind, in seconds (defaults: `DEFAULT_OP_TIMEOUTS_S`). */
@@ -194,13 +240,30 @@ function parseEnv<S extends z.ZodType>(schema: S, env: NodeJS.ProcessEnv): z.out
   return res.data;
 }
 
-export function loadApiConfig(env: NodeJS.ProcessEnv = process.env): ApiConfig {
-  const e = parseEnv(ApiEnv, env);
+/** The environment over a preset's values: an unset (or empty) variable leaves the preset's. */
+function over(defaults: EnvDefaults, env: NodeJS.ProcessEnv): NodeJS.ProcessEnv {
+  const set = Object.entries(env).filter(([, v]) => v !== undefined && v !== '');
+  return { ...defaults, ...Object.fromEntries(set) };
+}
+
+function common(e: z.output<typeof CommonEnv>): CommonConfig {
+  return { redisUrl: e.REDIS_URL, prefix: e.TB_PREFIX, storageDir: path.resolve(e.TB_STORAGE_DIR), retentionS: e.TB_FUTURE_RETENTION_S };
+}
+
+/** Where a deployment's Redis and storage are (tools that only read its state: drain, inspect). */
+export function loadCommonConfig(env: NodeJS.ProcessEnv = process.env, defaults: EnvDefaults = {}): CommonConfig {
+  return common(parseEnv(CommonEnv, over(defaults, env)));
+}
+
+export function loadLauncherConfig(env: NodeJS.ProcessEnv = process.env): { stopGraceS: number | undefined; redisDir: string } {
+  const e = parseEnv(LauncherEnv, env);
+  return { stopGraceS: e.TB_STOP_GRACE_S, redisDir: e.TB_REDIS_DIR };
+}
+
+export function loadApiConfig(env: NodeJS.ProcessEnv = process.env, defaults: EnvDefaults = {}): ApiConfig {
+  const e = parseEnv(ApiEnv, over(defaults, env));
   return {
-    redisUrl: e.REDIS_URL,
-    prefix: e.TB_PREFIX,
-    storageDir: path.resolve(e.TB_STORAGE_DIR),
-    retentionS: e.TB_FUTURE_RETENTION_S,
+    ...common(e),
     host: e.TB_HOST,
     port: e.TB_PORT,
     apiKeys: e.TB_API_KEYS,
@@ -222,16 +285,20 @@ export function parseModelSpec(spec: string): BaseModelSpec {
   return { name: abs, path: abs, aliases: aliases.filter(Boolean), ...MODEL_DEFAULTS };
 }
 
-export function loadAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentConfig {
-  const e = parseEnv(AgentEnv, env);
+/**
+ * An agent's configuration. Its models: `TB_AGENT_MODELS` when set (frozen on an engine that does not
+ * train), else the preset's `models`; one of the two is required.
+ */
+export function loadAgentConfig(env: NodeJS.ProcessEnv = process.env, preset?: { defaults: EnvDefaults; models: BaseModelSpec[] }): AgentConfig {
+  const e = parseEnv(AgentEnv, over(preset?.defaults ?? {}, env));
+  const fromEnv = e.TB_AGENT_MODELS?.map((s) => ({ ...parseModelSpec(s), ...(ENGINES[e.TB_ENGINE].trains ? {} : { trainable: false }) }));
+  const models = fromEnv ?? preset?.models;
+  if (!models) throw new Error('invalid configuration:\n  TB_AGENT_MODELS: name at least one base model directory');
   const venvPython = path.resolve('.venv/bin/python');
   return {
-    redisUrl: e.REDIS_URL,
-    prefix: e.TB_PREFIX,
-    storageDir: path.resolve(e.TB_STORAGE_DIR),
-    retentionS: e.TB_FUTURE_RETENTION_S,
+    ...common(e),
     agentId: e.TB_AGENT_ID ?? `${os.hostname()}-${process.pid}`.replace(/[^a-zA-Z0-9_.-]/g, '-'),
-    models: e.TB_AGENT_MODELS.map(parseModelSpec),
+    models,
     python: e.TB_PYTHON ?? (existsSync(venvPython) ? venvPython : 'python3'),
     engineDevice: e.TB_ENGINE_DEVICE || undefined,
     sampleConcurrency: e.TB_SAMPLE_CONCURRENCY,
@@ -240,6 +307,7 @@ export function loadAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentConf
     engineRestart: e.TB_ENGINE_RESTART,
     engine: e.TB_ENGINE,
     vllmUrls: e.TB_VLLM_URL?.length ? e.TB_VLLM_URL : undefined,
+    vllm: { bin: e.TB_VLLM_BIN, maxAdapters: e.TB_VLLM_MAX_ADAPTERS, startTimeoutMs: e.TB_VLLM_START_TIMEOUT_S * 1000, extraArgs: e.TB_VLLM_EXTRA_ARGS },
     agentTimeoutS: e.TB_AGENT_TIMEOUT_S,
     opTimeoutsS: parseOpTimeouts(e.TB_OP_TIMEOUTS),
     jobLockMs: e.TB_JOB_LOCK_MS,

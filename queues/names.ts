@@ -105,3 +105,13 @@ export const jobIds = {
   loadOnCreate: (modelId: string) => `l-${shortHash(modelId)}`,
   sample: (samplingSessionId: string, seqId: number) => `s-${shortHash(samplingSessionId)}-${seqId}`,
 };
+
+/**
+ * The ids the API hands out for what a session creates: its training models (`model_id`,
+ * `<session_id>:train:<model_seq_id>`) and sampling sessions (`<session_id>:sample:<seq_id>`).
+ * Deterministic, so a retried create names the same resource.
+ */
+export const resourceIds = {
+  model: (sessionId: string, modelSeqId: number) => `${sessionId}:train:${modelSeqId}`,
+  samplingSession: (sessionId: string, samplingSessionSeqId: number) => `${sessionId}:sample:${samplingSessionSeqId}`,
+};

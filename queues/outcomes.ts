@@ -1,6 +1,5 @@
 import type { Redis } from 'ioredis';
 import { z } from 'zod';
-import type { ErrorCategory } from './errors.js';
 import type { Names } from './names.js';
 import { runScript } from './scripts.js';
 
@@ -88,5 +87,3 @@ export class Outcomes {
     return this.finish(jobId, '', { state: 'failed', op, agent_id: agentId, category: 'unknown', code: 'OUTCOME_UNKNOWN', message });
   }
 }
-
-export type FailedOutcome = { category: ErrorCategory; code?: string | undefined; message: string };

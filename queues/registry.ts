@@ -1,5 +1,6 @@
 import type { Redis } from 'ioredis';
 import { z } from 'zod';
+import { ENGINE_KINDS, ENGINES } from './config.js';
 import { BrokerError } from './errors.js';
 import { LoraConfig } from './schemas.js';
 import type { Names } from './names.js';
@@ -113,9 +114,9 @@ export type FailedFuture = z.infer<typeof FailedFuture>;
  * that shares a sample queue with rollout agents sets the pace of everyone's requests. Engines not
  * listed come after these.
  */
-export const SAMPLE_ENGINE_ORDER: readonly string[] = ['vllm', 'torch'];
-/** Engines that train only: their agents consume no sample queue (workers/adapters/verl.ts). */
-export const TRAIN_ONLY_ENGINES: readonly string[] = ['verl'];
+const SAMPLE_ENGINE_ORDER: readonly string[] = ['vllm', 'torch'];
+/** Engines that do not sample: their agents consume no sample queue. */
+const TRAIN_ONLY_ENGINES: readonly string[] = ENGINE_KINDS.filter((e) => !ENGINES[e].samples);
 
 /**
  * Where a sample job of `baseModel` goes: the fastest engine kind among the live `agents` serving it
@@ -225,11 +226,6 @@ export class Registry {
   }
   async getModel(modelId: string): Promise<ModelRecord | null> {
     return this.getJson(this.names.model(modelId), ModelRecord);
-  }
-  async requireModel(modelId: string): Promise<ModelRecord> {
-    const m = await this.getModel(modelId);
-    if (!m) throw new BrokerError('NOT_FOUND', `unknown model_id '${modelId}': create it with create_model first`);
-    return m;
   }
   async markModelLost(modelId: string, reason: string): Promise<void> {
     const m = await this.getModel(modelId);
@@ -341,8 +337,16 @@ export class Registry {
   }
   /** A model's listed checkpoints, newest first. */
   async listModelCheckpoints(modelId: string): Promise<CheckpointRecord[]> {
-    const paths = await this.redis.zrevrange(this.modelCkpts(modelId), 0, -1);
-    return (await this.loadCheckpoints(paths)).filter((c) => !c.ephemeral);
+    return (await this.checkpointsOfModels([modelId]))[0]!;
+  }
+  /** The listed checkpoints of each model, newest first, in two round trips however many models. */
+  async checkpointsOfModels(modelIds: string[]): Promise<CheckpointRecord[][]> {
+    if (modelIds.length === 0) return [];
+    const p = this.redis.pipeline();
+    for (const id of modelIds) p.zrevrange(this.modelCkpts(id), 0, -1);
+    const paths = ((await p.exec()) ?? []).map(([err, v]) => (err ? [] : (v as string[])));
+    const byPath = new Map((await this.loadCheckpoints(paths.flat())).map((c) => [c.tinker_path, c]));
+    return paths.map((ps) => ps.flatMap((x) => byPath.get(x) ?? []).filter((c) => !c.ephemeral));
   }
   /** Every listed checkpoint of one tenant, newest first, one page. */
   async listAllCheckpoints(tenant: string, offset: number, limit: number): Promise<{ checkpoints: CheckpointRecord[]; total: number }> {
@@ -392,7 +396,8 @@ export class Registry {
   async listModels(tenant: string, offset: number, limit: number): Promise<{ models: ModelRecord[]; total: number }> {
     const key = this.names.tenantIndex(tenant, 'models');
     const [ids, total] = await Promise.all([this.redis.zrevrange(key, offset, offset + limit - 1), this.redis.zcard(key)]);
-    const models = (await Promise.all(ids.map((id) => this.getModel(id)))).filter((m): m is ModelRecord => m !== null);
+    const raws = ids.length ? await this.redis.mget(ids.map((id) => this.names.model(id))) : [];
+    const models = raws.flatMap((raw) => (raw === null ? [] : [ModelRecord.parse(JSON.parse(raw))]));
     return { models, total };
   }
   async indexSampler(sessionId: string, samplerId: string): Promise<void> {
@@ -417,12 +422,29 @@ export class Registry {
   async sessionFinished(sessionId: string): Promise<boolean> {
     return (await this.redis.exists(`${this.names.session(sessionId)}:finish`)) === 1;
   }
-  async sessionFinish(sessionId: string): Promise<Record<string, unknown> | null> {
-    const raw = await this.redis.get(`${this.names.session(sessionId)}:finish`);
-    return raw === null ? null : JSON.parse(raw);
-  }
   async sessionInfo(sessionId: string): Promise<Record<string, unknown> | null> {
-    const raw = await this.redis.get(this.names.session(sessionId));
-    return raw === null ? null : JSON.parse(raw);
+    return (await this.sessionInfos([sessionId]))[0] ?? null;
+  }
+  /** Session records by id (null where gone), in one round trip. */
+  async sessionInfos(sessionIds: string[]): Promise<(Record<string, unknown> | null)[]> {
+    return this.mgetJson(sessionIds.map((id) => this.names.session(id)));
+  }
+  /** Finish records by session id (null where the session has not finished), in one round trip. */
+  async sessionFinishes(sessionIds: string[]): Promise<(Record<string, unknown> | null)[]> {
+    return this.mgetJson(sessionIds.map((id) => `${this.names.session(id)}:finish`));
+  }
+  /** How many listed checkpoints the training runs of each session hold, in three round trips. */
+  async sessionCheckpointCounts(sessionIds: string[]): Promise<number[]> {
+    if (sessionIds.length === 0) return [];
+    const p = this.redis.pipeline();
+    for (const id of sessionIds) p.smembers(`${this.names.session(id)}:models`);
+    const models = ((await p.exec()) ?? []).map(([err, v]) => (err ? [] : (v as string[])));
+    const ckpts = await this.checkpointsOfModels(models.flat());
+    let at = 0;
+    return models.map((ms) => ms.reduce((n) => n + ckpts[at++]!.length, 0));
+  }
+  private async mgetJson(keys: string[]): Promise<(Record<string, unknown> | null)[]> {
+    if (keys.length === 0) return [];
+    return (await this.redis.mget(keys)).map((raw) => (raw === null ? null : JSON.parse(raw)));
   }
 }

@@ -1,12 +1,14 @@
 import { Job, Queue } from 'bullmq';
 import { Redis } from 'ioredis';
-import { decodeJobFailure } from '../queues/errors.js';
+import { decodeJobFailure, recordedFailure, type Failure } from '../queues/errors.js';
 import { decodeRequestId } from '../queues/futures.js';
 import { queueCounts } from '../queues/inspect.js';
 import { readAgentStats, readMetrics } from '../queues/metrics.js';
 import { Names } from '../queues/names.js';
 import { Outcomes } from '../queues/outcomes.js';
 import { Registry, type ModelRecord } from '../queues/registry.js';
+import type { ApiConfig } from '../queues/config.js';
+import { planPreset } from '../presets/plan.js';
 import { loadPreset } from '../presets/schema.js';
 import { table, UsageError, type CommandTable, type OptionSpec, type Parsed } from './cli.js';
 
@@ -28,11 +30,17 @@ TB_HOST and TB_PORT its api.host and api.port.`;
 type Target = { redisUrl: string; prefix: string; apiUrl: string; redis: Redis; names: Names; registry: Registry };
 
 async function connectTarget(p: Parsed): Promise<Target> {
-  const { preset } = loadPreset(p.values.preset as string);
-  const redisUrl = process.env.REDIS_URL ?? preset.redis.url;
-  const prefix = process.env.TB_PREFIX ?? preset.redis.prefix;
-  const host = process.env.TB_HOST ?? preset.api.host;
-  const apiUrl = `http://${host === '0.0.0.0' ? '127.0.0.1' : host}:${process.env.TB_PORT ?? preset.api.port}`;
+  const file = p.values.preset as string;
+  const { preset, dir } = loadPreset(file);
+  let api: ApiConfig;
+  try {
+    // The preset under the environment, parsed as `start` parses it (queues/config.ts).
+    api = planPreset(preset, dir, file, { apiOnly: true, python: '', env: process.env }).api!;
+  } catch (e) {
+    throw new UsageError((e as Error).message);
+  }
+  const { redisUrl, prefix, host, port } = api;
+  const apiUrl = `http://${host === '0.0.0.0' ? '127.0.0.1' : host}:${port}`;
   const redis = new Redis(redisUrl, { lazyConnect: true, maxRetriesPerRequest: 1, retryStrategy: () => null, connectTimeout: 2000 });
   redis.on('error', () => undefined);
   try {
@@ -44,6 +52,9 @@ async function connectTarget(p: Parsed): Promise<Target> {
   const names = new Names(prefix);
   return { redisUrl, prefix, apiUrl, redis, names, registry: new Registry(redis, names) };
 }
+
+/** A failure as `inspect future` prints it. */
+const errorFields = (f: Failure) => ({ code: f.code, category: f.category, error: f.message });
 
 async function withTarget(p: Parsed, fn: (t: Target) => Promise<void>): Promise<void> {
   const t = await connectTarget(p);
@@ -258,7 +269,7 @@ async function futures(p: Parsed): Promise<void> {
         const failed = await t.registry.getFailedFuture(ref.jobId);
         const held = await t.redis.hget(`${t.prefix}:gate:held-index`, ref.jobId);
         info = failed
-          ? { request_id: id, state: 'failed', op: failed.op, category: failed.category, error: failed.message, note: 'refused before it reached a queue' }
+          ? { request_id: id, state: 'failed', op: failed.op, ...errorFields(recordedFailure(failed)), note: 'refused before it reached a queue' }
           : held !== null
             ? { request_id: id, state: 'held', note: `waiting in the ordering gate of model ${held} for a lower seq_id` }
             : { request_id: id, state: 'unknown', note: 'no such job: never submitted, or removed after the future retention' };
@@ -279,14 +290,14 @@ async function futures(p: Parsed): Promise<void> {
           queue_wait_ms: ms(job.timestamp, job.processedOn),
           engine_ms: ms(job.processedOn, job.finishedOn),
           total_ms: ms(job.timestamp, job.finishedOn),
-          ...(failure ? { category: failure.category, error: failure.message } : {}),
+          ...(failure ? errorFields(failure) : {}),
           ...(job.returnvalue && typeof job.returnvalue === 'object' ? { result_fields: Object.keys(job.returnvalue as object) } : {}),
         };
         // A training op's outcome is recorded apart from the job (docs/reliability.md): it is the truth.
         const o = await new Outcomes(t.redis, t.names, 1).get(ref.jobId);
         if (o) {
           info.outcome = o.state;
-          if (o.state === 'failed') Object.assign(info, { category: o.category, error: o.message, ...(o.code ? { code: o.code } : {}) });
+          if (o.state === 'failed') Object.assign(info, errorFields(recordedFailure(o)));
           if (o.state === 'done' && o.result && typeof o.result === 'object') info.result_fields = Object.keys(o.result);
         }
       }

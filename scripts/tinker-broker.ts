@@ -1,7 +1,7 @@
 import type { ChildProcess } from 'node:child_process';
 import { pathToFileURL } from 'node:url';
 import { assertSafeKeys, startApi, StartRefused } from '../api/main.js';
-import { parseModelSpec } from '../queues/config.js';
+import { loadLauncherConfig } from '../queues/config.js';
 import { logger } from '../queues/logger.js';
 import { loadPreset, PresetError } from '../presets/schema.js';
 import { formatPlan, planPreset, planProblems, type Plan } from '../presets/plan.js';
@@ -62,15 +62,6 @@ function plan(p: Parsed): Plan {
   } catch (e) {
     throw new UsageError((e as Error).message);
   }
-  if (pl.api && (!Number.isInteger(pl.api.port) || pl.api.port < 0 || pl.api.port > 65535))
-    throw new UsageError(`TB_PORT must be a port number (0-65535), got '${process.env.TB_PORT}'`);
-  // A one-agent plan may have its models replaced from the environment (tests, quick experiments).
-  if (process.env.TB_AGENT_MODELS && pl.agents.length === 1) {
-    const samplingOnly = pl.agents[0]!.engine === 'vllm';
-    const specs = process.env.TB_AGENT_MODELS.split(',').map((s) => ({ ...parseModelSpec(s.trim()), ...(samplingOnly ? { trainable: false } : {}) }));
-    pl.agents[0]!.models = specs;
-    if (pl.api) pl.api.requiredModels = specs.map((m) => m.aliases[0] ?? m.name);
-  }
   return pl;
 }
 
@@ -101,6 +92,12 @@ let stopping = false;
 
 async function start(p: Parsed): Promise<void> {
   const pl = plan(p);
+  let launcher: ReturnType<typeof loadLauncherConfig>;
+  try {
+    launcher = loadLauncherConfig(process.env);
+  } catch (e) {
+    throw new UsageError((e as Error).message);
+  }
   const problems = planProblems(pl, generated);
   if (pl.api)
     try {
@@ -138,7 +135,7 @@ async function start(p: Parsed): Promise<void> {
     stopping = true;
     // Agents finish the ops in flight and save every model (a forward_backward on a GPU may take
     // minutes): no forced exit but the operator's stop grace, unless TB_STOP_GRACE_S is set.
-    const graceS = process.env.TB_STOP_GRACE_S ? Number(process.env.TB_STOP_GRACE_S) : null;
+    const graceS = launcher.stopGraceS ?? null;
     logger.info('stopping', { signal: sig, ...(agents.length ? { note: 'agents drain: running jobs finish and models are saved first; signal again to stop at once' } : {}) });
     if (graceS !== null) {
       const force = setTimeout(() => {
@@ -159,7 +156,7 @@ async function start(p: Parsed): Promise<void> {
 
   try {
     for (const a of pl.agents) for (const m of a.models) if (generated(m.path)) ensureTinyModel(a.python, m.path, m.path === TINY_MODEL_DIR ? 0 : 1);
-    if (pl.redis.embedded && (pl.api || pl.agents.length)) redis = await ensureRedis(pl.redis.url, process.env.TB_REDIS_DIR ?? 'var/redis');
+    if (pl.redis.embedded && (pl.api || pl.agents.length)) redis = await ensureRedis(pl.redis.url, launcher.redisDir);
     if (stopping) return;
     for (const a of pl.agents) agents.push(new Agent(a));
     api = pl.api ? await startApi({ config: pl.api }) : null;

@@ -1,7 +1,7 @@
 import { existsSync, mkdirSync, writeFileSync } from 'node:fs';
 import path from 'node:path';
 import { expect } from 'chai';
-import { sweepExpiredCheckpoints } from '../api/checkpoints.js';
+import { sweepExpiredCheckpoints } from '../api/services/checkpoints.js';
 import { TINY_MODEL_ALIAS, TINY_MODEL_DIR } from '../scripts/stack.js';
 import { awaitFuture, call, startStack, type HttpReply, type TestStack } from './helpers/stack.js';
 import { decodeForwardBackwardOutput, decodeSampleResponse, encodeForwardBackward, type TestDatum } from './helpers/wire.js';
@@ -224,7 +224,7 @@ describe('API with a worker agent and the tiny model', function () {
     const save = await call(s.baseUrl, 'POST', '/save_weights_for_sampler', { model_id: id, seq_id: 1, path: 'blocked' });
     const failed = await result(save.json.request_id);
     expect(failed.status).to.equal(200);
-    expect(failed.json.category).to.equal('server');
+    expect(failed.json).to.include({ category: 'server', code: 'ENGINE_FAILED' });
     expect(failed.json.error).to.match(/sampler_weights/);
     // The next op of the same model runs.
     const out = await fbOutput((await submitFb(id, 2)).json.request_id);
@@ -243,7 +243,7 @@ describe('API with a worker agent and the tiny model', function () {
     });
     const sub = await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw });
     const r = await result(sub.json.request_id, PROTO);
-    expect(r.json.category).to.equal('user');
+    expect(r.json).to.include({ category: 'user', code: 'INVALID_REQUEST' });
     expect(r.json.error).to.match(/clip/);
   });
 
@@ -306,5 +306,54 @@ describe('checkpoints over HTTP', function () {
     expect(existsSync(dir('keep'))).to.equal(false);
     expect(await list()).to.deep.equal(['sampler_weights/samp']);
     expect((await call(s.baseUrl, 'DELETE', `/training_runs/${id}/checkpoints/weights/keep`)).status).to.equal(404);
+  });
+
+  it('fails futures with the code of the rule the agent found broken, in the API\'s words (codes cross the queue)', async () => {
+    const cm = await call(s.baseUrl, 'POST', '/create_model', { session_id: sessionId, model_seq_id: 1, base_model: TINY_MODEL_ALIAS, lora_config: { rank: 2 } });
+    const id = (await result(cm.json.request_id)).json.model_id as string;
+    const op = (route: string, body: Record<string, unknown>) => call(s.baseUrl, 'POST', route, { model_id: id, ...body });
+    const ckpt = `tinker://${id}/weights/w`;
+    await result((await op('/save_weights', { seq_id: 1, path: 'w' })).json.request_id);
+
+    // A load queued behind a gap passes the API's checks; the checkpoint is deleted before it runs.
+    const load = await op('/load_weights', { seq_id: 3, path: ckpt, optimizer: true });
+    expect(load.status).to.equal(200);
+    expect((await call(s.baseUrl, 'DELETE', `/training_runs/${id}/checkpoints/weights/w`)).status).to.equal(200);
+    await result((await op('/optim_step', { seq_id: 2, adam_params: {} })).json.request_id);
+    const missing = (await result(load.json.request_id)).json;
+    expect(missing).to.deep.equal({ error: `checkpoint ${ckpt} does not exist (never saved, deleted or expired)`, category: 'user', code: 'NOT_FOUND' });
+    // The API refuses the same load now, with the same words, as an HTTP 404.
+    const refused = await op('/load_weights', { seq_id: 4, path: ckpt, optimizer: true });
+    expect(refused.status).to.equal(404);
+    expect(refused.json).to.deep.equal({ error: missing.error, category: 'user', code: 'NOT_FOUND' });
+
+    // Two saves of one name queued together: the agent refuses the second as the API refuses a third.
+    const [a, b] = [await op('/save_weights', { seq_id: 5, path: 'twice' }), await op('/save_weights', { seq_id: 6, path: 'twice' })];
+    expect((await result(a.json.request_id)).json.path).to.equal(`tinker://${id}/weights/twice`);
+    const second = (await result(b.json.request_id)).json;
+    expect(second).to.deep.equal({ error: `checkpoint tinker://${id}/weights/twice already exists; pass overwrite=True to replace it`, category: 'user', code: 'INVALID_REQUEST' });
+    const third = await op('/save_weights', { seq_id: 7, path: 'twice' });
+    expect(third.status).to.equal(400);
+    expect(third.json).to.deep.equal(second);
+
+    // A sampling session pinned to sampler weights that were deleted fails its samples with STALE_SAMPLER.
+    await result((await op('/save_weights_for_sampler', { seq_id: 8, path: 'pin' })).json.request_id);
+    const ss = await call(s.baseUrl, 'POST', '/create_sampling_session', { session_id: sessionId, sampling_session_seq_id: 0, model_path: `tinker://${id}/sampler_weights/pin` });
+    expect((await call(s.baseUrl, 'DELETE', `/training_runs/${id}/checkpoints/sampler_weights/pin`)).status).to.equal(200);
+    const sample = await call(s.baseUrl, 'POST', '/asample', {
+      sampling_session_id: ss.json.sampling_session_id,
+      seq_id: 0,
+      prompt: { chunks: [{ tokens: [1, 2] }] },
+      sampling_params: { max_tokens: 2 },
+    });
+    expect((await result(sample.json.request_id)).json).to.include({ category: 'user', code: 'STALE_SAMPLER' });
+
+    // The session's search entry counts its listed checkpoints (weights/twice; `pin` was deleted).
+    const found = await call(s.baseUrl, 'POST', '/sessions/search', { session_id: sessionId });
+    expect(found.json.sessions.map((x: { checkpoints_count: number }) => x.checkpoints_count)).to.deep.equal([
+      (await call(s.baseUrl, 'GET', `/training_runs/${id}/checkpoints`)).json.checkpoints.length +
+        (await call(s.baseUrl, 'GET', `/training_runs/${sessionId}:train:0/checkpoints`)).json.checkpoints.length,
+    ]);
+    expect(found.json.sessions[0].checkpoints_count).to.equal(2);
   });
 });

@@ -101,6 +101,54 @@ agents:
     expect(r.stderr).to.match(/models\[1\]\.name: model 'b' is served by no agent/);
   });
 
+  it('refuses the fields a model\'s engine would ignore, naming each, and accepts those it uses', () => {
+    const r = cli(
+      'validate',
+      write(
+        'ignored.yaml',
+        `name: t
+models:
+  - { name: a, path: /m/a, role: actor, offload: true, parallelism: { tensor: 2, pipeline: 2, data: 2, expert: 2, strategy: fsdp2 } }
+  - { name: b, path: /m/b, role: teacher, engine: vllm, parallelism: { tensor: 4, expert: 2 } }
+  - { name: c, path: /m/c, role: actor, engine: verl, parallelism: { data: 4, strategy: fsdp } }
+agents:
+  - { id: g0, device: cuda:0, models: [a] }
+  - { id: g1, device: "cuda:1,2,3,4", models: [b] }
+  - { id: g2, device: "cuda:5,6", models: [c] }
+`,
+      ),
+    );
+    expect(r.status).to.equal(2);
+    const lines = r.stderr.trim().split('\n').slice(1);
+    expect(lines, r.stderr).to.have.length(8);
+    expect(r.stderr).to.match(/models\[0\]\.parallelism\.pipeline: pipeline parallelism is not available/);
+    expect(r.stderr).to.match(/models\[0\]\.parallelism\.tensor: tensor parallelism applies to engine 'vllm'; engine 'torch' runs a model on one device/);
+    expect(r.stderr).to.match(/models\[0\]\.parallelism\.expert: expert parallelism applies to engine 'vllm', not engine 'torch'/);
+    expect(r.stderr).to.match(/models\[0\]\.parallelism\.data: data parallelism applies to engine 'verl', not engine 'torch'/);
+    expect(r.stderr).to.match(/models\[0\]\.parallelism\.strategy: strategy applies to engine 'verl'/);
+    expect(r.stderr).to.match(/models\[0\]\.offload: offload applies to engine 'verl'/);
+    expect(r.stderr).to.match(/models\[1\]\.parallelism\.expert: vLLM runs the experts over the tensor-parallel GPUs: expert is 1 \(off\) or equal to tensor \(4\), got 2/);
+    expect(r.stderr).to.match(/models\[2\]\.parallelism\.data: data 4, but agent 'g2' runs this model on 2 GPU\(s\) \(cuda:5,6\)/);
+    const megatron = cli('validate', write('megatron.yaml', `name: t\nmodels:\n  - { name: c, path: /m/c, role: actor, engine: verl, parallelism: { strategy: megatron } }\nagents:\n  - { id: g2, device: cuda, models: [c] }\n`));
+    expect(megatron.stderr).to.match(/models\[0\]\.parallelism\.strategy: verl strategies available in this version: fsdp2, fsdp \(megatron and veomni are not\)/);
+    // What the shipped multi-GPU preset sets is used: vLLM's expert parallelism, verl's data size and strategy.
+    const plan = JSON.parse(cli('start', '--preset', 'presets/distill/multi_teacher.yaml', '--node', 'node-1', '--dry-run', '--json').stdout);
+    expect(plan.agents[0].models[0]).to.include({ tensorParallel: 4, expertParallel: true });
+  });
+
+  it('parses the environment over the preset once, with the same rules as without a preset', () => {
+    const env = { TB_SEQ_WINDOW: '64', TB_MAX_QUEUED_SAMPLES: '7', TB_OP_TIMEOUTS: 'sample=5', TB_FUTURE_RETENTION_S: '600', TB_PORT: '8123' };
+    const r = spawnSync(process.execPath, ['--import', 'tsx', 'scripts/tinker-broker.ts', 'start', '--dry-run', '--json'], { encoding: 'utf8', env: { ...process.env, ...env } });
+    expect(r.status, r.stderr).to.equal(0);
+    const plan = JSON.parse(r.stdout);
+    expect(plan.api).to.include({ seqWindow: 64, maxQueuedSamples: 7, retentionS: 600, port: 8123 });
+    expect(plan.agents[0].opTimeoutsS).to.deep.equal({ sample: 5 });
+    expect(plan.storage.retentionS).to.equal(600);
+    const bad = spawnSync(process.execPath, ['--import', 'tsx', 'scripts/tinker-broker.ts', 'start', '--dry-run'], { encoding: 'utf8', env: { ...process.env, TB_PORT: 'eighty', TB_SEQ_WINDOW: '3' } });
+    expect(bad.status).to.equal(2);
+    expect(bad.stderr).to.match(/TB_PORT: /).and.match(/TB_SEQ_WINDOW: /);
+  });
+
   it('refuses to start a verl agent off the GPUs, before anything starts, in one plain line', () => {
     const r = cli('start', '--preset', write('verlcpu.yaml', `name: t\nmodels:\n  - { name: a, path: /m/a, role: actor, engine: verl }\nagents:\n  - { id: g0, models: [a] }\n`));
     expect(r.status).to.equal(2);

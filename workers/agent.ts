@@ -8,7 +8,8 @@ import { Queue, UnrecoverableError, WaitingError, Worker, type Job } from 'bullm
 import type { Redis } from 'ioredis';
 import { ZodError } from 'zod';
 import { DEFAULT_OP_TIMEOUTS_S, type AgentConfig } from '../queues/config.js';
-import { encodeJobFailure, isBrokerError, outcomeUnknownMessage, type ErrorCategory } from '../queues/errors.js';
+import { assertSaveAllowed, requireCheckpointRecord } from '../queues/checkpoints.js';
+import { BrokerError, encodeJobFailure, failure, failureOf, modelUnavailable, outcomeUnknownMessage, recordedFailure, type Failure } from '../queues/errors.js';
 import { heartbeatMs, Liveness } from '../queues/liveness.js';
 import { logger as rootLogger, type Logger } from '../queues/logger.js';
 import { publishAgentStats, recordJob, recordTokens, removeAgentStats, type JobStatus } from '../queues/metrics.js';
@@ -23,7 +24,6 @@ import { TorchAdapter } from './adapters/torch.js';
 import { VerlAdapter } from './adapters/verl.js';
 import { VllmAdapter } from './adapters/vllm.js';
 import { encryptFileInPlace } from '../queues/age.js';
-import { EngineError } from './engine.js';
 import { rebuildCheckpoints } from './rebuild.js';
 import { SampleGatherer } from './sample-gather.js';
 import { engineMemory } from './stats.js';
@@ -38,9 +38,6 @@ import { engineMemory } from './stats.js';
  * It heartbeats (queues/liveness.ts), holds its agent id against a second process, and kills an
  * engine that runs an op past its limit (`TB_OP_TIMEOUTS`). docs/reliability.md has the guarantees.
  */
-
-/** A failure as the future reports it. */
-type Failure = { category: ErrorCategory; message: string; code?: string };
 
 class OpTimeout extends Error {
   override readonly name = 'OpTimeout';
@@ -93,7 +90,7 @@ export class Agent {
   static adapterFor(config: AgentConfig, log: Logger): EngineAdapter {
     const engine = config.engine ?? 'torch';
     if (engine === 'torch') return new TorchAdapter({ python: config.python, device: config.engineDevice, log });
-    if (engine === 'vllm') return new VllmAdapter({ device: config.engineDevice, urls: config.vllmUrls, log });
+    if (engine === 'vllm') return new VllmAdapter({ device: config.engineDevice, urls: config.vllmUrls, log, ...config.vllm });
     if (engine === 'verl') return new VerlAdapter({ python: config.python, device: config.engineDevice, log, models: config.models });
     throw new Error(`agent ${config.agentId}: engine '${String(engine)}' is not available in this version (torch, vllm and verl are)`);
   }
@@ -306,7 +303,7 @@ export class Agent {
     if (this.loaded.has(modelId)) return;
     const rec = await this.registry.getModel(modelId);
     const why = rec?.lost_reason ?? 'it is not loaded on this agent';
-    throw new EngineError('server', `model ${modelId} is unavailable: ${why}`);
+    throw new BrokerError('UNAVAILABLE', modelUnavailable(modelId, why));
   }
 
   /**
@@ -352,7 +349,7 @@ export class Agent {
         endTurn();
         let f = this.failure(job, err);
         if (err instanceof OpTimeout || (epoch >= 0 && epoch !== this.engineEpoch))
-          f = { category: 'unknown', code: 'OUTCOME_UNKNOWN', message: outcomeUnknownMessage(op, err instanceof OpTimeout ? err.message : `the engine process died while running it: ${f.message}`) };
+          f = failure('OUTCOME_UNKNOWN', outcomeUnknownMessage(op, err instanceof OpTimeout ? err.message : `the engine process died while running it: ${f.message}`));
         const stood = await this.outcomes.finish(jobId, token, { state: 'failed', op, agent_id: this.config.agentId, ...f });
         this.meter(job, start, f.category === 'user' ? 'user_error' : 'server_error');
         return await this.standing(jobId, op, stood);
@@ -375,7 +372,7 @@ export class Agent {
       o = await this.liveness.failPending(jobId, op, this.config.agentId, why);
       if (o.state === 'done') return null;
     }
-    throw new UnrecoverableError(encodeJobFailure(o.category ?? 'server', o.message ?? 'failed'));
+    throw new UnrecoverableError(encodeJobFailure(recordedFailure(o)));
   }
 
   /** Rejects with OpTimeout and kills the engine (a hung engine) when the op runs past its limit. */
@@ -416,8 +413,7 @@ export class Agent {
           return this.saveState(data);
         case 'load_weights': {
           await this.requireLoaded(data.model_id);
-          if (!(await this.registry.getCheckpoint(data.tinker_path)))
-            throw new EngineError('user', `checkpoint ${data.tinker_path} does not exist (deleted or expired)`);
+          await requireCheckpointRecord(this.registry, data.tinker_path);
           await this.adapter.loadState(data.model_id, data.dir, data.optimizer);
           return { path: data.tinker_path, model_id: data.model_id };
         }
@@ -467,8 +463,7 @@ export class Agent {
   private async saveSampler(job: SaveSamplerJob): Promise<{ path: string; sampling_session_id: string | null }> {
     const ephemeral = job.sampling_session_id !== null;
     // A named sampler version is immutable: a second save under its name is refused.
-    if (!ephemeral && (await this.registry.getCheckpoint(job.tinker_path)))
-      throw new EngineError('user', `sampler weights ${job.tinker_path} already exist; save under a new name`);
+    if (!ephemeral) await assertSaveAllowed(this.registry, { type: 'sampler', tinker_path: job.tinker_path });
     if (existsSync(job.dir)) await rm(job.dir, { recursive: true, force: true }); // leftovers of an expired or deleted checkpoint
     const { size_bytes } = await this.adapter.saveSampler(job);
     const model = await this.modelOf(job);
@@ -495,8 +490,7 @@ export class Agent {
   }
 
   private async saveExternal(job: SaveExternalJob): Promise<{ path: string; size_bytes: number }> {
-    if (await this.registry.getCheckpoint(job.tinker_path))
-      throw new EngineError('user', `external weights ${job.tinker_path} already exist; save under a new name`);
+    await assertSaveAllowed(this.registry, { type: 'external', tinker_path: job.tinker_path });
     if (existsSync(job.dir)) await rm(job.dir, { recursive: true, force: true });
     await this.adapter.saveSampler({ ...job, op: 'save_weights_for_sampler', sampling_session_id: null, user_metadata: null });
     let size = 0;
@@ -513,9 +507,7 @@ export class Agent {
   }
 
   private async saveState(job: SaveStateJob): Promise<{ path: string }> {
-    const existing = await this.registry.getCheckpoint(job.tinker_path);
-    if (existing && !job.overwrite)
-      throw new EngineError('user', `checkpoint ${job.tinker_path} already exists; pass overwrite=True to replace it`);
+    await assertSaveAllowed(this.registry, { type: 'training', tinker_path: job.tinker_path, overwrite: job.overwrite });
     // Overwrite keeps the old files until the new ones are complete.
     const old = `${job.dir}.old-${Date.now()}`;
     const hadDir = existsSync(job.dir);
@@ -564,18 +556,14 @@ export class Agent {
     } catch (err) {
       const f = this.failure(job, err);
       this.meter(job, start, f.category === 'user' ? 'user_error' : 'server_error');
-      throw new UnrecoverableError(encodeJobFailure(f.category, f.message));
+      throw new UnrecoverableError(encodeJobFailure(f));
     }
   }
 
-  /** What a failed op reports: the error's category (user or server) and message. */
+  /** What a failed op reports: a broker (or engine) error's code, else INTERNAL. */
   private failure(job: Job<AnyJob>, err: unknown): Failure {
-    let category: ErrorCategory = 'server';
-    let message = String((err as Error)?.message ?? err);
-    if (err instanceof EngineError) category = err.category;
-    else if (isBrokerError(err)) category = err.category;
-    else if (err instanceof ZodError) message = `invalid ${job.name} job payload: ${err.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`;
-    return { category, message };
+    if (err instanceof ZodError) return failure('INTERNAL', `invalid ${job.name} job payload: ${err.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
+    return failureOf(err);
   }
 
   /**

@@ -1,4 +1,4 @@
-import { loadApiConfig } from '../queues/config.js';
+import { loadCommonConfig } from '../queues/config.js';
 import { Liveness } from '../queues/liveness.js';
 import { Names } from '../queues/names.js';
 import { Outcomes } from '../queues/outcomes.js';
@@ -13,7 +13,7 @@ export type DrainResult = { agent_id: string; status: 'drained' | 'not_live' | '
  * record (the models it saved).
  */
 export async function drainAgents(env: NodeJS.ProcessEnv, agentIds: string[], timeoutS: number): Promise<DrainResult[]> {
-  const config = loadApiConfig({ ...env, TB_API_KEYS: env.TB_API_KEYS ?? 'tml-unused' });
+  const config = loadCommonConfig(env);
   const redis = connect(config.redisUrl, 'producer');
   try {
     const names = new Names(config.prefix);

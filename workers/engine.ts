@@ -2,7 +2,7 @@ import { spawn, type ChildProcessWithoutNullStreams } from 'node:child_process';
 import { EventEmitter } from 'node:events';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
-import type { ErrorCategory } from '../queues/errors.js';
+import { BrokerError, engineCode, type ErrorCategory } from '../queues/errors.js';
 import type { Logger } from '../queues/logger.js';
 
 /**
@@ -11,13 +11,11 @@ import type { Logger } from '../queues/logger.js';
  * Replies are matched to requests by id (sample replies can overtake: the engine runs other ops
  * between decode steps); one failing request does not end the process.
  */
-export class EngineError extends Error {
-  override readonly name = 'EngineError';
-  constructor(
-    readonly category: ErrorCategory,
-    message: string,
-  ) {
-    super(message);
+/** An engine's error reply (or a failure of the channel) as a broker error: `user` refused input, `server` a failed engine. */
+export class EngineError extends BrokerError {
+  override readonly name: string = 'EngineError';
+  constructor(category: ErrorCategory, message: string) {
+    super(engineCode(category), message);
   }
 }
 

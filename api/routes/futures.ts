@@ -24,7 +24,7 @@ export function futureRoutes(ctx: ApiContext): Router {
         res.json({ type: 'try_again', request_id: body.request_id, queue_state: st.queueState });
         return;
       case 'failed':
-        res.json({ error: st.message, category: st.category, ...(st.code ? { code: st.code } : {}) });
+        res.json({ error: st.message, category: st.category, code: st.code });
         return;
       case 'done': {
         const wantsProto = (req.header('accept') ?? '').includes(PROTOBUF_CONTENT_TYPE);

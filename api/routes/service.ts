@@ -1,12 +1,7 @@
-import { randomUUID } from 'node:crypto';
 import { Router, type RequestHandler } from 'express';
-import { BrokerError } from '../../queues/errors.js';
-import { tenantOf } from '../auth.js';
 import type { ApiContext } from '../context.js';
-import { requireSession } from '../tenants.js';
-import { CreateSessionBody, parseBody, SessionHeartbeatBody } from '../http-schemas.js';
 
-/** Client bootstrap, sessions, telemetry, health and capabilities. */
+/** Client bootstrap, telemetry, billing, health and capabilities (sessions: routes/sessions.ts). */
 
 /** get_server_capabilities' notes: where this server's losses differ from, or guess at, Tinker's (docs/losses.md). */
 export const CAPABILITY_NOTES = [
@@ -41,28 +36,6 @@ export function serviceRoutes(ctx: ApiContext): Router {
     res.json({ refresh_interval_sec: 300, sample_cancel_enabled: false });
   });
 
-  r.post('/create_session', async (req, res) => {
-    const body = parseBody(CreateSessionBody, req.body, 'create_session');
-    const sessionId = randomUUID();
-    await ctx.registry.createSession(
-      sessionId,
-      tenantOf(req),
-      { tags: body.tags, user_metadata: body.user_metadata ?? {}, sdk_version: body.sdk_version ?? null, project_id: body.project_id ?? null },
-      ctx.config.retentionS,
-    );
-    res.json({ type: 'create_session', session_id: sessionId });
-  });
-
-  r.post('/session_heartbeat', async (req, res) => {
-    const body = parseBody(SessionHeartbeatBody, req.body, 'session_heartbeat');
-    await requireSession(ctx, req, body.session_id);
-    if (!(await ctx.registry.touchSession(body.session_id, ctx.config.retentionS)))
-      throw new BrokerError('NOT_FOUND', `unknown session '${body.session_id}'`);
-    // A finished session (ServiceClient.close) answers 410, which stops the SDK's heartbeat loop.
-    if (await ctx.registry.sessionFinished(body.session_id)) throw new BrokerError('GONE', `session '${body.session_id}' has finished`);
-    res.json({ type: 'session_heartbeat' });
-  });
-
   r.post('/telemetry', (_req, res) => {
     res.json({ status: 'accepted' });
   });
@@ -79,6 +52,11 @@ export function serviceRoutes(ctx: ApiContext): Router {
       // Not in the SDK's response type (it keeps unknown fields): what a user should know about the losses.
       notes: CAPABILITY_NOTES,
     });
+  });
+
+  // Nothing is billed on your own hardware: no usage events (storage in use: routes/checkpoints.ts).
+  r.get('/billing/usage/events', (_req, res) => {
+    res.json({ data: [], sessions: {} });
   });
 
   r.get('/healthz', healthHandler(ctx));

@@ -1,7 +1,7 @@
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import protobuf from 'protobufjs';
-import { BrokerError } from '../../queues/errors.js';
+import { invalid } from '../../queues/errors.js';
 import type { Datum, ForwardBackwardResult, SampleResult, Tensor } from '../../queues/schemas.js';
 
 /**
@@ -18,8 +18,6 @@ export const PROTOBUF_CONTENT_TYPE = 'application/x-protobuf';
 
 const DTYPE = { UNSPECIFIED: 0, FLOAT32: 1, INT64: 2, INT32: 3, BFLOAT16: 4 } as const;
 const ITEMSIZE: Record<number, number> = { [DTYPE.FLOAT32]: 4, [DTYPE.INT64]: 8, [DTYPE.INT32]: 4, [DTYPE.BFLOAT16]: 2 };
-
-const invalid = (msg: string) => new BrokerError('INVALID_REQUEST', msg);
 
 type PbObject = Record<string, unknown>;
 const toObj = (t: protobuf.Type, m: protobuf.Message) =>

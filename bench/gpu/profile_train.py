@@ -1,12 +1,17 @@
 """Where a training step's time goes in the torch engine, in-process (no channel), on a CUDA machine.
 
-    python bench/gpu/profile_train.py --model 1.7b [--steps 3]
+    python bench/gpu/profile_train.py --model 1.7b [--steps 3] [--sample]
 
 Builds the same random-initialised Qwen3-shaped model as engine_vs_plain.py, creates the same
 LoRA (rank 32 on all linear layers and lm_head), and runs forward_backward + optim_step through
 the engine's own functions. Prints per-phase wall times (each phase followed by a device sync, so
 they add up to the step), then a torch.profiler table of the ops with the most CUDA time and of the
 ops with the most CPU self time, and the number of device->host synchronisations per step.
+
+With ``--sample`` it also profiles sampling (after the training steps, as in engine_vs_plain.py):
+``sample_batch`` of 32 distinct 128-token prompts x 64 new tokens in-process against one batched
+HF ``generate`` of the same prompts on the same (PEFT-wrapped) model, with ms per decode step,
+the GPU's busy fraction and the ops with the most CPU self time.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["1.7b", "8b"], default="1.7b")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--sample", action="store_true", help="also profile sample_batch against generate")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     w = dict(batch=8, seq=1024, rank=32, vocab=evp.MODELS[args.model]["vocab_size"])
@@ -88,7 +94,47 @@ def main() -> int:
         syncs = sum(e.count for e in ka if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"))
         d2h = sum(e.count for e in ka if e.key in ("aten::item", "aten::_local_scalar_dense"))
         print(f"host syncs in one step: cuda*Synchronize {syncs}, item/_local_scalar_dense {d2h}")
+        if args.sample:
+            profile_sampling(eng, w["vocab"])
     return 0
+
+
+def profile_sampling(eng: Engine, vocab: int, n: int = 32, prompt: int = 128, new: int = 64) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    distinct = evp.prompts(n, prompt, vocab, seed=2)
+    reqs = [{"adapter_dir": None, "prompt": p, "num_samples": 1, "sampling_params": evp.sampling_params(new, i),
+             "prompt_logprobs": False, "topk_prompt_logprobs": 0} for i, p in enumerate(distinct)]
+    base = eng.registry.bases["b"]
+
+    def engine_run() -> None:
+        eng.call("sample_batch", {"base_model": "b", "requests": reqs})
+
+    ids = torch.tensor(distinct, device="cuda")
+
+    def generate_run() -> None:
+        base.activate(None)
+        with torch.inference_mode():
+            base.hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+
+    for label, fn in (("engine sample_batch", engine_run), ("HF generate", generate_run)):
+        times: dict[str, list[float]] = {}
+        for _ in range(2):
+            timed(label, fn, times)
+        ms = sorted(times[label])[-1]
+        print(f"=== sampling, {label}: {n} prompts x {new} tokens: {ms:.1f} ms, {ms / new:.2f} ms per decode step "
+              f"(prefill included), {n * new / ms * 1000:.0f} tok/s ===")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            wall = 1000 * (time.perf_counter() - t)
+        ka = prof.key_averages()
+        busy = sum(e.self_device_time_total for e in ka) / 1000
+        print(f"  profiled: wall {wall:.1f} ms, GPU kernels {busy:.1f} ms ({100 * busy / wall:.0f}% busy)")
+        print(ka.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+        print(ka.table(sort_by="self_cuda_time_total", row_limit=10, max_name_column_width=60))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-import type { BaseModelSpec } from '../../queues/config.js';
+import { deviceGpus, type BaseModelSpec } from '../../queues/config.js';
 import type { Logger } from '../../queues/logger.js';
 import { EngineError } from '../engine.js';
 import { TorchAdapter } from './torch.js';
@@ -6,9 +6,8 @@ import type { SampleJob, SampleResult } from '../../queues/schemas.js';
 
 /** The GPUs of an agent's device (`cuda` = the first one, `cuda:N`, `cuda:N,M,…`); null for anything else. */
 export function gpusOf(device: string | undefined): number[] | null {
-  if (device === 'cuda') return [0];
-  const m = /^cuda:(\d+(?:,\d+)*)$/.exec(device ?? '');
-  return m ? m[1]!.split(',').map(Number) : null;
+  const gpus = deviceGpus(device);
+  return gpus.length ? gpus : null;
 }
 
 export type VerlLaunch = { args: string[]; env: NodeJS.ProcessEnv; nproc: number };

@@ -29,16 +29,17 @@ export type VllmAdapterOptions = {
   device?: string | undefined;
   /** Attach to these servers (one per base model, in loadBase order) instead of starting `vllm serve`. */
   urls?: string[] | undefined;
-  /** The `vllm` executable. @defaultValue `TB_VLLM_BIN`, else `.venv-vllm/bin/vllm` when it exists, else `vllm` */
-  bin?: string;
-  /** Sampler versions kept loaded per base model. @defaultValue `TB_VLLM_MAX_ADAPTERS` or 8 */
-  maxAdapters?: number;
-  /** How long a server may take to become healthy. @defaultValue `TB_VLLM_START_TIMEOUT_S` or 1200 s */
-  startTimeoutMs?: number;
+  /** The `vllm` executable (TB_VLLM_BIN). @defaultValue `.venv-vllm/bin/vllm` when it exists, else `vllm` */
+  bin?: string | undefined;
+  /** Sampler versions kept loaded per base model (TB_VLLM_MAX_ADAPTERS). @defaultValue 8 */
+  maxAdapters?: number | undefined;
+  /** How long a server may take to become healthy (TB_VLLM_START_TIMEOUT_S). @defaultValue 1200 s */
+  startTimeoutMs?: number | undefined;
+  /** Appended to the `vllm serve` command line (TB_VLLM_EXTRA_ARGS). */
+  extraArgs?: string[] | undefined;
 };
 
 function defaultBin(): string {
-  if (process.env.TB_VLLM_BIN) return process.env.TB_VLLM_BIN;
   const venv = path.resolve('.venv-vllm/bin/vllm');
   return existsSync(venv) ? venv : 'vllm';
 }
@@ -56,8 +57,8 @@ export class VllmAdapter implements EngineAdapter {
   constructor(private readonly opts: VllmAdapterOptions) {
     this.device = opts.device ?? 'auto';
     this.bin = opts.bin ?? defaultBin();
-    this.maxAdapters = Math.max(1, opts.maxAdapters ?? Number(process.env.TB_VLLM_MAX_ADAPTERS ?? 8));
-    this.startTimeoutMs = opts.startTimeoutMs ?? Number(process.env.TB_VLLM_START_TIMEOUT_S ?? 1200) * 1000;
+    this.maxAdapters = Math.max(1, opts.maxAdapters ?? 8);
+    this.startTimeoutMs = opts.startTimeoutMs ?? 1_200_000;
   }
 
   onExit(listener: (reason: string) => void): void {
@@ -107,7 +108,7 @@ export class VllmAdapter implements EngineAdapter {
         port,
         maxAdapters: this.maxAdapters,
         maxLoras: Math.min(4, this.maxAdapters),
-        extraArgs: (process.env.TB_VLLM_EXTRA_ARGS ?? '').split(/\s+/).filter(Boolean),
+        extraArgs: this.opts.extraArgs ?? [],
       });
       server = new VllmServer(this.bin, this.opts.log.child({ model: spec.name }), (reason) => {
         for (const l of this.exitListeners) l(reason);

@@ -46,6 +46,7 @@ export function vllmServeCommand(spec: BaseModelSpec, o: ServeOptions): { args: 
     // Sampling defaults are vLLM's, not the model's generation_config.json (every field is sent anyway).
     '--generation-config', 'vllm',
     '--tensor-parallel-size', String(spec.tensorParallel ?? 1),
+    ...(spec.expertParallel ? ['--enable-expert-parallel'] : []),
     '--disable-uvicorn-access-log',
   ];
   // On the CPU: float32 like the torch engine, and no graph compilation (fast start, no compiler needed).

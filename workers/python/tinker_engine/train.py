@@ -21,7 +21,7 @@ from .logprobs import target_logprobs
 from .losses import LossSpec, get_loss
 from .models import BaseModel, Registry
 from .params import check_token_ids, get_bool, get_float, get_obj, get_str, is_int
-from .rollback import StepUndo, check_grads, check_losses, check_norm, step_is_finite
+from .rollback import StepUndo, check_grad_max_abs, check_losses, check_norm, grad_max_abs, grads_copy, step_is_finite
 from .tensors import tensor_from_json, tensor_to_json
 
 DEFAULT_MAX_BATCH_TOKENS = 16384
@@ -109,13 +109,20 @@ def micro_batches(datums: list[Datum], budget: int) -> Iterator[list[Datum]]:
 
 
 def _run_batch(base: BaseModel, batch: list[Datum], loss: LossSpec, config: dict[str, float],
-               backward: bool) -> tuple[list[torch.Tensor], float]:
+               params: list[torch.nn.Parameter] | None) -> tuple[list[torch.Tensor], float]:
+    """Forward (and, given the trainable ``params``, backward) of one micro-batch.
+
+    The loss, the logprobs and the gradient's finiteness reach the host in one copy after the
+    backward, so the GPU runs forward and backward without waiting for the host. A non-finite loss
+    or gradient raises a ``UserError`` afterwards; ``forward_backward`` then restores the gradients
+    it had before the op, so nothing of the micro-batch stays.
+    """
     device = base.device
     longest = max(d.tokens.shape[0] for d in batch)
     ids = torch.zeros((len(batch), longest), dtype=torch.int64)
     for row, d in enumerate(batch):
         ids[row, : d.tokens.shape[0]] = d.tokens
-    with torch.set_grad_enabled(backward):
+    with torch.set_grad_enabled(params is not None):
         # Rows are right-padded and attention is causal, so no real token can see a pad: the
         # logits of real positions are the same without a mask, and the model keeps its fastest
         # (mask-free) attention kernel. Pad positions' outputs are discarded below.
@@ -128,18 +135,23 @@ def _run_batch(base: BaseModel, batch: list[Datum], loss: LossSpec, config: dict
             losses.append(loss.fn(lp, inputs, config))
         stacked = torch.stack(losses)
         total = stacked.sum()
-        # One device -> host copy for the micro-batch: the total, every datum's loss, its logprobs.
-        host = torch.cat([total.detach().reshape(1).float(), stacked.detach().float(),
-                          *(lp.detach().reshape(-1) for lp in lps)]).cpu()
-        outputs: list[torch.Tensor] = []
-        at = 1 + len(batch)
-        for d in batch:
-            n = d.targets.numel()
-            outputs.append(host[at : at + n].reshape(d.targets.shape))
-            at += n
-        check_losses([d.index for d in batch], list(host[1 : 1 + len(batch)]), outputs)
-        if backward:
+        checks = [total.detach().reshape(1).float(), stacked.detach().float()]
+        if params is not None:
             total.backward()
+            checks.append(grad_max_abs(params).reshape(1).float())
+        # One device -> host copy for the micro-batch: the total, every datum's loss, the gradient's
+        # max-abs (NaN or infinite when any gradient element is), the logprobs.
+        host = torch.cat([*checks, *(lp.detach().reshape(-1) for lp in lps)]).cpu()
+    outputs: list[torch.Tensor] = []
+    at = 1 + len(batch) + (1 if params is not None else 0)
+    for d in batch:
+        n = d.targets.numel()
+        outputs.append(host[at : at + n].reshape(d.targets.shape))
+        at += n
+    indices = [d.index for d in batch]
+    check_losses(indices, list(host[1 : 1 + len(batch)]), outputs)
+    if params is not None:
+        check_grad_max_abs(indices, float(host[1 + len(batch)]))
     return outputs, float(host[0])
 
 
@@ -196,19 +208,18 @@ def forward_backward(registry: Registry, args: dict[str, Any]) -> dict[str, Any]
     loss, config, forward_only, datums = req.loss, req.config, req.forward_only, req.datums
 
     base.activate(model.adapter, trainable=True)
-    saved = None if forward_only else [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    params = model.parameters()
+    saved = None if forward_only else grads_copy(params)
     outputs: list[torch.Tensor] = []
     total = 0.0
     try:
         for batch in micro_batches(datums, max_batch_tokens()):
-            batch_outputs, batch_loss = _run_batch(base, batch, loss, config, backward=not forward_only)
-            if not forward_only:
-                check_grads([d.index for d in batch], model.parameters())
+            batch_outputs, batch_loss = _run_batch(base, batch, loss, config, None if forward_only else params)
             outputs.extend(batch_outputs)
             total += batch_loss
     except BaseException:
         if saved is not None:
-            for p, g in zip(model.parameters(), saved):
+            for p, g in zip(params, saved):
                 p.grad = g
         raise
     return {

@@ -1,0 +1,183 @@
+import { randomUUID } from 'node:crypto';
+import type { Request } from 'express';
+import type { z } from 'zod';
+import { BrokerError, invalid } from '../../queues/errors.js';
+import { encodeRequestId } from '../../queues/futures.js';
+import { jobIds, resourceIds } from '../../queues/names.js';
+import { sampleEngine, type SamplingSessionRecord } from '../../queues/registry.js';
+import type { SampleJob, SamplingParams } from '../../queues/schemas.js';
+import { tenantOf } from '../auth.js';
+import type { ApiContext } from '../context.js';
+import type { CreateSamplingSessionBody, SampleBody, SamplingParamsBody } from '../http-schemas.js';
+import { issueFuture, requireSamplingSession, requireSession } from '../tenants.js';
+import { samplerWeights } from './checkpoints.js';
+
+/** Sampling sessions (pinned to a base model or one immutable sampler version) and asample. */
+
+/** Tokens generated when the client sets no max_tokens. */
+const DEFAULT_MAX_TOKENS = 256;
+
+type Target = Pick<SamplingSessionRecord, 'base_model' | 'model_path' | 'adapter_dir'>;
+
+/** A session for a base model or a saved sampler version, resolved from the registries. */
+async function resolveTarget(ctx: ApiContext, req: Request, baseModel: string | null | undefined, modelPath: string | null | undefined): Promise<Target> {
+  if (modelPath) {
+    const v = await samplerWeights(ctx, req, modelPath);
+    return { base_model: v.base_model, model_path: modelPath, adapter_dir: v.dir };
+  }
+  const { model } = await ctx.registry.resolveBaseModel(baseModel!);
+  return { base_model: model.name, model_path: null, adapter_dir: null };
+}
+
+/** create_sampling_session: `<session_id>:sample:<seq>` on a base model or a sampler version. */
+export async function createSamplingSession(ctx: ApiContext, req: Request, body: z.output<typeof CreateSamplingSessionBody>): Promise<string> {
+  await requireSession(ctx, req, body.session_id);
+  const target = await resolveTarget(ctx, req, body.base_model, body.model_path);
+  const id = resourceIds.samplingSession(body.session_id, body.sampling_session_seq_id);
+  await ctx.registry.putSamplingSession({ sampling_session_id: id, session_id: body.session_id, ...target, tenant: tenantOf(req) }, ctx.config.retentionS);
+  await ctx.registry.indexSampler(body.session_id, id);
+  return id;
+}
+
+function toEngineParams(p: z.output<typeof SamplingParamsBody>): SamplingParams {
+  const stop = p.stop ?? null;
+  const list = stop === null ? [] : typeof stop === 'string' ? [stop] : stop;
+  return {
+    max_tokens: p.max_tokens ?? DEFAULT_MAX_TOKENS,
+    temperature: p.temperature,
+    top_k: p.top_k,
+    top_p: p.top_p,
+    seed: p.seed ?? null,
+    stop_tokens: list.filter((s): s is number => typeof s === 'number'),
+    stop_strings: list.filter((s): s is string => typeof s === 'string' && s.length > 0),
+    // `stop: []` disables every stop, EOS included; `stop: null` keeps EOS.
+    stop_at_eos: !(Array.isArray(stop) && stop.length === 0),
+  };
+}
+
+/** Cells of target_prompt_logprobs one request may ask for (a float per cell comes back). */
+const MAX_TARGET_CELLS = 1 << 20;
+
+/**
+ * `target_prompt_logprobs` (SDK TensorData JSON): int64 token ids, dense `[len(prompt) - 1, K]`,
+ * `-1` where nothing is requested. Sparse CSR requests are refused (the answer would have to be
+ * sparse too); send them dense.
+ */
+function parseTargetPromptLogprobs(raw: unknown, promptLen: number, vocabSize: number): { k: number; ids: number[] } | null {
+  if (raw === undefined || raw === null) return null;
+  const t = raw as { data?: unknown; dtype?: unknown; shape?: unknown; sparse_crow_indices?: unknown };
+  if (t.sparse_crow_indices != null) throw invalid('target_prompt_logprobs: sparse CSR is not supported by this server; send it dense (-1 where nothing is requested)');
+  if (!Array.isArray(t.data) || !t.data.every((v) => Number.isInteger(v))) throw invalid('target_prompt_logprobs.data must be a list of integer token ids');
+  const shape = Array.isArray(t.shape) ? (t.shape as unknown[]) : [];
+  const rows = promptLen - 1;
+  if (shape.length !== 2 || shape[0] !== rows || !Number.isInteger(shape[1]) || (shape[1] as number) < 1)
+    throw invalid(`target_prompt_logprobs must have shape [len(prompt) - 1, K] = [${rows}, K] with K >= 1, got [${shape.join(', ')}]`);
+  const k = shape[1] as number;
+  if (rows * k > MAX_TARGET_CELLS) throw invalid(`target_prompt_logprobs asks for ${rows * k} cells; at most ${MAX_TARGET_CELLS}`);
+  const ids = t.data as number[];
+  if (ids.length !== rows * k) throw invalid(`target_prompt_logprobs has ${ids.length} ids; shape [${rows}, ${k}] needs ${rows * k}`);
+  for (const id of ids) if (id < -1 || id >= vocabSize) throw invalid(`target_prompt_logprobs: token id ${id} is outside the vocabulary [0, ${vocabSize}) (-1 requests nothing)`);
+  return { k, ids };
+}
+
+type Body = z.output<typeof SampleBody>;
+
+/** The session an asample names (or an ad-hoc one for base_model / model_path), at its current target. */
+async function sampleTarget(ctx: ApiContext, req: Request, body: Body): Promise<{ target: Target; sessionId: string; ownerSession: string | null }> {
+  if (body.sampling_session_id) {
+    const s = await requireSamplingSession(ctx, req, body.sampling_session_id);
+    // Inflight: the model's newest inflight save, which only moves forward from the one this session was created with.
+    const t = s.inflight_model_id ? await ctx.registry.inflightTarget(s.inflight_model_id) : null;
+    const target = t ? { base_model: s.base_model, model_path: t.model_path, adapter_dir: t.adapter_dir } : s;
+    // The client's session owns the stability records of this request's sequences.
+    return { target, sessionId: s.sampling_session_id, ownerSession: s.session_id };
+  }
+  if (body.base_model || body.model_path)
+    return { target: await resolveTarget(ctx, req, body.base_model, body.model_path), sessionId: `adhoc-${randomUUID()}`, ownerSession: null };
+  throw invalid('asample needs sampling_session_id (or base_model / model_path)');
+}
+
+/**
+ * asample: checks the request against the model's bounds, routes it to the sample queue of the
+ * fastest engine serving its sampler version, and queues it; returns the future.
+ */
+export async function sample(ctx: ApiContext, req: Request, body: Body): Promise<{ request_id: string; sample_sequence_ids: string[] }> {
+  const { target: session, sessionId, ownerSession } = await sampleTarget(ctx, req, body);
+  const tokens: number[] = [];
+  for (const c of body.prompt.chunks) {
+    if (!('tokens' in c)) throw invalid(`prompt chunks of type '${c.type}' are not supported (text tokens only)`);
+    for (const t of c.tokens as number[]) tokens.push(t);
+  }
+  if (tokens.length === 0) throw invalid('prompt is empty');
+  const { model, agents } = await ctx.registry.resolveBaseModel(session.base_model);
+  if (body.topk_prompt_logprobs > model.topk_max)
+    throw invalid(`topk_prompt_logprobs ${body.topk_prompt_logprobs} exceeds the bound for this model (${model.topk_max})`);
+  for (const t of tokens) if (t < 0 || t >= model.vocab_size) throw invalid(`prompt token id ${t} is outside the vocabulary [0, ${model.vocab_size})`);
+  if (body.topk_sample_logprobs > model.topk_max)
+    throw invalid(`topk_sample_logprobs ${body.topk_sample_logprobs} exceeds the bound for this model (${model.topk_max})`);
+  if (body.prompt_alt_tokens_k > 0) {
+    if (tokens.length < 2) throw invalid('prompt_alt_tokens_k needs a prompt of at least 2 tokens');
+    if ((tokens.length - 1) * body.prompt_alt_tokens_k > MAX_TARGET_CELLS)
+      throw invalid(`prompt_alt_tokens_k ${body.prompt_alt_tokens_k} asks for ${(tokens.length - 1) * body.prompt_alt_tokens_k} draws; at most ${MAX_TARGET_CELLS}`);
+  }
+  const targets = parseTargetPromptLogprobs(body.target_prompt_logprobs, tokens.length, model.vocab_size);
+  const lastN = body.prompt_logprobs_last_n ?? null;
+  if (lastN !== null) {
+    if (!body.prompt_logprobs && body.topk_prompt_logprobs === 0) throw invalid('prompt_logprobs_last_n requires prompt_logprobs (or topk_prompt_logprobs)');
+    if (lastN > tokens.length - 1) throw invalid(`prompt_logprobs_last_n ${lastN} must be between 1 and len(prompt) - 1 = ${tokens.length - 1}`);
+  }
+  const params = toEngineParams(body.sampling_params);
+  for (const t of params.stop_tokens) if (t >= model.vocab_size) throw invalid(`stop token id ${t} is outside the vocabulary [0, ${model.vocab_size})`);
+  if (tokens.length + params.max_tokens > model.max_context_length)
+    throw invalid(`prompt (${tokens.length} tokens) + max_tokens (${params.max_tokens}) exceeds the model's context of ${model.max_context_length}`);
+
+  // The sampler version (null: the base model); its LoRA rank decides which agents can serve it.
+  const version = session.model_path ? await ctx.registry.getCheckpoint(session.model_path) : null;
+  const queue = ctx.names.sampleQueue(session.base_model, sampleEngine(session.base_model, agents, version?.lora.rank ?? null));
+  // A seq_id JSON cannot carry exactly (past 2^53) cannot de-duplicate: such a request gets a fresh job.
+  const seqId = body.seq_id != null && Number.isSafeInteger(body.seq_id) ? body.seq_id : null;
+  const jobId = body.sampling_session_id && seqId !== null ? jobIds.sample(sessionId, seqId) : `s-${randomUUID()}`;
+  const requestId = encodeRequestId({ queue, jobId });
+  // The future is recorded only when it is handed out (not for a 429).
+  const reply = async () => ({
+    request_id: await issueFuture(ctx, req, requestId),
+    sample_sequence_ids: Array.from({ length: body.num_samples }, (_, i) => `${requestId}#${i}`),
+  });
+  // A session is pinned to one sampler version; never sample silently from other weights.
+  if (session.model_path && !version) {
+    const message = `sampling session ${sessionId} is pinned to sampler weights ${session.model_path}, which no longer exist (deleted or expired); save new sampler weights and create a new sampling client`;
+    await ctx.registry.putFailedFuture(jobId, { op: 'sample', category: 'user', code: 'STALE_SAMPLER', message }, ctx.config.retentionS);
+    return reply();
+  }
+  if ((await ctx.queues.get(queue).getWaitingCount()) >= ctx.config.maxQueuedSamples)
+    throw new BrokerError('OVERLOADED', `sampling queue of ${session.base_model} is full; retry shortly`);
+
+  const job: SampleJob = {
+    op: 'sample',
+    sampling_session_id: sessionId,
+    seq_id: seqId ?? -1,
+    base_model: session.base_model,
+    adapter_dir: session.adapter_dir,
+    model_path: session.model_path,
+    prompt: tokens,
+    num_samples: body.num_samples,
+    sampling_params: params,
+    prompt_logprobs: body.prompt_logprobs ?? false,
+    topk_prompt_logprobs: body.topk_prompt_logprobs,
+    prompt_logprobs_last_n: lastN,
+    target_prompt_logprobs: targets,
+    topk_sample_logprobs: body.topk_sample_logprobs,
+    prompt_alt_tokens_k: body.prompt_alt_tokens_k,
+    // Only samples of a sampling session are recorded: the record belongs to that session (and its tenant).
+    record_stability: body.record_stability_info && ownerSession ? { session_id: ownerSession, request_id: requestId } : null,
+  };
+  await ctx.queues.add(queue, jobId, job);
+  // A (sampling session, seq_id) names one request: a replay with another payload would silently
+  // get the first one's samples, so it is refused. The job that BullMQ kept is the first one.
+  if (body.sampling_session_id && seqId !== null) {
+    const stored = await ctx.redis.hget(`${ctx.names.bull}:${queue}:${jobId}`, 'data');
+    if (stored !== null && stored !== JSON.stringify(job))
+      throw invalid(`seq_id ${seqId} of sampling session ${sessionId} was already used by a different sample request; a seq_id names one request`);
+  }
+  return reply();
+}
