@@ -25,6 +25,7 @@ import { fileDownloadHandler } from './file-urls.js';
 import { ADMIN_PATH, adminRoutes } from './admin.js';
 import { metricsHandler } from './metrics.js';
 import { openApiDocument } from './openapi.js';
+import { forwardBackwardBody } from './train-body.js';
 
 const VERSION: string = JSON.parse(readFileSync(new URL('../package.json', import.meta.url), 'utf8')).version;
 
@@ -125,6 +126,9 @@ export function buildApp(config: ApiConfig): BuiltApp {
   app.use((_req, _res, next) => next(redisDown.has(redis) || redis.status === 'end' ? redisUnavailable() : undefined));
   const v1 = express.Router();
   v1.use(apiKeyAuth(config.apiKeys));
+  // forward_backward's protobuf body is read here, watched while it arrives: a datum past every
+  // served model's bounds is refused after its first bytes, not after buffering the whole body.
+  v1.post('/forward_backward', forwardBackwardBody(ctx));
   v1.use(express.json({ limit: '64mb', type: ['application/json', 'text/json'] }));
   v1.use(serviceRoutes(ctx));
   v1.use(sessionRoutes(ctx));

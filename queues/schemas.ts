@@ -61,10 +61,17 @@ export const CreateModelJob = z.object({
   base_model: z.string(),
   lora: LoraConfig,
 });
+/** What every ordered op carries: its model and its place in the client's seq_id order. */
+const ordered = { model_id: z.string(), seq_id: z.number().int() };
+/** A checkpoint op's `tinker://<model_id>/<kind>/<name>` and the directory of its files. */
+const checkpoint = { ...ordered, tinker_path: z.string(), dir: z.string() };
+/** How long a saved checkpoint lives (null: until deleted). */
+const ttl = { ttl_seconds: z.number().int().positive().nullable() };
+const userMetadata = { user_metadata: z.record(z.string(), z.string()).nullable() };
+
 export const ForwardBackwardJob = z.object({
   op: z.literal('forward_backward'),
-  model_id: z.string(),
-  seq_id: z.number().int(),
+  ...ordered,
   loss_fn: z.string(),
   loss_fn_config: z.record(z.string(), z.union([z.number(), z.string()])),
   forward_only: z.boolean(),
@@ -72,17 +79,13 @@ export const ForwardBackwardJob = z.object({
 });
 export const OptimStepJob = z.object({
   op: z.literal('optim_step'),
-  model_id: z.string(),
-  seq_id: z.number().int(),
+  ...ordered,
   adam: AdamParams,
 });
+/** save_weights_for_sampler: an immutable sampler version at `tinker://<model_id>/sampler_weights/<name>`. */
 export const SaveSamplerJob = z.object({
   op: z.literal('save_weights_for_sampler'),
-  model_id: z.string(),
-  seq_id: z.number().int(),
-  /** `tinker://<model_id>/sampler_weights/<name>` */
-  tinker_path: z.string(),
-  dir: z.string(),
+  ...checkpoint,
   /** Set for the unnamed save behind `save_weights_and_get_sampling_client`. */
   sampling_session_id: z.string().nullable(),
   /**
@@ -90,38 +93,29 @@ export const SaveSamplerJob = z.object({
    * follows that target (it samples the newest inflight save of the model, never an older one).
    */
   kind: z.enum(['snapshot', 'inflight']).optional(),
-  ttl_seconds: z.number().int().positive().nullable(),
-  user_metadata: z.record(z.string(), z.string()).nullable(),
+  ...ttl,
+  ...userMetadata,
 });
 /** save_weights: the training state (adapter and optimizer) as a named checkpoint. */
 export const SaveStateJob = z.object({
   op: z.literal('save_weights'),
-  model_id: z.string(),
-  seq_id: z.number().int(),
-  tinker_path: z.string(),
-  dir: z.string(),
+  ...checkpoint,
   /** Replace an existing checkpoint of that name. */
   overwrite: z.boolean(),
-  ttl_seconds: z.number().int().positive().nullable(),
-  user_metadata: z.record(z.string(), z.string()).nullable(),
+  ...ttl,
+  ...userMetadata,
 });
 /** load_weights: a training checkpoint (of this or another compatible model) into this model. */
 export const LoadStateJob = z.object({
   op: z.literal('load_weights'),
-  model_id: z.string(),
-  seq_id: z.number().int(),
-  tinker_path: z.string(),
-  dir: z.string(),
+  ...checkpoint,
   optimizer: z.boolean(),
 });
 /** save_weights_external: the adapter as plain files (optionally age-encrypted) for download. */
 export const SaveExternalJob = z.object({
   op: z.literal('save_weights_external'),
-  model_id: z.string(),
-  seq_id: z.number().int(),
-  tinker_path: z.string(),
-  dir: z.string(),
-  ttl_seconds: z.number().int().positive().nullable(),
+  ...checkpoint,
+  ...ttl,
   /** age X25519 recipients (`age1…`); every file is then stored as `<name>.age`. */
   age_recipients: z.array(z.string()),
 });

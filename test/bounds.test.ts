@@ -115,6 +115,37 @@ describe('bounds', function () {
     expect((await awaitFuture(s.baseUrl, r.json.request_id)).json.metrics['loss:sum']).to.be.a('number');
   });
 
+  it('watches a body past 1 MiB while it arrives: a datum past every served context is refused from its first bytes, a valid one trains', async () => {
+    const id = await createModel();
+    // 400k tokens (1.6 MB; the limit here is 2 MiB): refused once the datum's token length has
+    // arrived, its seq_id used up as for the route's own refusals.
+    const long = Array.from({ length: 400_000 }, (_, i) => i % 1000);
+    const hostile = encodeForwardBackward({ modelId: id, seqId: 1, data: [{ tokens: long, targets: [1] }] });
+    expect(hostile.length).to.be.within(2 ** 20, 2 * 2 ** 20);
+    refused(await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: hostile }), /^forward_backward: data\[0\]: 400000 tokens or more exceed the longest context served here \(2048\)$/);
+    // One datum of 800 tokens with (800, 128) top-K targets and weights (1.2 MB): watched, within the
+    // bounds, decoded by the route and run.
+    const [n, k] = [800, 128];
+    const wide = encodeForwardBackwardMessage({
+      model_id: id,
+      seq_id: 2,
+      loss_fn: 'cross_entropy',
+      data: [
+        {
+          model_input: [{ encoded_text: { tokens: i32(Array.from({ length: n }, (_, i) => i % 1000)) } }],
+          loss_fn_inputs: {
+            target_tokens: { dense: i64(Array.from({ length: n * k }, (_, i) => i % 1000)), dtype: 2, shape: [n, k] },
+            weights: { dense: f32(Array(n * k).fill(1 / k)), dtype: 1, shape: [n, k] },
+          },
+        },
+      ],
+    });
+    expect(wide.length).to.be.within(2 ** 20, 2 * 2 ** 20);
+    const ok = await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: wide });
+    expect(ok.status, JSON.stringify(ok.json)).to.equal(200);
+    expect((await awaitFuture(s.baseUrl, ok.json.request_id)).json.metrics['loss:sum']).to.be.a('number');
+  });
+
   it('refuses seq_ids beyond the window, and a replay with another payload; a true replay gets the same future', async () => {
     const id = await createModel();
     refused(await optim(id, 65), /seq_id 65 .* too far ahead: the next op to run is seq_id 1, and at most 64/);

@@ -7,7 +7,7 @@ import { AgentGone } from '../../queues/gate.js';
 import { encodeRequestId } from '../../queues/futures.js';
 import { jobIds, resourceIds } from '../../queues/names.js';
 import type { ModelRecord } from '../../queues/registry.js';
-import type { Datum, TrainJob } from '../../queues/schemas.js';
+import type { TrainJob } from '../../queues/schemas.js';
 import type { ApiContext } from '../context.js';
 import {
   CreateViaLoadBody,
@@ -21,70 +21,12 @@ import {
 import { formatTinkerPath, storageDirFor } from '../paths.js';
 import { loadableCheckpoint } from '../services/checkpoints.js';
 import { createModelFromCheckpoint } from '../services/models.js';
-import { attachStability } from '../stability.js';
+import { forwardBackwardJob } from '../services/training.js';
 import { tenantOf } from '../auth.js';
 import { issueFuture, ownsModel, requireModel } from '../tenants.js';
 import { decodeForwardBackwardRequest } from '../wire/proto.js';
 
-/** forward_backward (also forward), optim_step, save_weights_for_sampler: ordered per model. */
-
-const RL = ['target_tokens', 'logprobs', 'advantages'];
-const CLIP = ['clip_low_threshold', 'clip_high_threshold'];
-
-/**
- * Loss functions and the `loss_fn_inputs` each takes (definitions and sources: docs/losses.md).
- * stable_reinforce's sampler logprobs come from the server's stability records, not the datum:
- * a datum's `logprobs` is accepted and not used.
- */
-export const LOSS_INPUTS: Record<string, { required: string[]; optional: string[] }> = {
-  cross_entropy: { required: ['target_tokens'], optional: ['weights'] },
-  importance_sampling: { required: RL, optional: [] },
-  ppo: { required: RL, optional: CLIP },
-  cispo: { required: RL, optional: CLIP },
-  dro: { required: RL, optional: [] },
-  gspo: { required: RL, optional: ['sequence_ratio_mask', ...CLIP] },
-  stable_reinforce: { required: ['target_tokens', 'advantages'], optional: ['logprobs', 'clip_high_threshold'] },
-};
-
-/** Widest 2-D loss input (N, K) accepted (top-K distillation targets and weights). */
-export const MAX_TARGET_K = 128;
-
-/** A model's context length (records placed before it was stored: from the agents' registry). */
-async function contextLength(ctx: ApiContext, model: ModelRecord): Promise<number> {
-  if (model.max_context_length !== null) return model.max_context_length;
-  return (await ctx.registry.resolveBaseModel(model.base_model)).model.max_context_length;
-}
-
-/** Checks a batch against the loss and the model before it is queued; the engine re-checks. */
-export function validateBatch(lossFn: string, data: Datum[], vocabSize: number): void {
-  const spec = LOSS_INPUTS[lossFn];
-  if (!spec) throw invalid(`unknown loss_fn '${lossFn}'; supported: ${Object.keys(LOSS_INPUTS).join(', ')}`);
-  if (data.length === 0) throw invalid('forward_backward needs at least one datum');
-  data.forEach((d, i) => {
-    const n = d.tokens.length;
-    if (n === 0) throw invalid(`data[${i}]: model_input is empty`);
-    for (const t of d.tokens)
-      if (t < 0 || t >= vocabSize) throw invalid(`data[${i}]: model_input token id ${t} is outside the vocabulary [0, ${vocabSize})`);
-    for (const k of spec.required) if (!d.loss_fn_inputs[k]) throw invalid(`data[${i}]: loss_fn '${lossFn}' needs loss_fn_inputs.${k}`);
-    for (const k of Object.keys(d.loss_fn_inputs))
-      if (!spec.required.includes(k) && !spec.optional.includes(k))
-        throw invalid(`data[${i}]: loss_fn_inputs.${k} is not an input of '${lossFn}' (expected ${[...spec.required, ...spec.optional].join(', ')})`);
-    const target = d.loss_fn_inputs.target_tokens!;
-    for (const [k, t] of Object.entries(d.loss_fn_inputs)) {
-      if (t.shape[0] !== n)
-        throw invalid(`data[${i}]: loss_fn_inputs.${k} has shape [${t.shape.join(', ')}] but model_input has ${n} tokens`);
-      if (t.data.some((v) => !Number.isFinite(v))) throw invalid(`data[${i}]: loss_fn_inputs.${k} contains NaN or infinite values`);
-    }
-    if (target.shape.length > 2) throw invalid(`data[${i}]: target_tokens must be (N,) or (N, K), got [${target.shape.join(', ')}]`);
-    if (lossFn !== 'cross_entropy' && target.shape.length !== 1) throw invalid(`data[${i}]: '${lossFn}' needs 1-D target_tokens`);
-    for (const t of target.data)
-      if (!Number.isInteger(t) || t < 0 || t >= vocabSize) throw invalid(`data[${i}]: target token id ${t} is outside the vocabulary [0, ${vocabSize})`);
-    for (const [k, t] of Object.entries(d.loss_fn_inputs)) {
-      if (k !== 'target_tokens' && t.shape.join(',') !== target.shape.join(','))
-        throw invalid(`data[${i}]: loss_fn_inputs.${k} has shape [${t.shape.join(', ')}], target_tokens has [${target.shape.join(', ')}]`);
-    }
-  });
-}
+/** The ordered training ops of a model (forward_backward, optim_step, saves and loads), through the gate in seq_id order. */
 
 /**
  * Any other POST under /api/v1 is an endpoint this server lacks. If it carries a model_id and a
@@ -200,15 +142,7 @@ export function trainingRoutes(ctx: ApiContext): Router {
         if (fb.seq_id < 1) throw invalid(`forward_backward: seq_id must be ≥ 1, got ${fb.seq_id}`);
         return fb;
       },
-      async (fb, model) => {
-        // The datums are decoded only now, under the model's bounds: nothing is allocated past them.
-        const data = fb.data({ maxTokens: await contextLength(ctx, model), vocabSize: model.vocab_size, maxK: MAX_TARGET_K });
-        validateBatch(fb.loss_fn, data, model.vocab_size);
-        if (fb.loss_fn === 'dro' && typeof fb.loss_fn_config.beta !== 'number') throw invalid("loss_fn 'dro' needs loss_fn_config.beta");
-        if (fb.loss_fn === 'stable_reinforce') await attachStability(ctx, model, data, fb.provenance);
-        const { data: _lazy, provenance: _spans, ...rest } = fb;
-        return { op: 'forward_backward', ...rest, data };
-      },
+      (fb, model) => forwardBackwardJob(ctx, fb, model),
     ),
   );
 

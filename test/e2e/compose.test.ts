@@ -183,8 +183,10 @@ describe('docker-compose.yml', function () {
       expect(burst.burst).to.deep.equal(Array(32).fill(8));
       const [byCpu0, byCpu1] = [engineSamples('agent-cpu0') - cpu0Before, engineSamples('agent-cpu1')];
       process.stdout.write(`      burst of 32 samples: ${byCpu0} on cpu0, ${byCpu1} on cpu1\n`);
-      expect(byCpu1, 'samples run by the recipe agent').to.be.above(0);
-      expect(byCpu0, 'samples run by the first agent').to.be.above(0);
+      // Both agents take jobs off the model's sampling queue, but an agent gathers up to its
+      // sample_concurrency (64) waiting requests into one batch, so a burst of 32 may all land on
+      // whichever agent fetched first: no split is asserted. That the recipe's agent serves the
+      // queue is asserted below, once cpu0 is stopped.
       expect(byCpu0 + byCpu1).to.equal(32);
 
       dc(['stop', 'agent-cpu0'], 180_000, [...files, extraFile]);

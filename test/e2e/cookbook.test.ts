@@ -14,7 +14,7 @@ import { E2EServer } from './server.js';
  * needs for the cookbook's model table) and a second tiny model as the teacher, by name.
  */
 type Row = Record<string, number | string | undefined>;
-type Run = { recipe: string; cmd: string[]; rc: number; seconds: number; log_path: string; metrics: Row[]; checkpoints: { state_path: string }[] };
+type Run = { recipe: string; cmd: string[]; rc: number; seconds: number; log_path: string; metrics: Row[]; checkpoints: { state_path: string; sampler_path?: string }[] };
 
 const num = (row: Row, key: string): number => {
   const v = row[key];
@@ -148,21 +148,49 @@ describe('Tinker Cookbook recipes, unchanged, against the server', function () {
     expect(mean(loss.slice(-2))).to.be.below(0.95 * loss[0]!);
   });
 
-  // From the SFT state some groups have mixed rewards, so the RL loss really updates the model
-  // (grad_norm > 0): with math_rl's default loss, stable_reinforce, on the sampler logprobs the
-  // server recorded, and with gspo.
+  // RL that really updates the policy, in the direction of its reward. A random model earns the
+  // same reward on every sample (no stop sequence within max_tokens), so every advantage is 0 and
+  // nothing is learnt. The SFT state (deterministic: fixed data and order, CPU training) answers
+  // concisely (fits in max_tokens=10: format reward) or verbosely ("The answer is a + b = c.", cut
+  // off: -0.1). Measured at RL step 0 over 6 runs: 63-88% of samples earn the format reward and
+  // 38-88% (mean 65%) of the groups of 4 are mixed, so a step without any mixed group among its 8
+  // has a chance of about 0.35^8 ≈ 2e-4; a step without one changes nothing, so 4 such steps in a
+  // row have about (2e-4)^4 (grad_norm > 0 is asserted over the run). Every mixed group favours the concise samples over the verbose ones (a
+  // verbose answer never scores above a concise one unless its truncated sum happens to be right:
+  // ~1% of samples), so RL lowers the probability of starting the verbose answer. That probability
+  // is read exactly (prompt logprobs of the saved weights, 64 fixed problems) before and after the
+  // 4 RL steps: 0.19 after SFT; after RL 0.005-0.012 (stable_reinforce) and 0.005-0.011 (gspo) in
+  // 3 runs each, 16-40 times lower. The bound, half, leaves a wide margin; the sampled format rate
+  // rose too (step 3 above step 0 in 6/6 runs) but 32 samples a step make it too noisy to assert.
+  let sft: Run;
+  it('SFT on the arithmetic environment\'s prompts (concise or verbose answers): the NLL falls', () => {
+    sft = cookbook('arithmetic_sft');
+    const nll = steps(sft, 64).map((r) => num(r, 'train_mean_nll'));
+    expect(nll[0]).to.be.closeTo(Math.log(1029), 0.5);
+    expect(mean(nll.slice(-8))).to.be.below(2);
+  });
+
   for (const lossFn of ['', 'gspo']) {
-    it(`SFT, then RL from the SFT state with ${lossFn ? `loss_fn=${lossFn}` : 'the default loss (stable_reinforce)'}`, () => {
-      const out = cookbook('sft_then_rl', `rl.loss_fn=${lossFn}`);
-      const sft = steps(out.sft as Run, 12).map((r) => num(r, 'train_mean_nll'));
-      expect(sft.at(-1)).to.be.below(sft[0]! - 1.5);
-      const rl = out.rl as Run;
+    it(`RL from the SFT state with ${lossFn ? `loss_fn=${lossFn}` : 'the default loss (stable_reinforce)'}: the penalised answer becomes less likely`, function () {
+      if (!sft) this.skip();
+      const state = sft.checkpoints.at(-1)!.state_path;
+      const rl: Run = cookbook('math_rl_from_sft', `load_checkpoint_path=${state}`, `loss_fn=${lossFn}`);
       expect(rl.cmd.join(' ')).to.not.match(/loss_fn=importance_sampling/);
+      const rows = steps(rl, 4);
       checkRl(rl, 4);
       // The RL policy starts from the SFT weights: far more certain than the random base model
       // (whose entropy is about ln 1029 = 6.9, as in the plain math_rl run).
-      expect(num(steps(rl, 4)[0]!, 'optim/entropy')).to.be.below(5.5);
-      expect(Math.max(...steps(rl, 4).map((r) => num(r, 'grad_norm')))).to.be.above(1e-3);
+      expect(num(rows[0]!, 'optim/entropy')).to.be.below(3);
+      expect(Math.max(...rows.map((r) => num(r, 'grad_norm')))).to.be.above(1e-3);
+      const before = sft.checkpoints.at(-1)!.sampler_path as string;
+      const after = (rl.checkpoints.at(-1) as { sampler_path: string }).sampler_path;
+      const probe = server.runPython(['test/e2e/cookbook/policy_probe.py', TINY_MODEL_DIR, 'role_colon', before, after]);
+      expect(probe.verbose_token).to.equal(' The');
+      const [p0, p1] = [mean(probe.paths[before]), mean(probe.paths[after])];
+      const fmt = rows.map((r) => num(r, 'env/all/format').toFixed(2)).join(' ');
+      console.log(`      ${lossFn || 'stable_reinforce'}: P(verbose) ${p0.toFixed(4)} -> ${p1.toFixed(4)}; format by step ${fmt}; mixed groups at step 0 ${num(rows[0]!, 'env/all/by_group/frac_mixed')}`);
+      expect(p0, 'P(verbose) after SFT').to.be.within(0.05, 0.6);
+      expect(p1, `P(verbose) after RL (was ${p0})`).to.be.below(p0 / 2);
     });
   }
 

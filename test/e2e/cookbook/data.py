@@ -57,6 +57,30 @@ def chat_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
+# math_rl's arithmetic environment prompts with this one-shot example before the question
+# (ArithmeticEnv.standard_fewshot_prefix) and samples at most max_tokens tokens.
+ARITHMETIC_FEWSHOT = [{"role": "user", "content": "What is 4 + 5?"}, {"role": "assistant", "content": "9"}]
+
+
+def arithmetic_sft_rows(n: int, seed: int) -> list[dict]:
+    """SFT data for RL in the arithmetic environment: its exact prompt (the one-shot example, then
+    "What is a + b?", a and b in 0..100), answered half of the time with the bare sum ("c", 1-2
+    tokens, then the stop sequence: fits in math_rl's max_tokens=10, so it earns the format reward)
+    and half of the time verbosely ("The answer is a + b = c.", 9-10 tokens: cut off at
+    max_tokens=10 before the stop sequence, so it loses 0.1). A policy fitted to this data answers
+    concisely with probability about 1/2 whatever its other errors, so most groups of its samples
+    have mixed rewards, and RL has a decision to learn: answer within the token budget.
+    """
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b = rng.randint(0, 100), rng.randint(0, 100)
+        answer = f"{a + b}" if i % 2 == 0 else f"The answer is {a} + {b} = {a + b}."
+        rows.append({"messages": [*ARITHMETIC_FEWSHOT, {"role": "user", "content": f"What is {a} + {b}?"},
+                                  {"role": "assistant", "content": answer}]})
+    return rows
+
+
 def no_robots_rows(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     rows = []
@@ -131,6 +155,7 @@ def prepare(workdir: str | os.PathLike[str], model_dir: str | os.PathLike[str]) 
     w = Path(workdir).resolve()
     w.mkdir(parents=True, exist_ok=True)
     _write_jsonl(w / "chat.jsonl", chat_rows(512, seed=3))
+    _write_jsonl(w / "arithmetic_sft.jsonl", arithmetic_sft_rows(4096, seed=12))
     _write_jsonl(w / "HuggingFaceH4/no_robots/train.jsonl", no_robots_rows(128, seed=4))
     _write_jsonl(w / "HuggingFaceH4/no_robots/test.jsonl", no_robots_rows(8, seed=5))
     _write_jsonl(w / "Anthropic/hh-rlhf/train.jsonl", hh_rlhf_rows(128, seed=6))
@@ -147,6 +172,7 @@ def prepare(workdir: str | os.PathLike[str], model_dir: str | os.PathLike[str]) 
     link.symlink_to(Path(model_dir).resolve(), target_is_directory=True)
     return {
         "chat_jsonl": str(w / "chat.jsonl"),
+        "arithmetic_sft_jsonl": str(w / "arithmetic_sft.jsonl"),
         "no_robots": str(w / "HuggingFaceH4/no_robots"),
         "hh_rlhf": str(w / "Anthropic/hh-rlhf"),
         "deepmath": str(w / "zwhe99/DeepMath-103K"),

@@ -1,0 +1,119 @@
+import type { RequestHandler } from 'express';
+import { BrokerError } from '../queues/errors.js';
+import { jobIds } from '../queues/names.js';
+import type { ApiContext } from './context.js';
+import { ownsModel } from './tenants.js';
+import { ForwardBackwardScan, type ScanLimits } from './wire/fb-scan.js';
+
+/** The widest K of a (N, K) loss input any model accepts (the route's MAX_TARGET_K). */
+const MAX_K = 128;
+/** Bytes of one loss-input element at most (int64 / float64). */
+const MAX_ELEMENT_BYTES = 8;
+/**
+ * Bodies are watched once they pass this size: below it buffering costs nothing worth saving, and
+ * the route refuses with the model's own bounds (and messages).
+ */
+const WATCH_FROM_BYTES = 2 ** 20;
+
+/**
+ * Reads a forward_backward body (protobuf) for the route; past 1 MiB it watches the body while it
+ * arrives (wire/fb-scan.ts): a datum with more tokens than the longest context served here, or a loss input
+ * larger than any served model accepts, is refused after its first bytes, and the rest of the body
+ * is read and dropped (never kept, never copied into one buffer). The route then finds `req.body`
+ * already read (body-parser leaves a request with `_body` set alone) and decodes it under the
+ * model's exact bounds. Past `TB_MAX_TRAIN_BODY_MB` the body is refused as body-parser would.
+ *
+ * A refusal uses up the request's seq_id in the model's gate, as the route's own refusals do
+ * (routes/training.ts guardSeq: the SDK never resends a refused seq_id), when the model_id and
+ * seq_id came before the datums (the SDK writes them first) and the caller owns the model.
+ */
+export function forwardBackwardBody(ctx: ApiContext): RequestHandler {
+  const limit = (ctx.config.maxTrainBodyMb ?? 64) * 2 ** 20;
+  // The served models' bounds, read from Redis at most every 2 s (they change when agents come and go).
+  let cached: { at: number; limits: Promise<ScanLimits> } | null = null;
+  const limits = (): Promise<ScanLimits> => {
+    if (!cached || Date.now() - cached.at > 2_000) {
+      const p = servedLimits(ctx);
+      cached = { at: Date.now(), limits: p };
+      p.catch(() => (cached = null));
+    }
+    return cached.limits;
+  };
+  return (req, _res, next) => {
+    const declared = Number(req.headers['content-length']);
+    if (Number.isFinite(declared) && declared > limit) return next(tooLarge(limit));
+    const chunks: Buffer[] = [];
+    let size = 0;
+    let scan: ForwardBackwardScan | null = null;
+    let scanned = 0; // chunks already fed to the scan
+    let watching: Promise<void> | null = null;
+    let done = false;
+    const stopReading = () => {
+      done = true;
+      req.removeListener('data', onData);
+      req.removeListener('end', onEnd);
+      chunks.length = 0;
+      req.resume(); // the rest is read and dropped; the reply goes out now
+    };
+    const fail = (err: unknown) => {
+      if (done) return;
+      stopReading();
+      next(err);
+    };
+    const feed = () => {
+      while (scan && !done && scanned < chunks.length) {
+        const refusal = scan.push(chunks[scanned++]!);
+        if (!refusal) continue;
+        const { modelId, seqId } = scan;
+        stopReading();
+        void useUpSeqId(ctx, req, modelId, seqId).then(
+          () => next(new BrokerError('INVALID_REQUEST', `forward_backward: ${refusal.message}`)),
+          (e) => next(e),
+        );
+      }
+    };
+    const onData = (chunk: Buffer) => {
+      size += chunk.length;
+      if (size > limit) return fail(tooLarge(limit));
+      chunks.push(chunk);
+      if (!watching && size > WATCH_FROM_BYTES) {
+        watching = limits().then((l) => {
+          if (done) return;
+          scan = new ForwardBackwardScan(l);
+          feed();
+        }, fail);
+      }
+      feed();
+    };
+    const onEnd = () => {
+      // A watched body that arrived before the bounds were known is scanned before it goes on.
+      if (watching && !scan) return void watching.then(onEnd);
+      if (done) return;
+      done = true;
+      req.removeListener('error', fail);
+      (req as { _body?: boolean })._body = true;
+      req.body = chunks.length === 1 ? chunks[0]! : Buffer.concat(chunks, size);
+      next();
+    };
+    req.on('data', onData);
+    req.on('end', onEnd);
+    req.on('error', fail);
+  };
+}
+
+function tooLarge(limit: number): BrokerError {
+  return new BrokerError('INVALID_REQUEST', `request body too large (limit ${limit} bytes)`);
+}
+
+/** The largest context and loss input any served model accepts (no agent: no early refusal). */
+async function servedLimits(ctx: ApiContext): Promise<ScanLimits> {
+  let maxTokens = 0;
+  for (const { model } of (await ctx.registry.servedModels()).values()) maxTokens = Math.max(maxTokens, model.max_context_length);
+  if (maxTokens === 0) return { maxTokens: Infinity, maxTensorBytes: Infinity };
+  return { maxTokens, maxTensorBytes: maxTokens * MAX_K * MAX_ELEMENT_BYTES };
+}
+
+async function useUpSeqId(ctx: ApiContext, req: Parameters<RequestHandler>[0], modelId: string | null | undefined, seqId: number | null | undefined) {
+  if (typeof modelId !== 'string' || typeof seqId !== 'number' || !Number.isInteger(seqId) || seqId < 1) return;
+  if ((await ctx.gate.isOpen(modelId)) && (await ownsModel(ctx, req, modelId))) await ctx.gate.skip(modelId, seqId, jobIds.train(modelId, seqId));
+}
