@@ -1,25 +1,26 @@
-import { Job, QueueEvents } from 'bullmq';
 import type { Redis } from 'ioredis';
+import { Completions } from '../queues/completions.js';
 import { decodeJobFailure, failure, outcomeUnknownMessage, recordedFailure, type Failure } from '../queues/errors.js';
 import { decodeRequestId, encodeRequestId, type FutureRef } from '../queues/futures.js';
 import type { OrderingGate } from '../queues/gate.js';
 import { Liveness } from '../queues/liveness.js';
 import { logger } from '../queues/logger.js';
-import { Outcomes, type Outcome } from '../queues/outcomes.js';
+import { Outcome, Outcomes } from '../queues/outcomes.js';
 import type { Names } from '../queues/names.js';
 import type { QueueSet } from '../queues/queues.js';
-import type { Registry } from '../queues/registry.js';
-import type { AnyJob, JobOp } from '../queues/schemas.js';
+import { FailedFuture, type Registry } from '../queues/registry.js';
+import { runScript } from '../queues/scripts.js';
+import type { JobOp } from '../queues/schemas.js';
 
 /**
  * A training op's future is answered from its outcome record (queues/outcomes.ts), which the agent
- * writes once; a sample's from BullMQ's job state. A pending training op whose agent was reaped
- * (queues/liveness.ts) fails with OUTCOME_UNKNOWN. Every API process runs the reaper (`startReaper`).
+ * writes once; a sample's from BullMQ's job state (queues/queues.ts `view`). A pending training op
+ * whose agent was reaped (queues/liveness.ts) fails with OUTCOME_UNKNOWN. Every API process runs the
+ * reaper (`startReaper`).
  *
- * Futures are answered from BullMQ job state plus one shared completion listener
- * per queue: a `retrieve_future` reads the job; if it is pending, registers a waiter on the
- * queue's listener, reads again, and sleeps on the waiter for at most the long-poll window.
- * No polling loop. Listeners exist only for queues that hold a real pending job.
+ * A `retrieve_future` reads the state; if it is pending, registers a waiter for the op's completion
+ * signal (queues/completions.ts), reads again, and sleeps on the waiter for at most the long-poll
+ * window. No polling loop.
  */
 export type FutureState =
   | { kind: 'done'; op: JobOp; result: unknown }
@@ -28,18 +29,17 @@ export type FutureState =
   | { kind: 'unknown' };
 
 const QUEUE_NAME = /^(train|sample)-[A-Za-z0-9_.-]{1,128}$/;
-/** The job ids the API issues (queues/names.ts jobIds); anything else (`events`, `meta`, `id`) names BullMQ's own keys. */
+/** The job ids the API issues (queues/names.ts jobIds); anything else names no future. */
 const JOB_ID = /^[ctuls]-[A-Za-z0-9-]{1,200}$/;
 
 export class FutureResolver {
-  private readonly events = new Map<string, Promise<QueueEvents>>();
-  private readonly waiters = new Map<string, Set<() => void>>();
+  private readonly completions: Completions;
   readonly outcomes: Outcomes;
   readonly liveness: Liveness;
 
   constructor(
     private readonly redis: Redis,
-    private readonly blockingConnection: () => Redis,
+    blockingConnection: () => Redis,
     private readonly names: Names,
     private readonly queues: QueueSet,
     private readonly gate: OrderingGate,
@@ -50,6 +50,7 @@ export class FutureResolver {
   ) {
     this.outcomes = new Outcomes(redis, names, retentionS);
     this.liveness = new Liveness(redis, names, registry, this.outcomes);
+    this.completions = new Completions(redis, blockingConnection, names);
   }
 
   /** Runs the liveness reaper every `everyMs`; returns its stop function. */
@@ -70,133 +71,113 @@ export class FutureResolver {
   }
 
   /**
-   * A final outcome, read: the outcome record and the job (payload) of an ordered op then leave Redis
-   * soon (create_model's stay for the retention: its job id makes it idempotent).
+   * The outcome record of a training op, read as its future: a final one, and the op's job (its
+   * payload), then leave Redis soon (create_model's stay for the retention: its job id makes it idempotent).
    */
-  private async readOutcome(ref: FutureRef, o: Outcome): Promise<FutureState> {
-    if (o.op !== 'create_model') {
-      const ms = this.ttlAfterReadS * 1000;
-      await this.redis
-        .multi()
-        .call('PEXPIRE', this.outcomes.key(ref.jobId), ms, 'LT')
-        .call('PEXPIRE', `${this.names.bull}:${ref.queue}:${ref.jobId}`, ms, 'LT')
-        .call('PEXPIRE', this.names.futureOwner(encodeRequestId(ref)), ms, 'LT')
-        .exec();
-    }
-    return this.fromOutcome(o);
-  }
-
-  /** A pending training op whose agent was reaped fails (OUTCOME_UNKNOWN), unless its outcome is already final. */
-  private async pendingTrain(ref: FutureRef, op: string): Promise<FutureState> {
-    const agentId = ref.queue.slice('train-'.length);
-    const why = await this.liveness.reapedWhy(agentId);
-    if (why !== null) {
-      return this.fromOutcome(await this.liveness.failPending(ref.jobId, op, agentId, why));
-    }
-    return { kind: 'pending', queueState: 'active' };
-  }
-
-  private notify(queue: string, jobId: string): void {
-    const set = this.waiters.get(`${queue}/${jobId}`);
-    if (set) for (const wake of set) wake();
-  }
-
-  /** The shared listener of one queue, created on first use; it reads from the stream's current end. */
-  private listen(queue: string): Promise<QueueEvents> {
-    let p = this.events.get(queue);
-    if (!p) {
-      p = (async () => {
-        // Start at the last event already in the stream, not at '$': an event written between
-        // "ready" and the first blocking read is then still delivered.
-        const last = await this.redis.xrevrange(`${this.names.bull}:${queue}:events`, '+', '-', 'COUNT', 1);
-        const qe = new QueueEvents(queue, {
-          connection: this.blockingConnection(),
-          prefix: this.names.bull,
-          lastEventId: last[0]?.[0] ?? '0-0',
-        });
-        qe.on('completed', ({ jobId }) => this.notify(queue, jobId));
-        qe.on('failed', ({ jobId }) => this.notify(queue, jobId));
-        // Connection errors (Redis unreachable) are reported by the app's own connection watch.
-        qe.on('error', () => undefined);
-        await qe.waitUntilReady();
-        return qe;
-      })();
-      this.events.set(queue, p);
-      // A listener that failed to start is dropped, so the next poll tries again.
-      p.catch(() => this.events.delete(queue));
-    }
-    return p;
+  private readOutcome(ref: FutureRef): Promise<Outcome | null> {
+    return this.outcomes.read(
+      ref.jobId,
+      this.queues.jobKey(ref.queue, ref.jobId),
+      this.names.futureOwner(encodeRequestId(ref)),
+      this.ttlAfterReadS * 1000,
+      ref.jobId.startsWith('c-'),
+    );
   }
 
   async state(ref: FutureRef): Promise<FutureState> {
     if (!QUEUE_NAME.test(ref.queue) || !JOB_ID.test(ref.jobId)) return { kind: 'unknown' };
-    const train = ref.queue.startsWith('train-');
-    if (train) {
-      const o = await this.outcomes.get(ref.jobId);
-      if (o && o.state !== 'running') return this.readOutcome(ref, o);
+    return ref.queue.startsWith('train-') ? this.trainState(ref) : this.sampleState(ref);
+  }
+
+  /** A training op's future: its outcome, else what keeps it pending or failed, read in one round trip. */
+  private async trainState(ref: FutureRef): Promise<FutureState> {
+    const agentId = ref.queue.slice('train-'.length);
+    const [o, failed, held, name, finishedOn, failedReason, reaped] = (await runScript(
+      this.redis,
+      'future-train',
+      [
+        this.outcomes.key(ref.jobId),
+        this.queues.jobKey(ref.queue, ref.jobId),
+        this.names.futureOwner(encodeRequestId(ref)),
+        this.names.failedFuture(ref.jobId),
+        this.names.gateHeldIndex(),
+        this.liveness.reapedKey(agentId),
+      ],
+      [ref.jobId, this.ttlAfterReadS * 1000, ref.jobId.startsWith('c-') ? '1' : '0'],
+    )) as (string | null)[];
+    const outcome = o ? Outcome.parse(JSON.parse(o)) : null;
+    if (outcome && outcome.state !== 'running') return this.fromOutcome(outcome);
+    if (failed) {
+      const f = FailedFuture.parse(JSON.parse(failed));
+      return { kind: 'failed', op: f.op, ...recordedFailure(f) };
     }
-    const exists = (await this.redis.exists(`${this.names.bull}:${ref.queue}:${ref.jobId}`)) === 1;
-    if (!exists) {
-      const failed = await this.registry.getFailedFuture(ref.jobId);
-      if (failed) return { kind: 'failed', op: failed.op, ...recordedFailure(failed) };
-      const model = await this.gate.heldModel(ref.jobId);
-      if (model === null) return { kind: 'unknown' };
-      await this.gate.release(model);
-      // The release may have failed it (a gap past its deadline).
+    const op = outcome?.op ?? name ?? 'training op';
+    const pending = async (heldModel?: string): Promise<FutureState> => {
+      // A pending op whose agent was reaped fails (OUTCOME_UNKNOWN), unless its outcome is already final.
+      if (reaped) return this.fromOutcome(await this.liveness.failPending(ref.jobId, op, agentId, reaped.slice(reaped.indexOf(' ') + 1)));
+      return { kind: 'pending', queueState: 'active', ...(heldModel ? { heldModel } : {}) };
+    };
+    if (held) {
+      // Held behind a gap: the release fails it once the gap has timed out.
+      await this.gate.release(held);
       const failedNow = await this.registry.getFailedFuture(ref.jobId);
       if (failedNow) return { kind: 'failed', op: failedNow.op, ...recordedFailure(failedNow) };
-      if (train) {
-        const st = await this.pendingTrain(ref, 'training op');
-        return st.kind === 'pending' ? { ...st, heldModel: model } : st;
-      }
-      return { kind: 'pending', queueState: 'active', heldModel: model };
+      return pending(held);
     }
-    const job = (await Job.fromId(this.queues.get(ref.queue), ref.jobId)) as Job<AnyJob> | undefined;
-    if (!job) return { kind: 'unknown' };
-    const op = job.data.op;
-    if (job.finishedOn) {
-      // Payloads and results of ordered training ops and samples are not kept long once read (a
-      // repeat of their seq_id is recognised by the gate, not by the job). Others (create_model)
-      // stay for the retention, as their job id is what makes them idempotent.
-      const seq = (job.data as { seq_id?: number }).seq_id ?? 0;
-      if (op === 'sample' || seq >= 1) {
-        const ms = this.ttlAfterReadS * 1000;
-        await this.redis
-          .multi()
-          .call('PEXPIRE', `${this.names.bull}:${ref.queue}:${ref.jobId}`, ms, 'LT')
-          .call('PEXPIRE', this.names.futureOwner(encodeRequestId(ref)), ms, 'LT')
-          .exec();
-      }
-      if (job.failedReason) {
-        const { verdict, ...f } = decodeJobFailure(job.failedReason);
-        // A training job that failed without the agent's verdict (a stall, a crash) may have run.
-        if (train && !verdict) return { kind: 'failed', op, ...failure('OUTCOME_UNKNOWN', outcomeUnknownMessage(op, f.message)) };
-        return { kind: 'failed', op, ...f };
-      }
-      // A training op's result lives in its outcome record (read again: it may have finished since the
-      // first read); without one it has expired.
-      if (train && job.returnvalue === null) {
-        const o = await this.outcomes.get(ref.jobId);
-        return o && o.state !== 'running' ? this.readOutcome(ref, o) : { kind: 'unknown' };
-      }
-      return { kind: 'done', op, result: job.returnvalue };
+    if (!name) return { kind: 'unknown' };
+    if (!finishedOn) return pending();
+    // The job ended without an outcome record: ordered ops' jobs leave soon once read.
+    if (ref.jobId.startsWith('t-')) await this.expireOnceRead(ref);
+    if (failedReason) {
+      const { verdict, ...f } = decodeJobFailure(failedReason);
+      // A training job that failed without the agent's verdict (a stall, a crash) may have run.
+      if (!verdict) return { kind: 'failed', op, ...failure('OUTCOME_UNKNOWN', outcomeUnknownMessage(op, f.message)) };
+      return { kind: 'failed', op, ...f };
     }
-    return train ? this.pendingTrain(ref, op) : { kind: 'pending', queueState: 'active' };
+    // Its outcome may have been recorded since the read; without one it has expired.
+    const again = await this.readOutcome(ref);
+    return again && again.state !== 'running' ? this.fromOutcome(again) : { kind: 'unknown' };
+  }
+
+  /** A sample's future: its BullMQ job's state. */
+  private async sampleState(ref: FutureRef): Promise<FutureState> {
+    const job = await this.queues.view(ref.queue, ref.jobId);
+    if (!job) {
+      const failed = await this.registry.getFailedFuture(ref.jobId);
+      return failed ? { kind: 'failed', op: failed.op, ...recordedFailure(failed) } : { kind: 'unknown' };
+    }
+    if (!job.finished) return { kind: 'pending', queueState: 'active' };
+    // Samples' payloads and results are not kept long once read.
+    await this.expireOnceRead(ref);
+    const op = job.op as JobOp;
+    if (job.failedReason) {
+      const { verdict: _verdict, ...f } = decodeJobFailure(job.failedReason);
+      return { kind: 'failed', op, ...f };
+    }
+    return { kind: 'done', op, result: job.returnvalue };
+  }
+
+  private async expireOnceRead(ref: FutureRef): Promise<void> {
+    const ms = this.ttlAfterReadS * 1000;
+    await this.redis
+      .multi()
+      .call('PEXPIRE', this.queues.jobKey(ref.queue, ref.jobId), ms, 'LT')
+      .call('PEXPIRE', this.names.futureOwner(encodeRequestId(ref)), ms, 'LT')
+      .exec();
   }
 
   /** The future's state, waiting up to `timeoutMs` for it to finish; `signal` ends the wait early. */
   async retrieve(requestId: string, timeoutMs: number, signal?: AbortSignal): Promise<FutureState> {
     const ref = decodeRequestId(requestId);
     if (!ref) return { kind: 'unknown' };
-    const first = await this.state(ref);
-    if (first.kind !== 'pending') return first;
-    await this.listen(ref.queue);
-    const key = `${ref.queue}/${ref.jobId}`;
-    let wake!: () => void;
-    const woken = new Promise<void>((resolve) => (wake = resolve));
-    const set = this.waiters.get(key) ?? new Set();
-    set.add(wake);
-    this.waiters.set(key, set);
+    // A sample queue's listener is made only for a pending job (a finished or unknown one needs none).
+    if (!ref.queue.startsWith('train-')) {
+      const first = await this.state(ref);
+      if (first.kind !== 'pending') return first;
+    }
+    // The waiter first, then the read: a completion signalled in between is not missed. Training
+    // ops share one subscription, made once per process.
+    const { woken, cancel } = await this.completions.watch(ref);
     let timer: NodeJS.Timeout | undefined;
     try {
       const second = await this.state(ref);
@@ -213,14 +194,11 @@ export class FutureResolver {
       return await this.state(ref);
     } finally {
       clearTimeout(timer);
-      set.delete(wake);
-      if (set.size === 0) this.waiters.delete(key);
+      cancel();
     }
   }
 
-  async close(): Promise<void> {
-    const all = await Promise.allSettled([...this.events.values()]);
-    await Promise.all(all.map((r) => (r.status === 'fulfilled' ? r.value.close() : undefined)));
-    this.events.clear();
+  close(): Promise<void> {
+    return this.completions.close();
   }
 }

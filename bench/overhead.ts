@@ -1,92 +1,179 @@
 import { performance } from 'node:perf_hooks';
-import { logger } from '../queues/logger.js';
-import { EngineProcess } from '../workers/engine.js';
-import { defaultPython, ensureTinyModel, TINY_MODEL_ALIAS, TINY_MODEL_DIR } from '../scripts/stack.js';
-import { awaitFuture, call, startStack } from '../test/helpers/stack.js';
+import { fileURLToPath } from 'node:url';
+import { Job, Queue } from 'bullmq';
+import { Redis } from 'ioredis';
+import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
+import { E2EServer, E2E_KEY } from '../test/e2e/server.js';
+import { REDIS_URL } from '../test/helpers/stack.js';
 import { encodeForwardBackward, type TestDatum } from '../test/helpers/wire.js';
 
 /**
- * Broker overhead: the same training step (forward_backward + optim_step on the tiny model)
- * run (a) straight on the engine over its stdio channel and (b) through the whole stack
- * (HTTP → gate → BullMQ → agent → engine → job state → long-poll), pipelined as the SDK does.
+ * Broker overhead per training op, against the server as a user starts it (`tinker-broker start`:
+ * API and agent in their own processes, the torch engine with the tiny model, Redis on loopback).
  *
- *   node --import tsx bench/overhead.ts [steps=50] [batch=8] [seqLen=64]
+ * Each client owns a model and runs ops one after another, alternating forward_backward (2 × 32
+ * tokens) and optim_step; an op is timed from its submit to its result as the client sees them
+ * (POST, then retrieve_future). The engine's time comes from the op's own record: the agent stamps
+ * when the engine started and ended it (`engine` in the outcome record; a server without those
+ * stamps is measured by its BullMQ job's processedOn/finishedOn, which also count the agent's
+ * outcome writes around the engine call).
+ *
+ *   overhead = client-observed time − the op's engine time − the engine time of the ops that
+ *              started on the engine while it waited (after its submit, before its own start)
+ *
+ * With one client the last term is zero: the client's wait minus what the engine spent on its op.
+ * With 64 clients on one engine an op queues behind others; their engine time is the engine's, not
+ * the broker's, while the engine's idle gaps between them are the broker's (they delay every op).
+ *
+ * Then the SDK: `training_client.optim_step(adam).result()` through the real tinker SDK against two
+ * plain HTTP round trips to the same server (`GET /api/v1/healthz`, and a 404), interleaved in one
+ * Python process (bench/sdk_optim_step.py).
+ *
+ *   node --import tsx bench/overhead.ts [opsPerClient1=200] [opsPerClient64=8] [sdkSteps=100] [--json]
  */
-const steps = Number(process.argv[2] ?? 50);
-const batchSize = Number(process.argv[3] ?? 8);
-const seqLen = Number(process.argv[4] ?? 64);
-logger.level = 'warn';
+const args = process.argv.slice(2).filter((a) => !a.startsWith('--'));
+const json = process.argv.includes('--json');
+const ops1 = Number(args[0] ?? 200);
+const ops64 = Number(args[1] ?? 8);
+const sdkSteps = Number(args[2] ?? 100);
 
-const batch: TestDatum[] = Array.from({ length: batchSize }, (_, b) => {
+const seqLen = 32;
+const batch: TestDatum[] = Array.from({ length: 2 }, (_, b) => {
   const toks = Array.from({ length: seqLen + 1 }, (_, i) => (b * 31 + i * 7) % 1000);
   return { tokens: toks.slice(0, -1), targets: toks.slice(1), weights: Array(seqLen).fill(1) };
 });
-const adam = { learning_rate: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-12, weight_decay: 0, grad_clip_norm: 0 };
+const adam = { learning_rate: 1e-4, beta1: 0.9, beta2: 0.95, eps: 1e-12, weight_decay: 0, grad_clip_norm: 0 };
 
-function stats(ms: number[]): string {
-  const s = [...ms].sort((a, b) => a - b);
-  const q = (p: number) => s[Math.min(s.length - 1, Math.floor(p * s.length))]!.toFixed(1);
-  return `p50 ${q(0.5)} ms, p90 ${q(0.9)} ms, mean ${(ms.reduce((a, b) => a + b, 0) / ms.length).toFixed(1)} ms`;
+const now = () => performance.timeOrigin + performance.now();
+
+async function post(base: string, route: string, body: unknown, raw?: Buffer): Promise<any> {
+  const headers: Record<string, string> = { 'x-api-key': E2E_KEY, 'content-type': raw ? 'application/x-protobuf' : 'application/json' };
+  const res = await fetch(`${base}/api/v1${route}`, { method: 'POST', headers, body: raw ? new Uint8Array(raw) : JSON.stringify(body) });
+  const text = await res.text();
+  if (res.status !== 200) throw new Error(`${route}: ${res.status} ${text}`);
+  return JSON.parse(text);
 }
 
-async function direct(): Promise<number[]> {
-  const e = new EngineProcess({ python: defaultPython(), log: logger });
-  e.start();
-  await e.call('hello', {});
-  await e.call('load_base', { name: TINY_MODEL_DIR, path: TINY_MODEL_DIR });
-  await e.call('create_model', { model_id: 'bench', base_model: TINY_MODEL_DIR, lora: { rank: 8, seed: 0, train_unembed: true, train_mlp: true, train_attn: true } });
-  const data = batch.map((d) => ({
-    tokens: d.tokens,
-    loss_fn_inputs: {
-      target_tokens: { dtype: 'int64', shape: [seqLen], data: d.targets },
-      weights: { dtype: 'float32', shape: [seqLen], data: d.weights },
-    },
-  }));
-  const times: number[] = [];
-  for (let i = 0; i < steps; i++) {
-    const t = performance.now();
-    await e.call('forward_backward', { model_id: 'bench', loss_fn: 'cross_entropy', loss_fn_config: {}, forward_only: false, data });
-    await e.call('optim_step', { model_id: 'bench', adam });
-    times.push(performance.now() - t);
-  }
-  await e.stop();
-  return times;
-}
-
-async function throughStack(): Promise<{ steps: number[]; createModel: number }> {
-  const s = await startStack({ longPollMs: 25_000 });
-  try {
-    const session = (await call(s.baseUrl, 'POST', '/create_session', { tags: [] })).json.session_id;
-    let t = performance.now();
-    const cm = await call(s.baseUrl, 'POST', '/create_model', { session_id: session, model_seq_id: 0, base_model: TINY_MODEL_ALIAS, lora_config: { rank: 8, seed: 0 } });
-    const modelId = (await awaitFuture(s.baseUrl, cm.json.request_id)).json.model_id;
-    const createModel = performance.now() - t;
-    const times: number[] = [];
-    let seq = 1;
-    for (let i = 0; i < steps; i++) {
-      t = performance.now();
-      const fb = await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: encodeForwardBackward({ modelId, seqId: seq++, data: batch }) });
-      const op = await call(s.baseUrl, 'POST', '/optim_step', { model_id: modelId, seq_id: seq++, adam_params: adam });
-      await awaitFuture(s.baseUrl, fb.json.request_id, 'application/x-protobuf');
-      await awaitFuture(s.baseUrl, op.json.request_id);
-      times.push(performance.now() - t);
+/** Waits for a future as the SDK does (again at once on try_again). */
+async function result(base: string, requestId: string): Promise<any> {
+  for (;;) {
+    const r = await post(base, '/retrieve_future', { request_id: requestId, allow_metadata_only: false });
+    if (r.type !== 'try_again') {
+      if (r.error) throw new Error(`${requestId}: ${r.error}`);
+      return r;
     }
-    return { steps: times, createModel };
-  } finally {
-    await s.stop();
   }
+}
+
+type Op = { requestId: string; start: number; end: number; engine?: [number, number] };
+
+async function createModel(base: string, session: string, i: number): Promise<string> {
+  const cm = await post(base, '/create_model', { session_id: session, model_seq_id: i, base_model: TINY_MODEL_ALIAS, lora_config: { rank: 8, seed: i } });
+  return (await result(base, cm.request_id)).model_id;
+}
+
+/** One client: `n` ops on its model from seq_id `from`, each awaited before the next. */
+async function client(base: string, modelId: string, from: number, n: number): Promise<Op[]> {
+  const out: Op[] = [];
+  for (let seq = from; seq < from + n; seq++) {
+    const start = now();
+    const sub =
+      seq % 2 === 1
+        ? await post(base, '/forward_backward', undefined, encodeForwardBackward({ modelId, seqId: seq, data: batch }))
+        : await post(base, '/optim_step', { model_id: modelId, seq_id: seq, adam_params: adam });
+    await result(base, sub.request_id);
+    out.push({ requestId: sub.request_id, start, end: now() });
+  }
+  return out;
+}
+
+/** The engine interval of each op, from its outcome record (or its BullMQ job's timestamps). */
+async function engineTimes(redis: Redis, prefix: string, ops: Op[]): Promise<void> {
+  const queues = new Map<string, Queue>();
+  for (const op of ops) {
+    const [queue, jobId] = op.requestId.split('/') as [string, string];
+    const rec = await redis.get(`${prefix}:outcome:${jobId}`);
+    const engine = rec ? (JSON.parse(rec).engine as [number, number] | undefined) : undefined;
+    if (engine) {
+      op.engine = engine;
+      continue;
+    }
+    let q = queues.get(queue);
+    if (!q) queues.set(queue, (q = new Queue(queue, { connection: redis, prefix: `${prefix}-bull` })));
+    const job = await Job.fromId(q, jobId);
+    if (!job?.processedOn || !job.finishedOn) throw new Error(`no engine times for ${op.requestId}`);
+    op.engine = [job.processedOn, job.finishedOn];
+  }
+  await Promise.all([...queues.values()].map((q) => q.close()));
+}
+
+function overheads(ops: Op[]): number[] {
+  const byStart = [...ops].sort((a, b) => a.engine![0] - b.engine![0]);
+  return ops.map((op) => {
+    const [s, e] = op.engine!;
+    let ahead = 0;
+    for (const o of byStart) {
+      if (o === op) continue;
+      if (o.engine![0] >= op.start && o.engine![0] < s) ahead += o.engine![1] - o.engine![0];
+    }
+    return op.end - op.start - (e - s) - ahead;
+  });
+}
+
+const pct = (xs: number[], p: number) => {
+  const s = [...xs].sort((a, b) => a - b);
+  return s[Math.min(s.length - 1, Math.floor(p * s.length))]!;
+};
+
+type Figures = { clients: number; ops: number; p50: number; p99: number; engineP50: number; clientP50: number };
+
+async function run(base: string, redis: Redis, prefix: string, clients: number, n: number): Promise<Figures> {
+  const session = (await post(base, '/create_session', { tags: [], user_metadata: {}, sdk_version: '0.38.0', type: 'create_session' })).session_id;
+  const models: string[] = [];
+  for (let i = 0; i < clients; i++) models.push(await createModel(base, session, i));
+  // Warm-up: one op pair per model (first calls compile paths in the engine and the API).
+  await Promise.all(models.map((m) => client(base, m, 1, 2)));
+  const per = await Promise.all(models.map((m) => client(base, m, 3, n)));
+  const ops = per.flat();
+  await engineTimes(redis, prefix, ops);
+  const oh = overheads(ops);
+  return {
+    clients,
+    ops: ops.length,
+    p50: pct(oh, 0.5),
+    p99: pct(oh, 0.99),
+    engineP50: pct(ops.map((o) => o.engine![1] - o.engine![0]), 0.5),
+    clientP50: pct(ops.map((o) => o.end - o.start), 0.5),
+  };
 }
 
 async function main(): Promise<void> {
-  ensureTinyModel(defaultPython());
-  const d = await direct();
-  const st = await throughStack();
-  const med = (a: number[]) => [...a].sort((x, y) => x - y)[Math.floor(a.length / 2)]!;
-  console.log(`tiny model, batch ${batchSize} x ${seqLen} tokens, ${steps} steps (forward_backward + optim_step)`);
-  console.log(`engine direct : ${stats(d)}`);
-  console.log(`through stack : ${stats(st.steps)}`);
-  console.log(`broker overhead per step (median difference): ${(med(st.steps) - med(d)).toFixed(1)} ms`);
-  console.log(`create_model future round trip: ${st.createModel.toFixed(1)} ms`);
+  const server = new E2EServer({ TB_LONG_POLL_MS: '25000' });
+  const redis = new Redis(REDIS_URL);
+  try {
+    await server.start();
+    const one = await run(server.baseUrl, redis, server.prefix, 1, ops1);
+    const many = await run(server.baseUrl, redis, server.prefix, 64, ops64);
+    const sdk = server.runPython([fileURLToPath(new URL('./sdk_optim_step.py', import.meta.url)), TINY_MODEL_ALIAS, String(sdkSteps)]);
+    const load = (await import('node:os')).loadavg()[0]!;
+    const out = { one, many, sdk, load };
+    if (json) {
+      console.log(JSON.stringify(out));
+      return;
+    }
+    const f = (x: number) => x.toFixed(2);
+    for (const r of [one, many])
+      console.log(
+        `${r.clients} client(s), ${r.ops} ops: broker overhead p50 ${f(r.p50)} ms, p99 ${f(r.p99)} ms (client-observed p50 ${f(r.clientP50)} ms, engine p50 ${f(r.engineP50)} ms)`,
+      );
+    console.log(
+      `SDK optim_step p50 ${f(sdk.sdk_p50_ms)} ms; two plain round trips p50: ${f(sdk.plain_healthz_p50_ms)} ms (healthz), ${f(sdk.plain_404_p50_ms)} ms (404); ratio ${f(sdk.ratio_healthz)}x / ${f(sdk.ratio_404)}x`,
+    );
+    console.log(`load average (1 min) at the end: ${load.toFixed(1)}`);
+  } finally {
+    redis.disconnect();
+    await server.destroy();
+  }
 }
 
 main().then(
@@ -96,3 +183,4 @@ main().then(
     process.exit(1);
   },
 );
+

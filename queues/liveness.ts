@@ -5,6 +5,7 @@ import type { Logger } from './logger.js';
 import type { Names } from './names.js';
 import { Outcomes } from './outcomes.js';
 import { AgentRecord, type Registry } from './registry.js';
+import { runScript } from './scripts.js';
 
 /**
  * Agent liveness (docs/reliability.md). An agent holds its id through a liveness key whose value is
@@ -24,25 +25,6 @@ import { AgentRecord, type Registry } from './registry.js';
  * agent fails with OUTCOME_UNKNOWN, its models are marked unavailable, its record is removed and a
  * `reaped` marker tells the agent, should it come back, that its models are gone.
  */
-const BEAT = `
-local r = redis.call('GET', KEYS[2])
-if r and string.sub(r, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then return 'reaped' end
-local v = redis.call('GET', KEYS[1])
-if v and string.sub(v, 1, #ARGV[1] + 1) ~= ARGV[1] .. ' ' then return 'taken' end
-redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. ARGV[2], 'PX', ARGV[3])
-redis.call('HSET', KEYS[3], ARGV[4], ARGV[5])
-return 'ok'
-`;
-
-const RELEASE = `
-local v = redis.call('GET', KEYS[1])
-if v and string.sub(v, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-return 0
-`;
-
 /** The reaper's own observation on top of the key's TTL: longer than an agent's reconnect backoff (1 s). */
 export const REAP_GRACE_MIN_MS = 3_000;
 
@@ -104,17 +86,11 @@ export class Liveness {
   async beat(rec: AgentRecord, incarnation: string, takeOver = false): Promise<BeatResult> {
     if (takeOver) await this.redis.del(this.names.agentAlive(rec.agent_id), this.reapedKey(rec.agent_id));
     const ttl = Math.round((rec.timeout_s ?? 30) * 1000);
-    return (await this.redis.eval(
-      BEAT,
-      3,
-      this.names.agentAlive(rec.agent_id),
-      this.reapedKey(rec.agent_id),
-      this.names.agents(),
-      incarnation,
-      String(Date.now()),
-      String(ttl),
-      rec.agent_id,
-      JSON.stringify(rec),
+    return (await runScript(
+      this.redis,
+      'liveness-beat',
+      [this.names.agentAlive(rec.agent_id), this.reapedKey(rec.agent_id), this.names.agents()],
+      [incarnation, Date.now(), ttl, rec.agent_id, JSON.stringify(rec)],
     )) as BeatResult;
   }
 
@@ -125,7 +101,7 @@ export class Liveness {
   }
 
   async release(agentId: string, incarnation: string): Promise<boolean> {
-    return (await this.redis.eval(RELEASE, 2, this.names.agentAlive(agentId), this.names.agents(), incarnation, agentId)) === 1;
+    return (await runScript(this.redis, 'liveness-release', [this.names.agentAlive(agentId), this.names.agents()], [incarnation, agentId])) === 1;
   }
 
   private async agentRecord(agentId: string): Promise<AgentRecord | null> {

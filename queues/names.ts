@@ -67,8 +67,33 @@ export class Names {
   gateHeld(modelId: string): string {
     return `${this.prefix}:gate:${modelId}:held`;
   }
-  gateLock(modelId: string): string {
-    return `${this.prefix}:gate:${modelId}:lock`;
+  /** Replay digests of a model's recent seq_ids (expire `window` seq_ids back, or with the key's TTL). */
+  gateDigests(modelId: string): string {
+    return `${this.prefix}:gate:${modelId}:digests`;
+  }
+  /** Job id -> model of every held op (entries leave when released or failed). */
+  gateHeldIndex(): string {
+    return `${this.prefix}:gate:held-index`;
+  }
+  /** Models with ops waiting behind a gap, scored by when the wait times out. */
+  gateGaps(): string {
+    return `${this.prefix}:gate:gaps`;
+  }
+  /** Each model's last training request (ISO time), shown in listings. */
+  modelLast(): string {
+    return `${this.prefix}:model-last`;
+  }
+  /** A future that failed before its job ran (kept for the retention). */
+  failedFuture(jobId: string): string {
+    return `${this.prefix}:failed-future:${jobId}`;
+  }
+  /** A training op's outcome record (queues/outcomes.ts; kept for the retention, shortly once read). */
+  outcome(jobId: string): string {
+    return `${this.prefix}:outcome:${jobId}`;
+  }
+  /** Pub/sub channel: the job id of every training op whose outcome became final. */
+  outcomesChannel(): string {
+    return `${this.prefix}:outcomes`;
   }
 }
 

@@ -1,6 +1,7 @@
 import type { Redis } from 'ioredis';
 import { z } from 'zod';
 import type { Names } from './names.js';
+import { runScript } from './scripts.js';
 
 /**
  * The outcome of each training op, recorded by the agent in a key of its own (not in BullMQ's job
@@ -26,27 +27,10 @@ export const Outcome = z.object({
   category: z.enum(['user', 'server', 'unknown']).optional(),
   code: z.string().optional(),
   message: z.string().optional(),
+  /** When the engine ran the op: [start, end], ms since the epoch (sub-ms precision). */
+  engine: z.tuple([z.number(), z.number()]).optional(),
 });
 export type Outcome = z.infer<typeof Outcome>;
-
-const CLAIM = `
-local v = redis.call('GET', KEYS[1])
-if v then return v end
-redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
-return false
-`;
-
-/** ARGV[3]: the claim token that may finish; '' = the reaper, which may finish any running or absent record. */
-const FINISH = `
-local v = redis.call('GET', KEYS[1])
-if v then
-  local o = cjson.decode(v)
-  if o.state ~= 'running' then return v end
-  if ARGV[3] ~= '' and o.token ~= ARGV[3] then return v end
-end
-redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
-return false
-`;
 
 export class Outcomes {
   constructor(
@@ -56,7 +40,16 @@ export class Outcomes {
   ) {}
 
   key(jobId: string): string {
-    return `${this.names.prefix}:outcome:${jobId}`;
+    return this.names.outcome(jobId);
+  }
+
+  /**
+   * The outcome as its future reads it: a final one then leaves Redis within `ttlAfterReadMs`, with
+   * the job (`jobKey`) and the owner record (`ownerKey`), unless `keep` (one round trip).
+   */
+  async read(jobId: string, jobKey: string, ownerKey: string, ttlAfterReadMs: number, keep: boolean): Promise<Outcome | null> {
+    const raw = (await runScript(this.redis, 'outcome-read', [this.key(jobId), jobKey, ownerKey], [ttlAfterReadMs, keep ? '1' : '0'])) as string | null;
+    return raw === null ? null : Outcome.parse(JSON.parse(raw));
   }
 
   async get(jobId: string): Promise<Outcome | null> {
@@ -67,7 +60,7 @@ export class Outcomes {
   /** Claims the op for running; returns null when claimed, else the record that was there first (do not run). */
   async claim(jobId: string, op: string, agentId: string, token: string): Promise<Outcome | null> {
     const rec: Outcome = { state: 'running', op, agent_id: agentId, token, at: new Date().toISOString() };
-    const prev = (await this.redis.eval(CLAIM, 1, this.key(jobId), JSON.stringify(rec), String(this.ttlS))) as string | null;
+    const prev = (await runScript(this.redis, 'outcome-claim', [this.key(jobId)], [JSON.stringify(rec), this.ttlS])) as string | null;
     return prev === null ? null : Outcome.parse(JSON.parse(prev));
   }
 
@@ -77,8 +70,16 @@ export class Outcomes {
     token: string | '',
     final: Omit<Outcome, 'token' | 'at'> & { state: 'done' | 'failed' },
   ): Promise<Outcome> {
-    const rec: Outcome = { ...final, token: token || 'reaper', at: new Date().toISOString() };
-    const prev = (await this.redis.eval(FINISH, 1, this.key(jobId), JSON.stringify(rec), String(this.ttlS), token)) as string | null;
+    // `state` first: queues/lua/outcome-read.lua tells a running record by its first bytes.
+    const { state, ...rest } = final;
+    const rec: Outcome = { state, ...rest, token: token || 'reaper', at: new Date().toISOString() };
+    const prev = (await runScript(this.redis, 'outcome-finish', [this.key(jobId)], [
+      JSON.stringify(rec),
+      this.ttlS,
+      token,
+      this.names.outcomesChannel(),
+      jobId,
+    ])) as string | null;
     return prev === null ? rec : Outcome.parse(JSON.parse(prev));
   }
 

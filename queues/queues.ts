@@ -1,10 +1,20 @@
-import { Queue, type JobsOptions } from 'bullmq';
+import { Job, Queue, type JobsOptions } from 'bullmq';
 import type { Redis } from 'ioredis';
 import type { AnyJob } from './schemas.js';
 import type { Names } from './names.js';
 
+/** A job as a future sees it: its op, and its end once it has one. */
+export type JobView = {
+  op: string;
+  seqId: number;
+  finished: boolean;
+  failedReason: string | null;
+  returnvalue: unknown;
+};
+
 /**
- * Producer-side queues, created on first use and shared by one process. Jobs are never
+ * Producer-side queues, created on first use and shared by one process. This file and the Lua
+ * library queues/lua/bullmq-job.lua are the only places that know BullMQ's own job layout. Jobs are never
  * retried automatically (`attempts: 1`): a training op run twice doubles a gradient.
  * Finished jobs are kept for the future retention, since their state *is* the future.
  */
@@ -38,6 +48,35 @@ export class QueueSet {
       removeOnComplete: { age: this.retentionS },
       removeOnFail: { age: this.retentionS },
     };
+  }
+
+  /** The job options as BullMQ stores them in a job hash (for jobs the gate's script writes). */
+  storedJobOptions(): string {
+    return (this.storedOpts ??= JSON.stringify(this.jobOptions()));
+  }
+  private storedOpts: string | undefined;
+
+  /** The job's state, or null when Redis holds no such job. */
+  async view(queue: string, jobId: string): Promise<JobView | null> {
+    const job = (await Job.fromId(this.get(queue), jobId)) as Job<AnyJob> | undefined;
+    if (!job) return null;
+    return {
+      op: job.data.op,
+      seqId: (job.data as { seq_id?: number }).seq_id ?? 0,
+      finished: !!job.finishedOn,
+      failedReason: job.failedReason || null,
+      returnvalue: job.returnvalue ?? null,
+    };
+  }
+
+  /** Whether Redis holds the job (held, queued, running or finished). */
+  async exists(queue: string, jobId: string): Promise<boolean> {
+    return (await this.connection.exists(this.jobKey(queue, jobId))) === 1;
+  }
+
+  /** The job's key (its payload and state), for scripts that expire it with the records beside it. */
+  jobKey(queue: string, jobId: string): string {
+    return `${this.names.bull}:${queue}:${jobId}`;
   }
 
   /** Adds a job under a deterministic id; a repeated id is ignored by BullMQ (idempotent). */

@@ -256,10 +256,10 @@ export class Registry {
    * request still gets a future, as the SDK expects, and retrieving it reports the failure.
    */
   async putFailedFuture(jobId: string, f: FailedFuture, ttlS: number): Promise<void> {
-    await this.redis.set(`${this.names.prefix}:failed-future:${jobId}`, JSON.stringify(f), 'EX', ttlS);
+    await this.redis.set(this.names.failedFuture(jobId), JSON.stringify(f), 'EX', ttlS);
   }
   async getFailedFuture(jobId: string): Promise<FailedFuture | null> {
-    return this.getJson(`${this.names.prefix}:failed-future:${jobId}`, FailedFuture);
+    return this.getJson(this.names.failedFuture(jobId), FailedFuture);
   }
 
   // ---- future ownership ----
@@ -386,11 +386,11 @@ export class Registry {
       .exec();
   }
   async touchModel(modelId: string): Promise<void> {
-    await this.redis.hset(`${this.names.prefix}:model-last`, modelId, new Date().toISOString());
+    await this.redis.hset(this.names.modelLast(), modelId, new Date().toISOString());
   }
   async modelLastRequest(modelIds: string[]): Promise<(string | null)[]> {
     if (modelIds.length === 0) return [];
-    return this.redis.hmget(`${this.names.prefix}:model-last`, ...modelIds);
+    return this.redis.hmget(this.names.modelLast(), ...modelIds);
   }
   /** One tenant's models (training runs), newest first, one page. */
   async listModels(tenant: string, offset: number, limit: number): Promise<{ models: ModelRecord[]; total: number }> {

@@ -45,6 +45,15 @@ describe('ordering gate', () => {
     await deletePrefix(prefix);
   });
 
+  const refusal = async (p: Promise<unknown>): Promise<string> => {
+    try {
+      await p;
+    } catch (e) {
+      return String((e as Error).message);
+    }
+    return 'not refused';
+  };
+
   async function queuedSeqs(qs: QueueSet): Promise<number[]> {
     // getWaiting lists the wait list oldest first, the order a worker takes them.
     const jobs = await qs.get(queue).getWaiting(0, -1);
@@ -112,20 +121,30 @@ describe('ordering gate', () => {
     expect(await gate.state(modelId)).to.deep.equal({ next: 4, held: 0 });
   });
 
-  it('resumes a release abandoned by a process that died holding the lock', async () => {
+  it('stores a held op once, as its job, and queues only its id when the gap closes', async () => {
+    const { gate, qs, redis, names } = process();
+    await gate.open(modelId);
+    await gate.submit(modelId, 2, queue, jobIds.train(modelId, 2), optim(2));
+    // The payload lives in the job alone; the gate holds the job's id.
+    expect(await redis.hgetall(names.gateHeld(modelId))).to.deep.equal({ '2': `${queue} ${jobIds.train(modelId, 2)}` });
+    const job = await qs.get(queue).getJob(jobIds.train(modelId, 2));
+    expect(job!.data).to.deep.equal(optim(2));
+    expect(await queuedSeqs(qs)).to.deep.equal([]);
+    await gate.submit(modelId, 1, queue, jobIds.train(modelId, 1), optim(1));
+    expect(await queuedSeqs(qs)).to.deep.equal([1, 2]);
+    expect(await redis.hlen(names.gateHeld(modelId))).to.equal(0);
+  });
+
+  it('refuses a job that does not parse before admission, so it never holds later ops back', async () => {
     const { gate, qs } = process();
     await gate.open(modelId);
-    // A dead releaser's lock, about to expire.
-    await conns[0]!.set(new Names(prefix).gateLock(modelId), 'dead-process', 'PX', 200);
-    await gate.submit(modelId, 1, queue, jobIds.train(modelId, 1), optim(1));
+    const bad = { ...optim(1), adam: { learning_rate: 1e-3, beta1: 2, beta2: 0.95, eps: 1e-12, weight_decay: 0, grad_clip_norm: 0 } } as TrainJob;
+    expect(await refusal(gate.submit(modelId, 1, queue, jobIds.train(modelId, 1), bad))).to.match(/invalid optim_step request: adam.beta1/);
+    expect(await gate.state(modelId)).to.deep.equal({ next: 1, held: 0 });
+    // The route skips the refused seq_id (api/routes/training.ts guardSeq); the next op runs.
+    await gate.skip(modelId, 1, jobIds.train(modelId, 1));
     await gate.submit(modelId, 2, queue, jobIds.train(modelId, 2), optim(2));
-    expect(await queuedSeqs(qs)).to.deep.equal([]);
-    await new Promise((r) => setTimeout(r, 300));
-    // Polling a held future releases it (api/futures.ts calls release for held jobs).
-    const model = await gate.heldModel(jobIds.train(modelId, 1));
-    expect(model).to.equal(modelId);
-    await gate.release(model!);
-    expect(await queuedSeqs(qs)).to.deep.equal([1, 2]);
+    expect(await queuedSeqs(qs)).to.deep.equal([2]);
   });
 
   it('refuses ops for a model whose gate was never opened', async () => {
@@ -138,15 +157,6 @@ describe('ordering gate', () => {
     }
     expect(String(err)).to.match(/not open/);
   });
-
-  const refusal = async (p: Promise<unknown>): Promise<string> => {
-    try {
-      await p;
-    } catch (e) {
-      return String((e as Error).message);
-    }
-    return 'not refused';
-  };
 
   it('refuses seq_ids beyond the window ahead, without holding anything for them', async () => {
     const { gate, redis, names } = process({ window: 16 });

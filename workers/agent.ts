@@ -1,9 +1,10 @@
 import { randomUUID } from 'node:crypto';
 import { existsSync } from 'node:fs';
 import os from 'node:os';
+import { performance } from 'node:perf_hooks';
 import { readdir, rename, rm, stat } from 'node:fs/promises';
 import path from 'node:path';
-import { Queue, UnrecoverableError, Worker, type Job } from 'bullmq';
+import { Queue, UnrecoverableError, WaitingError, Worker, type Job } from 'bullmq';
 import type { Redis } from 'ioredis';
 import { ZodError } from 'zod';
 import { DEFAULT_OP_TIMEOUTS_S, type AgentConfig } from '../queues/config.js';
@@ -71,6 +72,8 @@ export class Agent {
   private resolveStopped!: () => void;
   /** Resolves when the agent has stopped (a drain asked through Redis ends the process's agent too). */
   readonly stopped = new Promise<void>((r) => (this.resolveStopped = r));
+  /** Resolves when the engine is free for the next training op (see runTrain). */
+  private trainTurn: Promise<void> = Promise.resolve();
   /** Models whose adapters live in the current engine process. */
   private readonly loaded = new Set<string>();
 
@@ -138,7 +141,8 @@ export class Agent {
     const common = { connection: this.redis, prefix: this.names.bull, maxStalledCount: 0, lockDuration: this.config.jobLockMs ?? 30_000 };
     this.workers.push(
       // No stalled check on the training queue: outcomes are recorded apart, the reaper handles dead agents.
-      new Worker<AnyJob>(this.trainQueue, (job) => this.runTrain(job), { ...common, concurrency: 1, skipStalledCheck: true }),
+      // Two at a time: the next op waits parsed in the agent while the current one runs (runTrain).
+      new Worker<AnyJob>(this.trainQueue, (job, token) => this.runTrain(job, token), { ...common, concurrency: 2, skipStalledCheck: true }),
       // An engine that only trains (verl) takes no sample jobs: they wait for agents that sample.
       ...(this.adapter.samples === false ? [] : this.served).map(
         (m) =>
@@ -209,7 +213,7 @@ export class Agent {
   /** Counts one finished job in the metrics (and its tokens when it succeeded). */
   private meter(job: Job<AnyJob>, start: number, status: JobStatus, result?: unknown): void {
     if (status === 'ok') void this.countTokens(job, result);
-    recordJob(this.redis, this.names, { op: job.name, status, enqueuedAt: job.timestamp, startedAt: job.processedOn ?? start, finishedAt: Date.now() }).catch((e) =>
+    recordJob(this.redis, this.names, { op: job.name, status, enqueuedAt: job.timestamp, startedAt: start, finishedAt: Date.now() }).catch((e) =>
       this.log.debug('metrics not recorded', { error: String(e) }),
     );
   }
@@ -305,31 +309,58 @@ export class Agent {
   /**
    * One training op, its outcome recorded exactly once (queues/outcomes.ts). The result lives in the
    * outcome record; BullMQ's job only says the op finished.
+   *
+   * The training worker holds one job ahead (concurrency 2): the next op is taken and parsed while
+   * the current one runs, and waits here for the engine's turn, so the engine starts it the moment
+   * the current op returns. It is claimed only when its turn comes (an op the reaper failed before
+   * then is not run). Ops run in the order the queue gives them (the gate's seq_id order). One taken
+   * ahead when the agent drains or stops goes back to the head of the queue, unstarted.
    */
-  private async runTrain(job: Job<AnyJob>): Promise<null> {
+  private async runTrain(job: Job<AnyJob>, lockToken?: string): Promise<null> {
     const jobId = job.id!;
     const op = job.name;
-    const token = `${this.incarnation}/${jobId}`;
-    const prev = await this.outcomes.claim(jobId, op, this.config.agentId, token);
-    if (prev) return this.standing(jobId, op, prev);
-    const start = Date.now();
-    let epoch = -1;
-    let result: unknown;
+    const parsed = TrainJob.safeParse(job.data);
+    const before = this.trainTurn;
+    let endTurn!: () => void;
+    this.trainTurn = new Promise<void>((resolve) => (endTurn = resolve));
     try {
-      await this.ensureEngine();
-      epoch = this.engineEpoch;
-      result = await this.timed(op, this.trainOp(job));
-    } catch (err) {
-      let f = this.failure(job, err);
-      if (err instanceof OpTimeout || (epoch >= 0 && epoch !== this.engineEpoch))
-        f = failure('OUTCOME_UNKNOWN', outcomeUnknownMessage(op, err instanceof OpTimeout ? err.message : `the engine process died while running it: ${f.message}`));
-      const stood = await this.outcomes.finish(jobId, token, { state: 'failed', op, agent_id: this.config.agentId, ...f });
-      this.meter(job, start, f.category === 'user' ? 'user_error' : 'server_error');
-      return this.standing(jobId, op, stood);
+      await before;
+      if (this.draining || this.stopping) {
+        // Taken ahead but not started: back to the head of the queue, for whoever runs the model next.
+        await job.moveToWait(lockToken);
+        throw new WaitingError();
+      }
+      const token = `${this.incarnation}/${jobId}`;
+      const prev = await this.outcomes.claim(jobId, op, this.config.agentId, token);
+      if (prev) return await this.standing(jobId, op, prev);
+      const start = Date.now();
+      let epoch = -1;
+      let result: unknown;
+      let engine: [number, number];
+      try {
+        await this.ensureEngine();
+        epoch = this.engineEpoch;
+        if (!parsed.success) throw parsed.error;
+        const t0 = performance.timeOrigin + performance.now();
+        result = await this.timed(op, this.trainOp(parsed.data));
+        engine = [t0, performance.timeOrigin + performance.now()];
+      } catch (err) {
+        // The engine is free: the next op starts while this outcome is recorded.
+        endTurn();
+        let f = this.failure(job, err);
+        if (err instanceof OpTimeout || (epoch >= 0 && epoch !== this.engineEpoch))
+          f = failure('OUTCOME_UNKNOWN', outcomeUnknownMessage(op, err instanceof OpTimeout ? err.message : `the engine process died while running it: ${f.message}`));
+        const stood = await this.outcomes.finish(jobId, token, { state: 'failed', op, agent_id: this.config.agentId, ...f });
+        this.meter(job, start, f.category === 'user' ? 'user_error' : 'server_error');
+        return await this.standing(jobId, op, stood);
+      }
+      endTurn();
+      const stood = await this.outcomes.finish(jobId, token, { state: 'done', op, agent_id: this.config.agentId, result, engine });
+      this.meter(job, start, stood.state === 'done' ? 'ok' : 'server_error', result);
+      return await this.standing(jobId, op, stood);
+    } finally {
+      endTurn();
     }
-    const stood = await this.outcomes.finish(jobId, token, { state: 'done', op, agent_id: this.config.agentId, result });
-    this.meter(job, start, stood.state === 'done' ? 'ok' : 'server_error', result);
-    return this.standing(jobId, op, stood);
   }
 
   /** Ends the BullMQ job as the recorded outcome says (which may be another's: the reaper's, an earlier run's). */
@@ -360,9 +391,8 @@ export class Agent {
     return Promise.race([p, timeout]).finally(() => clearTimeout(timer));
   }
 
-  private async trainOp(job: Job<AnyJob>): Promise<unknown> {
+  private async trainOp(data: TrainJob): Promise<unknown> {
     {
-      const data = TrainJob.parse(job.data);
       switch (data.op) {
         case 'create_model': {
           const r = await this.adapter.createModel(data);

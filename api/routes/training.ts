@@ -3,6 +3,7 @@ import type { z } from 'zod';
 import { parseRecipient } from '../../queues/age.js';
 import { assertSaveAllowed } from '../../queues/checkpoints.js';
 import { BrokerError, invalid, modelUnavailable } from '../../queues/errors.js';
+import { AgentGone } from '../../queues/gate.js';
 import { encodeRequestId } from '../../queues/futures.js';
 import { jobIds, resourceIds } from '../../queues/names.js';
 import type { ModelRecord } from '../../queues/registry.js';
@@ -21,6 +22,7 @@ import { formatTinkerPath, storageDirFor } from '../paths.js';
 import { loadableCheckpoint } from '../services/checkpoints.js';
 import { createModelFromCheckpoint } from '../services/models.js';
 import { forwardBackwardJob, useUpSeqId } from '../services/training.js';
+import { tenantOf } from '../auth.js';
 import { issueFuture, requireModel } from '../tenants.js';
 import { decodeForwardBackwardRequest } from '../wire/proto.js';
 
@@ -48,23 +50,35 @@ async function guardSeq<T>(ctx: ApiContext, req: Request, modelId: unknown, seqI
   }
 }
 
+/**
+ * The fast path of every ordered training op: one script admits it, records its future's owner and,
+ * when it is in order, queues it (queues/gate.ts); the model was read by the route (2 round trips).
+ * A model that is lost, or whose agent is gone, gets a future that fails with the reason (an HTTP
+ * 5xx would be retried by the SDK for minutes).
+ */
 async function submitTrainOp(ctx: ApiContext, req: Request, model: ModelRecord, seqId: number, job: TrainJob): Promise<string> {
   const jobId = jobIds.train(model.model_id, seqId);
   const requestId = encodeRequestId({ queue: model.train_queue, jobId });
   let lost = model.lost_reason;
-  if (!lost && !(await ctx.registry.isAgentAlive(model.agent_id))) {
-    lost = `its worker agent ${model.agent_id} is not running; load it from a saved checkpoint`;
-    await ctx.registry.markModelLost(model.model_id, lost);
+  if (!lost) {
+    try {
+      // The future is recorded only once the gate took the op: a refused request leaves nothing in Redis.
+      await guardSeq(ctx, req, model.model_id, seqId, () =>
+        ctx.gate.submit(model.model_id, seqId, model.train_queue, jobId, job, {
+          tenant: tenantOf(req),
+          ownerTtlS: ctx.config.retentionS * 2,
+          agentId: model.agent_id,
+        }),
+      );
+      return requestId;
+    } catch (e) {
+      if (!(e instanceof AgentGone)) throw e;
+      lost = `its worker agent ${model.agent_id} is not running; load it from a saved checkpoint`;
+      await ctx.registry.markModelLost(model.model_id, lost);
+    }
   }
-  if (lost) {
-    // The op gets a future that fails with the reason (an HTTP 5xx would be retried by the SDK for minutes).
-    if ((await ctx.gate.skip(model.model_id, seqId, jobId)) === 'admitted')
-      await ctx.registry.putFailedFuture(jobId, { op: job.op, category: 'server', code: 'UNAVAILABLE', message: modelUnavailable(model.model_id, lost) }, ctx.config.retentionS);
-    return issueFuture(ctx, req, requestId);
-  }
-  // The future is recorded only once the gate took the op: a refused request leaves nothing in Redis.
-  await ctx.gate.submit(model.model_id, seqId, model.train_queue, jobId, job);
-  await ctx.registry.touchModel(model.model_id);
+  if ((await ctx.gate.skip(model.model_id, seqId, jobId)) === 'admitted')
+    await ctx.registry.putFailedFuture(jobId, { op: job.op, category: 'server', code: 'UNAVAILABLE', message: modelUnavailable(model.model_id, lost) }, ctx.config.retentionS);
   return issueFuture(ctx, req, requestId);
 }
 

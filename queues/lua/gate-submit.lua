@@ -1,0 +1,73 @@
+--[[
+  Admits one training op (or a refused request's seq_id) into its model's ordering gate and, when it
+  is in order, releases it and every held op now in order onto the model's queue: the whole submit in
+  one round trip (queues/gate.ts OrderingGate.submit / skip).
+
+  KEYS[1] gate next          KEYS[2] gate held        KEYS[3] gate held-index
+  KEYS[4] gate digests       KEYS[5] gate gaps        KEYS[6] the agent's liveness key
+  KEYS[7] the future's owner record                   KEYS[8] models' last-request hash
+
+  ARGV[1]  seq_id                ARGV[2]  job id               ARGV[3]  model id
+  ARGV[4]  payload digest ('skip' for a refused request)
+  ARGV[5]  window                ARGV[6]  gap timeout ms       ARGV[7]  digest ttl ms
+  ARGV[8]  BullMQ key prefix ('<prefix>-bull:')                ARGV[9]  queue ('' for a refused request)
+  ARGV[10] job name (op)         ARGV[11] job data (JSON, stored as given)
+  ARGV[12] job opts (JSON)       ARGV[13] job timestamp ms
+  ARGV[14] failed-future key prefix                            ARGV[15] failed-future ttl s
+  ARGV[16] gap timeout s (for messages)                        ARGV[17] job id prefix of the model's train jobs
+  ARGV[18] owner tenant ('' = record no owner)                 ARGV[19] owner ttl s
+  ARGV[20] now (ISO time, the model's last request)            ARGV[21] '1': refuse when the agent is not alive
+
+  Returns 1 admitted, 0 duplicate (same payload, or a seq_id already past), -1 gate not open,
+  -2 beyond the window, -3 the seq_id was used with another payload, -4 too old to recognise,
+  -5 the model's agent is not alive (nothing written).
+]]
+--- @include "bullmq-job"
+--- @include "gate-lib"
+
+local G = { next = KEYS[1], held = KEYS[2], index = KEYS[3], digests = KEYS[4], gaps = KEYS[5], jobIdPrefix = ARGV[17] }
+local seq = tonumber(ARGV[1])
+local jobId = ARGV[2]
+local modelId = ARGV[3]
+local window = tonumber(ARGV[5])
+local gapMs = tonumber(ARGV[6])
+local skip = ARGV[9] == ''
+
+if not redis.call('GET', G.next) then return -1 end
+if ARGV[21] == '1' and redis.call('EXISTS', KEYS[6]) == 0 then return -5 end
+gateExpireGap(G, modelId, ARGV[8], ARGV[14], tonumber(ARGV[15]), ARGV[16])
+local nxt = tonumber(redis.call('GET', G.next))
+
+local function owned(r)
+  if ARGV[18] ~= '' then redis.call('SET', KEYS[7], ARGV[18], 'EX', tonumber(ARGV[19]), 'NX') end
+  if not skip then redis.call('HSET', KEYS[8], modelId, ARGV[20]) end
+  return r
+end
+
+if seq >= nxt + window then return -2 end
+local prev = redis.call('HGET', G.digests, ARGV[1])
+if prev then
+  if prev ~= ARGV[4] then return -3 end
+  return owned(0)
+end
+if seq < nxt then
+  if seq < nxt - window then return -4 end
+  return owned(0)
+end
+if redis.call('HEXISTS', G.held, ARGV[1]) == 1 then return owned(0) end
+redis.call('HSET', G.digests, ARGV[1], ARGV[4])
+redis.call('PEXPIRE', G.digests, tonumber(ARGV[7]))
+if skip then
+  redis.call('HSET', G.held, ARGV[1], '- ' .. jobId)
+else
+  -- The payload is stored once, as the job itself; releasing it only queues its id.
+  bullStoreJob(ARGV[8] .. ARGV[9] .. ':', jobId, ARGV[10], ARGV[11], ARGV[12], ARGV[13])
+  redis.call('HSET', G.held, ARGV[1], ARGV[9] .. ' ' .. jobId)
+end
+redis.call('HSET', G.index, jobId, modelId)
+if seq == nxt then
+  gateDrain(G, modelId, ARGV[8], window, gapMs)
+else
+  redis.call('ZADD', G.gaps, 'NX', nowMs() + gapMs, modelId)
+end
+return owned(1)
