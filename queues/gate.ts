@@ -51,7 +51,7 @@ export type SubmitExtras = {
   tenant?: string;
   /** How long the owner record lives, in seconds. @defaultValue 172 800 */
   ownerTtlS?: number;
-  /** Refuse (AgentGone) when this agent's liveness key is gone. */
+  /** Refuse (AgentGone) when this agent is neither alive nor drained with this model saved for its restart. */
   agentId?: string;
 };
 
@@ -131,6 +131,7 @@ export class OrderingGate {
         this.names.agentAlive(extras.agentId ?? ''),
         this.names.futureOwner(encodeRequestId({ queue: op?.queue ?? '-', jobId })),
         this.names.modelLast(),
+        this.names.agentDrained(extras.agentId ?? ''),
       ],
       [
         seqId,

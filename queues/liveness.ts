@@ -45,15 +45,13 @@ export class Liveness {
   ) {}
 
   reapedKey(agentId: string): string {
-    return `${this.names.prefix}:agent:${agentId}:reaped`;
+    return this.names.agentReaped(agentId);
   }
-  /** The models a drained agent saved for its next start (while it exists, the agent is not reaped). */
   drainedKey(agentId: string): string {
-    return `${this.names.prefix}:agent:${agentId}:drained`;
+    return this.names.agentDrained(agentId);
   }
-  /** Set by `tinker-broker drain`; the agent's next heartbeat takes it and drains. */
   drainRequestKey(agentId: string): string {
-    return `${this.names.prefix}:agent:${agentId}:drain-request`;
+    return this.names.agentDrainRequest(agentId);
   }
 
   // ---- agent side ----

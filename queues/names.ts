@@ -31,8 +31,21 @@ export class Names {
   agents(): string {
     return `${this.prefix}:agents`;
   }
+  /** `<incarnation> <ms>`, TTL the agent's timeout, refreshed every heartbeat (queues/liveness.ts). */
   agentAlive(agentId: string): string {
     return `${this.prefix}:agent:${agentId}:alive`;
+  }
+  /** Why the reaper declared the agent dead (kept 7 days; the agent reads it at its next heartbeat). */
+  agentReaped(agentId: string): string {
+    return `${this.prefix}:agent:${agentId}:reaped`;
+  }
+  /** The models a drained agent saved for its next start (TTL TB_DRAIN_KEEP_S; while it exists, the agent is not reaped). */
+  agentDrained(agentId: string): string {
+    return `${this.prefix}:agent:${agentId}:drained`;
+  }
+  /** Set by `tinker-broker drain` (TTL the drain's timeout); the agent's next heartbeat takes it and drains. */
+  agentDrainRequest(agentId: string): string {
+    return `${this.prefix}:agent:${agentId}:drain-request`;
   }
   session(sessionId: string): string {
     return `${this.prefix}:session:${sessionId}`;

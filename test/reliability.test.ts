@@ -268,16 +268,37 @@ describe('reliability: worker agents, outcomes and liveness (real processes, own
     figure('drain (op in flight released 1 s after SIGTERM) -> agent exited (s)', (Date.now() - t0) / 1000);
     const drained = JSON.parse((await api.built.ctx.redis.get(`${st.prefix}:agent:${id}:drained`))!);
     expect(drained.models.map((x: { model_id: string }) => x.model_id).sort()).to.deep.equal([m, twin].sort());
+    // Ops submitted while the agent is away queue for its restart too (a `docker compose restart` of the agent).
+    const [lateFb, lateOptim] = [await client.submitFb(m), await client.submitOptim(m)];
     // Futures stay pending (not failed) while the agent is away, past its liveness timeout.
     await sleep(3_000 + 3_000 + 2_000);
-    expect((await call(api.baseUrl, 'POST', '/retrieve_future', { request_id: queued })).json.type).to.equal('try_again');
+    for (const f of [queued, lateFb, lateOptim]) expect((await call(api.baseUrl, 'POST', '/retrieve_future', { request_id: f })).json.type).to.equal('try_again');
     const t1 = Date.now();
     await agent(id);
     expect(await client.loss(inFlight)).to.equal(reference[2]);
     expect((await client.result(queued)).json.type).to.equal('optim_step');
     figure('restart after drain -> queued op answered (s)', (Date.now() - t1) / 1000);
-    const after = await client.train(m, 2);
-    expect(after).to.deep.equal(reference.slice(3));
+    expect(await client.loss(lateFb)).to.equal(reference[3]);
+    expect((await client.result(lateOptim)).json.type).to.equal('optim_step');
+    const after = await client.train(m, 1);
+    expect(after).to.deep.equal(reference.slice(4));
+  });
+
+  it('an agent stopped for good (drain record expired): the next op on its model fails at once saying so, and so does every later one', async () => {
+    const id = `a-${st.prefix}`;
+    const a = await agent(id, { TB_DRAIN_KEEP_S: '1' });
+    const m = await client.createModel(3);
+    await client.train(m, 1);
+    a.child.kill('SIGTERM');
+    expect(await a.exited).to.equal(0);
+    await waitFor('the drain record to expire', async () => (await api.built.ctx.redis.exists(`${st.prefix}:agent:${id}:drained`)) === 0, 10_000);
+    // The first op after the agent is gone is the one that finds out (the gate refuses it): its
+    // future fails with the documented error, not a 404 (the seq_id it used up is recorded once).
+    for (const submit of [() => client.submitFb(m), () => client.submitOptim(m)]) {
+      const r = await client.result(await submit(), 'application/json', 5_000);
+      expect(r.json, JSON.stringify(r.json)).to.include({ category: 'server', code: 'UNAVAILABLE' });
+      expect(r.json.error).to.equal(`model ${m} is unavailable: its worker agent ${id} is not running; load it from a saved checkpoint`);
+    }
   });
 
   it('tinker-broker drain: drains a running agent, which exits 0 with its models saved', async () => {

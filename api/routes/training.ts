@@ -63,16 +63,19 @@ async function submitTrainOp(ctx: ApiContext, req: Request, model: ModelRecord, 
   if (!lost) {
     try {
       // The future is recorded only once the gate took the op: a refused request leaves nothing in Redis.
-      await guardSeq(ctx, req, model.model_id, seqId, () =>
-        ctx.gate.submit(model.model_id, seqId, model.train_queue, jobId, job, {
-          tenant: tenantOf(req),
-          ownerTtlS: ctx.config.retentionS * 2,
-          agentId: model.agent_id,
-        }),
-      );
+      await ctx.gate.submit(model.model_id, seqId, model.train_queue, jobId, job, {
+        tenant: tenantOf(req),
+        ownerTtlS: ctx.config.retentionS * 2,
+        agentId: model.agent_id,
+      });
       return requestId;
     } catch (e) {
-      if (!(e instanceof AgentGone)) throw e;
+      // A refusal uses up the seq_id (as guardSeq does). An agent gone is not a refusal: the op gets
+      // a failed future below, and the skip that records it must be the first one for this seq_id.
+      if (!(e instanceof AgentGone)) {
+        await useUpSeqId(ctx, req, model.model_id, seqId);
+        throw e;
+      }
       lost = `its worker agent ${model.agent_id} is not running; load it from a saved checkpoint`;
       await ctx.registry.markModelLost(model.model_id, lost);
     }

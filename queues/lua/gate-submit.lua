@@ -6,6 +6,7 @@
   KEYS[1] gate next          KEYS[2] gate held        KEYS[3] gate held-index
   KEYS[4] gate digests       KEYS[5] gate gaps        KEYS[6] the agent's liveness key
   KEYS[7] the future's owner record                   KEYS[8] models' last-request hash
+  KEYS[9] the agent's drain record (the models a drained agent saved for its restart)
 
   ARGV[1]  seq_id                ARGV[2]  job id               ARGV[3]  model id
   ARGV[4]  payload digest ('skip' for a refused request)
@@ -20,7 +21,7 @@
 
   Returns 1 admitted, 0 duplicate (same payload, or a seq_id already past), -1 gate not open,
   -2 beyond the window, -3 the seq_id was used with another payload, -4 too old to recognise,
-  -5 the model's agent is not alive (nothing written).
+  -5 the model's agent is not alive, nor drained with this model saved for its restart (nothing written).
 ]]
 --- @include "bullmq-job"
 --- @include "gate-lib"
@@ -34,7 +35,11 @@ local gapMs = tonumber(ARGV[6])
 local skip = ARGV[9] == ''
 
 if not redis.call('GET', G.next) then return -1 end
-if ARGV[21] == '1' and redis.call('EXISTS', KEYS[6]) == 0 then return -5 end
+if ARGV[21] == '1' and redis.call('EXISTS', KEYS[6]) == 0 then
+  -- A drained agent comes back with the models it saved: their ops queue for it, as the ops queued before the drain do.
+  local drained = redis.call('GET', KEYS[9])
+  if not drained or not string.find(drained, '"model_id":"' .. modelId .. '"', 1, true) then return -5 end
+end
 gateExpireGap(G, modelId, ARGV[8], ARGV[14], tonumber(ARGV[15]), ARGV[16])
 local nxt = tonumber(redis.call('GET', G.next))
 

@@ -3,9 +3,9 @@
 Usage: TINKER_BASE_URL=... TINKER_API_KEY=tml-... python sdk_agent_stop.py MODEL
 
 Creates a LoRA training client and runs one forward_backward + optim_step, then prints
-{"model_id": ..., "loss": ...} and waits for a line on stdin (the caller adds a second agent). Then
-sends 32 greedy samples of the base model at once (more than one agent runs at a time), prints
-{"burst": [token counts]} and waits for another line (the caller stops the model's agent). Then tries
+{"model_id": ..., "loss": ...}. For each line "burst" on stdin it sends 32 greedy samples of the base
+model at once and prints {"burst": [token counts]}; any other line (the caller has stopped the model's
+agent) goes on. Then tries
 one more forward_backward on the model and samples greedily from the base model, and prints one JSON
 object: the error the training future raised ("" if none) and the sampled tokens (or the sampling
 error). Every wait is bounded.
@@ -39,14 +39,14 @@ def main() -> None:
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=TIMEOUT_S)
     print(json.dumps({"model_id": tc.model_id, "loss": float(fb.metrics["loss:sum"])}), flush=True)
 
-    sys.stdin.readline()
-    sampler = service.create_sampling_client(base_model=model)
+    sampler = service.create_sampling_client(base_model=model).result(timeout=TIMEOUT_S)
     prompt = types.ModelInput.from_ints(tok.encode("The quick brown"))
     greedy = types.SamplingParams(max_tokens=8, temperature=0.0)
-    burst = [sampler.sample(prompt, num_samples=1, sampling_params=greedy) for _ in range(32)]
-    print(json.dumps({"burst": [len(f.result(timeout=TIMEOUT_S).sequences[0].tokens) for f in burst]}), flush=True)
+    # Each "burst" line: 32 greedy samples at once; any other line goes on.
+    while sys.stdin.readline().strip() == "burst":
+        burst = [sampler.sample(prompt, num_samples=1, sampling_params=greedy) for _ in range(32)]
+        print(json.dumps({"burst": [len(f.result(timeout=TIMEOUT_S).sequences[0].tokens) for f in burst]}), flush=True)
 
-    sys.stdin.readline()
     after_stop_error = error_of(lambda: tc.forward_backward([datum], "cross_entropy").result(timeout=TIMEOUT_S))
 
     sample: dict = {}

@@ -263,6 +263,9 @@ class Proc {
       // Phase B: the vLLM agent serves the model directory beside the actor; every sample goes to vLLM.
       const rollout = proc('vllm', ['--agent', 'cpu-vllm', '--agents-only']);
       await until('vllm agent registered', async () => (await agents()).includes('cpu-vllm:vllm'), 600_000, [rollout]);
+      // An agent registers its id first and its models once their engine serves them (workers/agent.ts):
+      // the SDK's first request names the rollout model, so wait until the registry resolves that name.
+      await until('vllm agent serves the rollout model', async () => !!(await registry.resolveBaseModel('tiny-qwen3-rollout')), 600_000, [rollout]);
       expect(await agents()).to.deep.equal(['cpu-actor:torch', 'cpu-vllm:vllm']);
       const ran0 = await sampleJobsRun();
       py.stdin!.write('go\n');
