@@ -351,11 +351,13 @@ export class Agent {
         if (err instanceof OpTimeout || (epoch >= 0 && epoch !== this.engineEpoch))
           f = failure('OUTCOME_UNKNOWN', outcomeUnknownMessage(op, err instanceof OpTimeout ? err.message : `the engine process died while running it: ${f.message}`));
         const stood = await this.outcomes.finish(jobId, token, { state: 'failed', op, agent_id: this.config.agentId, ...f });
+        this.log.info('job failed', { queue: this.trainQueue, jobId, op, modelId: parsed.data?.model_id, code: f.code, category: f.category, ms: Date.now() - start, error: f.message });
         this.meter(job, start, f.category === 'user' ? 'user_error' : 'server_error');
         return await this.standing(jobId, op, stood);
       }
       endTurn();
       const stood = await this.outcomes.finish(jobId, token, { state: 'done', op, agent_id: this.config.agentId, result, engine });
+      this.log.debug('job done', { queue: this.trainQueue, jobId, op, modelId: parsed.data?.model_id, ms: Date.now() - start });
       this.meter(job, start, stood.state === 'done' ? 'ok' : 'server_error', result);
       return await this.standing(jobId, op, stood);
     } finally {
@@ -552,6 +554,7 @@ export class Agent {
       const r = keepLastPromptLogprobs(gatherer ? await gatherer.submit(data) : await this.timed('sample', this.adapter.sample(data)), data.prompt_logprobs_last_n ?? null);
       if (data.record_stability) await writeStabilityRecords(this.redis, this.names, data.record_stability, data.prompt, r.sequences);
       this.meter(job, start, 'ok', r);
+      this.log.debug('job done', { queue: job.queueName, jobId: job.id, op: job.name, samplingSession: data.sampling_session_id, baseModel: data.base_model, ms: Date.now() - start });
       return r;
     } catch (err) {
       const f = this.failure(job, err);
