@@ -7,7 +7,7 @@ function logLines(env: Record<string, string>): string[] {
     "import { logger } from './queues/logger.ts';",
     "const log = logger.child({ agentId: 'gpu0' });",
     "log.debug('job done', { queue: 'train-gpu0', jobId: 't-1-2', op: 'forward_backward', modelId: 'm-1', ms: 12 });",
-    "log.info('job failed', { queue: 'train-gpu0', jobId: 't-1-3', op: 'optim_step', modelId: 'm-1', error: 'a \"quoted\" reason' });",
+    "log.warn('job failed', { queue: 'train-gpu0', jobId: 't-1-3', op: 'optim_step', modelId: 'm-1', error: 'a \"quoted\" reason' });",
   ].join('\n');
   const r = spawnSync(process.execPath, ['--import', 'tsx', '--input-type=module', '-e', code], {
     env: { ...process.env, NODE_ENV: '', NO_COLOR: '1', ...env },
@@ -24,14 +24,14 @@ describe('logs (winston, queues/logger.ts)', function () {
     const lines = logLines({ TB_LOG_FORMAT: 'json', TB_LOG_LEVEL: 'debug' }).map((l) => JSON.parse(l));
     expect(lines).to.have.length(2);
     expect(lines[0]).to.include({ level: 'debug', message: 'job done', agentId: 'gpu0', queue: 'train-gpu0', jobId: 't-1-2', op: 'forward_backward', modelId: 'm-1', ms: 12 });
-    expect(lines[1]).to.include({ level: 'info', message: 'job failed', error: 'a "quoted" reason' });
+    expect(lines[1]).to.include({ level: 'warn', message: 'job failed', error: 'a "quoted" reason' });
     expect(Date.parse(lines[0].timestamp)).to.be.a('number').and.not.NaN;
   });
 
   it('text at info (the default): a readable line with key=value ids, quoting values with spaces; debug lines left out', () => {
     const lines = logLines({ TB_LOG_FORMAT: 'text', TB_LOG_LEVEL: 'info' });
     expect(lines).to.have.length(1);
-    expect(lines[0]).to.match(/^\d\d:\d\d:\d\d\.\d{3} info  job failed agentId=gpu0 queue=train-gpu0 jobId=t-1-3 op=optim_step modelId=m-1 error="a \\"quoted\\" reason"$/);
+    expect(lines[0]).to.match(/^\d\d:\d\d:\d\d\.\d{3} warn  job failed agentId=gpu0 queue=train-gpu0 jobId=t-1-3 op=optim_step modelId=m-1 error="a \\"quoted\\" reason"$/);
   });
 
   it('a bad TB_LOG_LEVEL or TB_LOG_FORMAT is said once, and the defaults are used', () => {

@@ -155,7 +155,10 @@ export class Agent {
     if (this.adapter.sampleBatch) for (const m of this.served) this.gatherers.set(m.name, this.makeGatherer(m.name));
     for (const w of this.workers) {
       w.on('error', (err) => this.log.error('worker error', { queue: w.name, error: String(err) }));
-      w.on('failed', (job, err) => this.log.warn('job failed', { queue: w.name, jobId: job?.id, op: job?.name, error: err.message }));
+      w.on('failed', (job, err) => {
+        const d = job?.data as { model_id?: string; sampling_session_id?: string } | undefined;
+        this.log.warn('job failed', { queue: w.name, jobId: job?.id, op: job?.name, modelId: d?.model_id, samplingSession: d?.sampling_session_id, error: err.message });
+      });
       await w.waitUntilReady();
     }
     this.record = { ...this.record, models: this.served, device: this.adapter.device };
@@ -351,7 +354,6 @@ export class Agent {
         if (err instanceof OpTimeout || (epoch >= 0 && epoch !== this.engineEpoch))
           f = failure('OUTCOME_UNKNOWN', outcomeUnknownMessage(op, err instanceof OpTimeout ? err.message : `the engine process died while running it: ${f.message}`));
         const stood = await this.outcomes.finish(jobId, token, { state: 'failed', op, agent_id: this.config.agentId, ...f });
-        this.log.info('job failed', { queue: this.trainQueue, jobId, op, modelId: parsed.data?.model_id, code: f.code, category: f.category, ms: Date.now() - start, error: f.message });
         this.meter(job, start, f.category === 'user' ? 'user_error' : 'server_error');
         return await this.standing(jobId, op, stood);
       }
