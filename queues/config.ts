@@ -14,14 +14,25 @@ import { z } from 'zod';
  * The engines an agent can drive and what each does: the one list (presets, the agent's adapter
  * choice, sample routing and `start`'s checks read it).
  */
+/**
+ * Sample-request fields some sampling engine cannot answer: the API sends a request using one to an
+ * engine that can (queues/registry.ts sampleEngine), and an engine that cannot refuses it clearly.
+ */
+export const SAMPLE_FEATURES = ['prompt_alt_tokens_k', 'target_prompt_logprobs'] as const;
+export type SampleFeature = (typeof SAMPLE_FEATURES)[number];
+
 export const ENGINES = {
   /** transformers + PEFT: trains and samples, on the CPU or one GPU (workers/adapters/torch.ts). */
-  torch: { trains: true, samples: true },
-  /** vLLM's OpenAI-compatible server: samples only, with the sampler versions as LoRA adapters (workers/adapters/vllm/). */
-  vllm: { trains: false, samples: true },
+  torch: { trains: true, samples: true, sampleLacks: [] },
+  /**
+   * vLLM's OpenAI-compatible server: samples only, with the sampler versions as LoRA adapters
+   * (workers/adapters/vllm/). Its completions API has no independent draws per prompt position and
+   * no logprobs of chosen prompt tokens beyond its top K.
+   */
+  vllm: { trains: false, samples: true, sampleLacks: ['prompt_alt_tokens_k', 'target_prompt_logprobs'] },
   /** verl's FSDP engine over the agent's GPUs: trains only (workers/adapters/verl.ts). */
-  verl: { trains: true, samples: false },
-} as const satisfies Record<string, { trains: boolean; samples: boolean }>;
+  verl: { trains: true, samples: false, sampleLacks: [] },
+} as const satisfies Record<string, { trains: boolean; samples: boolean; sampleLacks: readonly SampleFeature[] }>;
 
 export type EngineKind = keyof typeof ENGINES;
 

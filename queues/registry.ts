@@ -1,6 +1,6 @@
 import type { Redis } from 'ioredis';
 import { z } from 'zod';
-import { ENGINE_KINDS, ENGINES } from './config.js';
+import { ENGINE_KINDS, ENGINES, type SampleFeature } from './config.js';
 import { BrokerError } from './errors.js';
 import { LoraConfig } from './schemas.js';
 import type { Names } from './names.js';
@@ -118,20 +118,30 @@ const SAMPLE_ENGINE_ORDER: readonly string[] = ['vllm', 'torch'];
 /** Engines that do not sample: their agents consume no sample queue. */
 const TRAIN_ONLY_ENGINES: readonly string[] = ENGINE_KINDS.filter((e) => !ENGINES[e].samples);
 
+/** Whether an engine kind cannot answer a sample request using `feature`. */
+function engineLacks(engine: string, feature: SampleFeature): boolean {
+  const e = (ENGINES as Record<string, { sampleLacks: readonly SampleFeature[] }>)[engine];
+  return !!e && e.sampleLacks.includes(feature);
+}
+
 /**
  * Where a sample job of `baseModel` goes: the fastest engine kind among the live `agents` serving it
- * that accept the sampler version's LoRA rank (`loraRank`, null for the base model). The torch actor
- * thus samples only when no rollout (vLLM) agent serves that version. When no agent accepts the rank,
- * the fastest engine serving the model gets the job, and its engine reports the error.
+ * that can answer the request's fields (`needs`: prompt_alt_tokens_k and target_prompt_logprobs only
+ * the torch engine answers) and accept the sampler version's LoRA rank (`loraRank`, null for the base
+ * model). The torch actor thus samples only when no rollout (vLLM) agent serves that version, or when
+ * the request needs what only it answers. When no agent qualifies, the fastest engine serving the
+ * model gets the job, and its engine reports the error.
  */
-export function sampleEngine(baseModel: string, agents: AgentRecord[], loraRank: number | null): string {
+export function sampleEngine(baseModel: string, agents: AgentRecord[], loraRank: number | null, needs: readonly SampleFeature[] = []): string {
   const all = agents.flatMap((a) => a.models.filter((m) => m.name === baseModel).map((m) => ({ engine: a.engine, m })));
   if (all.length === 0) throw new BrokerError('NOT_FOUND', `base model '${baseModel}' is not served here (no live agent serves it)`);
   const serving = all.filter((s) => !TRAIN_ONLY_ENGINES.includes(s.engine));
   if (serving.length === 0)
     throw new BrokerError('UNAVAILABLE', `base model '${baseModel}' is served here only by engines that do not sample (${[...new Set(all.map((s) => s.engine))].join(', ')}); start a vLLM or torch agent for it`);
-  const fits = serving.filter(({ m }) => loraRank === null || m.lora_max_rank >= loraRank);
-  const pool = (fits.length ? fits : serving).map((s) => s.engine);
+  const able = serving.filter((s) => !needs.some((f) => engineLacks(s.engine, f)));
+  const candidates = able.length ? able : serving;
+  const fits = candidates.filter(({ m }) => loraRank === null || m.lora_max_rank >= loraRank);
+  const pool = (fits.length ? fits : candidates).map((s) => s.engine);
   const rank = (e: string) => (SAMPLE_ENGINE_ORDER.includes(e) ? SAMPLE_ENGINE_ORDER.indexOf(e) : SAMPLE_ENGINE_ORDER.length);
   return [...new Set(pool)].sort((a, b) => rank(a) - rank(b) || a.localeCompare(b))[0]!;
 }

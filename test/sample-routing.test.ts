@@ -50,6 +50,15 @@ describe('sample routing', () => {
     expect(() => sampleEngine(BASE, [verl], null)).to.throw(/served here only by engines that do not sample \(verl\); start a vLLM or torch agent/);
   });
 
+  it('sends a request using a field vLLM cannot answer (prompt_alt_tokens_k, target_prompt_logprobs) to the torch actor, else to vLLM (whose engine refuses it)', () => {
+    expect(sampleEngine(BASE, [actor, rollout], 8, ['prompt_alt_tokens_k'])).to.equal('torch');
+    expect(sampleEngine(BASE, [rollout, actor], null, ['target_prompt_logprobs'])).to.equal('torch');
+    expect(sampleEngine(BASE, [actor, rollout], 8, [])).to.equal('vllm');
+    // The field outranks the LoRA rank fit: the actor holds the version.
+    expect(sampleEngine(BASE, [agent('small', 'torch', [served({ lora_max_rank: 4 })]), rollout], 8, ['prompt_alt_tokens_k'])).to.equal('torch');
+    expect(sampleEngine(BASE, [rollout], null, ['prompt_alt_tokens_k'])).to.equal('vllm');
+  });
+
   it('puts engines it does not rank after vLLM and torch, and refuses a model nobody serves', () => {
     expect(sampleEngine(BASE, [agent('x', 'other', [served()]), actor], null)).to.equal('torch');
     expect(sampleEngine(BASE, [agent('x', 'other', [served()])], null)).to.equal('other');

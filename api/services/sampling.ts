@@ -1,3 +1,4 @@
+import type { SampleFeature } from '../../queues/config.js';
 import { randomUUID } from 'node:crypto';
 import type { Request } from 'express';
 import type { z } from 'zod';
@@ -133,7 +134,10 @@ export async function sample(ctx: ApiContext, req: Request, body: Body): Promise
 
   // The sampler version (null: the base model); its LoRA rank decides which agents can serve it.
   const version = session.model_path ? await ctx.registry.getCheckpoint(session.model_path) : null;
-  const queue = ctx.names.sampleQueue(session.base_model, sampleEngine(session.base_model, agents, version?.lora.rank ?? null));
+  const needs: SampleFeature[] = [];
+  if (body.prompt_alt_tokens_k > 0) needs.push('prompt_alt_tokens_k');
+  if (targets) needs.push('target_prompt_logprobs');
+  const queue = ctx.names.sampleQueue(session.base_model, sampleEngine(session.base_model, agents, version?.lora.rank ?? null, needs));
   // A seq_id JSON cannot carry exactly (past 2^53) cannot de-duplicate: such a request gets a fresh job.
   const seqId = body.seq_id != null && Number.isSafeInteger(body.seq_id) ? body.seq_id : null;
   const jobId = body.sampling_session_id && seqId !== null ? jobIds.sample(sessionId, seqId) : `s-${randomUUID()}`;

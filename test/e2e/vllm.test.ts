@@ -23,7 +23,9 @@ import { E2E_KEY, freePort, PYTHON } from './server.js';
  * same model directory.
  *   A  API + actor:         train, save the sampler version
  *   B  API + actor + vLLM:  sample (greedy to EOS, stop: [], stop token, stop string, n=4 with a seed,
- *                           prompt logprobs; 16 concurrent requests after 6 s idle): vLLM runs them all
+ *                           prompt logprobs, topk_sample_logprobs, prompt_logprobs_last_n; 16 concurrent
+ *                           requests after 6 s idle): vLLM runs them all but prompt_alt_tokens_k, which
+ *                           only the torch actor answers
  *   C  API + actor:         the vLLM agent gone, the same requests through the torch engine, and
  *                           compute_logprobs of vLLM's samples
  */
@@ -99,6 +101,16 @@ def probes():
         "base_seeded": seqs(base.sample(types.ModelInput.from_ints(Q), 4, types.SamplingParams(max_tokens=16, temperature=1.0, seed=7)).result()),
         "base_seed_plus_1": seqs(base.sample(types.ModelInput.from_ints(Q), 1, types.SamplingParams(max_tokens=16, temperature=1.0, seed=8)).result()),
     }
+    # topk_sample_logprobs, greedy on the trained prompt: the same tokens (C) from both engines.
+    top = sampler.sample(prompt, 1, greedy(), topk_sample_logprobs=5).result().sequences[0]
+    r["topk_sample"] = [[[int(i), float(lp)] for i, lp in row] for row in top.topk_logprobs]
+    r["topk_sample_tokens"] = list(top.tokens)
+    # Only the torch engine answers prompt_alt_tokens_k: the API sends it there even while vLLM serves the model.
+    alt = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1, temperature=0.0), prompt_alt_tokens_k=2).result()
+    r["alt_tokens"] = alt.prompt_alt_tokens.tokens.to_numpy().tolist()
+    last = sampler.sample(types.ModelInput.from_ints(full), 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True, topk_prompt_logprobs=2, prompt_logprobs_last_n=3).result()
+    r["last3"] = last.prompt_logprobs
+    r["last3_topk"] = [None if row is None else len(row) for row in last.topk_prompt_logprobs]
     scored = sampler.sample(types.ModelInput.from_ints(full), 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True, topk_prompt_logprobs=5).result()
     r["prompt_logprobs"] = scored.prompt_logprobs
     r["topk"] = [None if row is None else [[int(i), float(lp)] for i, lp in row] for row in scored.topk_prompt_logprobs]
@@ -272,8 +284,8 @@ class Proc {
       const v = await next('vllm');
       const ran1 = await sampleJobsRun();
       observed['sample jobs in phase B (vllm, torch)'] = [ran1.vllm - ran0.vllm, ran1.torch - ran0.torch];
-      expect(ran1.torch - ran0.torch).to.equal(0);
-      expect(ran1.vllm - ran0.vllm).to.equal(26); // 10 probes + 16 in the burst
+      expect(ran1.torch - ran0.torch).to.equal(1); // prompt_alt_tokens_k: only the torch engine answers it
+      expect(ran1.vllm - ran0.vllm).to.equal(28); // 12 probes + 16 in the burst
       expect(v.burst).to.deep.equal(Array(16).fill(8));
 
       // Phase C: the vLLM agent gone, the actor samples.
@@ -283,7 +295,33 @@ class Proc {
       const t = await next('torch');
       const ran2 = await sampleJobsRun();
       expect(ran2.vllm).to.equal(ran1.vllm);
-      expect(ran2.torch - ran1.torch).to.equal(24); // 10 probes + 14 compute_logprobs
+      expect(ran2.torch - ran1.torch).to.equal(27); // 13 probes + 14 compute_logprobs
+
+      // topk_sample_logprobs through vLLM: per sampled token the top 5 [id, logprob], most likely first,
+      // the same as the torch engine's (float32 on both; 1e-4 as for the sampled tokens' logprobs).
+      expect(v.topk_sample_tokens).to.deep.equal(C);
+      expect(t.topk_sample_tokens).to.deep.equal(C);
+      expect(v.topk_sample).to.have.length(C.length);
+      v.topk_sample.forEach((row: [number, number][], i: number) => {
+        const ref = t.topk_sample[i] as [number, number][];
+        expect(row).to.have.length(5);
+        expect(row[0]![0]).to.equal(C[i]);
+        row.forEach(([id, lp], j) => {
+          expect(lp).to.be.closeTo(ref[j]![1], 1e-4);
+          // Ids agree wherever the neighbouring logprobs are apart (a near-tie may order either way).
+          const apart = (a: number | undefined) => a === undefined || Math.abs(a - lp) > 1e-4;
+          if (apart(row[j - 1]?.[1]) && apart(row[j + 1]?.[1])) expect(id, `token ${i}, entry ${j}`).to.equal(ref[j]![0]);
+        });
+      });
+      observed['topk_sample max |vllm - torch|'] = Math.max(...v.topk_sample.flatMap((row: [number, number][], i: number) => row.map(([, lp], j) => Math.abs(lp - t.topk_sample[i][j][1]))));
+      // prompt_alt_tokens_k went to the torch actor in phase B: greedy draws, the same in both phases.
+      expect(v.alt_tokens).to.deep.equal(t.alt_tokens);
+      // prompt_logprobs_last_n through vLLM: only the last 3 positions keep their logprobs and top-K.
+      const nFull = P.length + C.length;
+      expect(v.last3.slice(0, nFull - 3).every((x: unknown) => x === null)).to.equal(true);
+      expect(v.last3.slice(nFull - 3).every((x: unknown) => typeof x === 'number')).to.equal(true);
+      expect(v.last3_topk).to.deep.equal([...Array(nFull - 3).fill(null), 2, 2, 2]);
+      v.last3.slice(nFull - 3).forEach((x: number, i: number) => expect(x).to.be.closeTo(t.last3[nFull - 3 + i], 1e-4));
 
       // The vLLM agent registers as sampling only; with the actor live the directory trains (on the actor) under any of its names.
       expect(v.caps[path.resolve('models/tiny-qwen3')]).to.equal(true);

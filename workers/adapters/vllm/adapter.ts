@@ -145,9 +145,10 @@ export class VllmAdapter implements EngineAdapter {
   async sample(job: SampleJob): Promise<SampleResult> {
     const m = this.models.get(job.base_model);
     if (!m) throw new EngineError('server', `base model ${job.base_model} is not served by this vLLM agent`);
-    if (job.topk_sample_logprobs) throw new EngineError('user', 'topk_sample_logprobs is not supported by the vLLM engine (the torch engine serves it)');
-    if (job.prompt_alt_tokens_k) throw new EngineError('user', 'prompt_alt_tokens_k is not supported by the vLLM engine (the torch engine serves it)');
-    if (job.target_prompt_logprobs) throw new EngineError('user', 'target_prompt_logprobs is not supported by the vLLM engine (the torch engine serves it)');
+    // The API sends requests using these to a torch agent when one serves the model (queues/registry.ts sampleEngine).
+    const lacks = `is not supported by the vLLM engine, and no torch agent serves ${job.base_model} with this sampler version; start one (a torch actor) to use it`;
+    if (job.prompt_alt_tokens_k) throw new EngineError('user', `prompt_alt_tokens_k ${lacks}`);
+    if (job.target_prompt_logprobs) throw new EngineError('user', `target_prompt_logprobs ${lacks}`);
     return m.sample(job);
   }
 

@@ -85,7 +85,8 @@ export function completionRequest(job: SampleJob, model: string, eosTokenId: num
     repetition_penalty: 1,
     stop_token_ids: stopIds,
     ignore_eos: true,
-    logprobs: 0,
+    // topk_sample_logprobs: vLLM's top_logprobs per sampled token, from the same (processed) distribution.
+    logprobs: job.topk_sample_logprobs ?? 0,
     return_token_ids: true,
     return_tokens_as_token_ids: true,
     skip_special_tokens: false,
@@ -98,6 +99,25 @@ export function completionRequest(job: SampleJob, model: string, eosTokenId: num
 }
 
 const bad = (what: string) => new EngineError('server', `vLLM returned an unexpected completion: ${what}`);
+
+/**
+ * A choice's `top_logprobs` (one `{"token_id:N": logprob}` object per sampled token, holding the top
+ * K and the sampled token) → per token the top K `[id, logprob]`, most likely first (ties by id), as
+ * the torch engine answers topk_sample_logprobs.
+ */
+function topkRows(rows: unknown, n: number, k: number, choice: number): [number, number][][] {
+  if (!Array.isArray(rows) || rows.length !== n) throw bad(`choice ${choice}: ${Array.isArray(rows) ? rows.length : 'no'} top_logprobs rows for ${n} tokens`);
+  return rows.map((row, t) => {
+    if (row === null || typeof row !== 'object') throw bad(`choice ${choice}: top_logprobs[${t}] is not an object`);
+    const entries = Object.entries(row as Record<string, unknown>).map(([key, lp]) => {
+      const id = Number(/^token_id:(\d+)$/.exec(key)?.[1] ?? NaN);
+      if (!Number.isInteger(id) || typeof lp !== 'number' || Number.isNaN(lp)) throw bad(`choice ${choice}: top_logprobs[${t}] has '${key}': ${String(lp)}`);
+      return [id, lp] as [number, number];
+    });
+    if (entries.length < Math.min(k, 1)) throw bad(`choice ${choice}: top_logprobs[${t}] is empty`);
+    return entries.sort((a, b) => b[1] - a[1] || a[0] - b[0]).slice(0, k);
+  });
+}
 
 /**
  * `/v1/completions` answer → SampleResult, as the torch engine answers `sample`: one sequence per
@@ -123,7 +143,9 @@ export function completionResult(job: SampleJob, body: unknown): SampleResult {
     if (!lp.every((x: unknown) => typeof x === 'number' && Number.isFinite(x))) throw bad(`choice ${i}: a logprob is missing or not finite`);
     const reason = c.finish_reason;
     if (reason !== 'stop' && reason !== 'length') throw bad(`choice ${i} finished with '${reason}' (aborted?)`);
-    return { tokens: tokens as number[], logprobs: lp as number[], stop_reason: reason as 'stop' | 'length' };
+    const seq = { tokens: tokens as number[], logprobs: lp as number[], stop_reason: reason as 'stop' | 'length' };
+    const k = job.topk_sample_logprobs ?? 0;
+    return k > 0 ? { ...seq, topk_logprobs: topkRows(c.logprobs?.top_logprobs, tokens.length, k, i) } : seq;
   });
 
   const wantLps = job.prompt_logprobs;
