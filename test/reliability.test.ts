@@ -284,6 +284,29 @@ describe('reliability: worker agents, outcomes and liveness (real processes, own
     expect(after).to.deep.equal(reference.slice(4));
   });
 
+  it('a graceful restart of every process (agent drained, API, Redis from its AOF) resumes a training loop with the same losses as an uninterrupted run', async () => {
+    const id = `a-${st.prefix}`;
+    const a = await agent(id);
+    const [m, twin] = [await client.createModel(11), await client.createModel(11)];
+    const reference = await client.train(twin, 5);
+    expect(await client.train(m, 2)).to.deep.equal(reference.slice(0, 2));
+    // An op in the queue when the restart begins: it runs once, after the restart, in its place.
+    const t0 = Date.now();
+    a.child.kill('SIGTERM');
+    const queued = await client.submitFb(m);
+    expect(await a.exited).to.equal(0);
+    await api.stop();
+    await redis.stop('SIGTERM'); // Redis writes its AOF and exits
+    await redis.start();
+    api = await startApi(st.env);
+    Object.assign(client, { api });
+    await agent(id);
+    figure('graceful restart of agent, API and Redis -> agent serving again (s)', (Date.now() - t0) / 1000);
+    expect(await client.loss(queued)).to.equal(reference[2]);
+    await client.optim(m);
+    expect(await client.train(m, 2)).to.deep.equal(reference.slice(3));
+  });
+
   it('an agent stopped for good (drain record expired): the next op on its model fails at once saying so, and so does every later one', async () => {
     const id = `a-${st.prefix}`;
     const a = await agent(id, { TB_DRAIN_KEEP_S: '1' });
