@@ -247,6 +247,29 @@ describe('API with a worker agent and the tiny model', function () {
     expect(r.json.error).to.match(/clip/);
   });
 
+  it('takes optimizer_config adamw, and refuses dimuon (create_model and optim_step) naming what is supported; the refused step uses up its seq_id', async () => {
+    const base = { session_id: sessionId, base_model: TINY_MODEL_ALIAS, lora_config: { rank: 4, seed: 3 }, type: 'create_model' };
+    expectTinkerError(
+      await call(s.baseUrl, 'POST', '/create_model', { ...base, model_seq_id: modelSeq++, optimizer_config: { type: 'dimuon', version: 1 } }),
+      400,
+      'user',
+      /optimizer 'dimuon' is not supported by this server; supported: adamw/,
+    );
+    const ok = await call(s.baseUrl, 'POST', '/create_model', { ...base, model_seq_id: modelSeq++, optimizer_config: { type: 'adamw' } });
+    expect(ok.status, JSON.stringify(ok.json)).to.equal(200);
+    const modelId = (await result(ok.json.request_id)).json.model_id as string;
+    expectTinkerError(
+      await call(s.baseUrl, 'POST', '/optim_step', { model_id: modelId, seq_id: 1, optimizer_params: { type: 'dimuon', learning_rate: 0.01 }, type: 'optim_step' }),
+      400,
+      'user',
+      /optimizer 'dimuon' is not supported by this server; supported: adamw/,
+    );
+    // The SDK has used up seq_id 1: the model's next op is not held behind it.
+    const fb = await submitFb(modelId, 2);
+    expect(fb.status, JSON.stringify(fb.json)).to.equal(200);
+    expect((await fbOutput(fb.json.request_id)).metrics['loss:sum']).to.be.a('number');
+  });
+
   it('rejects shape mismatches and out-of-vocabulary tokens before they reach the engine', async () => {
     const id = await createModel(8);
     const bad = encodeForwardBackward({ modelId: id, seqId: 1, data: [{ tokens: [1, 2, 3], targets: [2, 3] }] });
