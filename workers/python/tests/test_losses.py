@@ -402,6 +402,19 @@ def test_stable_reinforce_truncation_and_kl(setup) -> None:
     _check(engine, "stable_reinforce", items, _stable_ref(0.3, 2.0), {"kl_coeff": 0.3, "clip_high_threshold": 2.0})
 
 
+def test_stable_reinforce_per_token_high_threshold(setup) -> None:
+    # Per-token clip_high_threshold (an SDK 0.38 loss input) overrides the config's, token by token.
+    engine, gen, vocab = setup
+    items = _stable_items(engine, gen, vocab, lambda n: torch.linspace(math.log(0.2), math.log(9.0), n))
+    for _, _, inp in items:
+        inp["clip_high_threshold"] = torch.linspace(1.0, 3.0, inp["advantages"].shape[0])
+
+    def ref(lp: torch.Tensor, inp: dict[str, torch.Tensor]) -> torch.Tensor:
+        return _stable_ref(0.2, inp["clip_high_threshold"])(lp, inp)
+
+    _check(engine, "stable_reinforce", items, ref, {"kl_coeff": 0.2, "clip_high_threshold": 100.0})
+
+
 def test_stable_reinforce_params_after_one_step(setup) -> None:
     engine, gen, vocab = setup
     items = _stable_items(engine, gen, vocab, lambda n: 0.3 * torch.randn(n, generator=gen))
