@@ -18,16 +18,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from .channel import claim_stdio  # noqa: E402 - standard library only
+
 
 def main() -> int:
-    protocol_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    sys.stdout.flush()
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    sys.stdout = sys.stderr
-    protocol_in = sys.stdin.buffer
-
-    logging.basicConfig(stream=sys.stderr, level=os.environ.get("TB_ENGINE_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    protocol_in, protocol_out = claim_stdio()
 
     from transformers.utils import logging as hf_logging
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import struct
+import sys
 from typing import Any, BinaryIO
 
 _HEADER = struct.Struct(">I")
@@ -61,3 +64,17 @@ class Channel:
     def write(self, message: dict[str, Any]) -> None:
         self._writer.write(encode_frame(message))
         self._writer.flush()
+
+
+def claim_stdio() -> tuple[BinaryIO, BinaryIO]:
+    """The engine's protocol streams (stdin, and a private duplicate of fd 1), with fd 1 and
+    ``sys.stdout`` pointed at stderr so that a stray ``print`` or a library writing to stdout can
+    never corrupt the framing; logging goes to stderr at ``TB_ENGINE_LOG_LEVEL`` (default INFO).
+    Every engine entry point (torch, verl) starts with it."""
+    protocol_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    sys.stdout = sys.stderr
+    logging.basicConfig(stream=sys.stderr, level=os.environ.get("TB_ENGINE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    return sys.stdin.buffer, protocol_out

@@ -8,6 +8,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,9 +56,9 @@ class Task:
             next(self._steps)
             return None
         except StopIteration as done:
-            self._reply = self._engine._ok(self.request_id, self.op, self.subject, self.start, done.value)
+            self._reply = ok_reply(self.request_id, self.op, self.subject, self.start, done.value)
         except Exception as exc:  # noqa: BLE001
-            self._reply = self._engine._failed(self.request_id, self.op, self.subject, self.start, exc)
+            self._reply = failed_reply(self.request_id, self.op, self.subject, self.start, exc)
         return self._reply
 
 
@@ -145,55 +146,72 @@ class Engine:
 
     def start(self, body: bytes, stepped: bool = True) -> Task:
         """Parse one request frame and begin it; ``Task.step`` runs it (never raises)."""
-        request_id: Any = None
-        op = "?"
-        subject = ""
+        f = Frame()
         start = time.perf_counter()
         try:
-            request = json.loads(body.decode("utf-8"))
-            if not isinstance(request, dict):
-                raise ValueError("a request must be a JSON object")
-            request_id = request.get("id")
-            if not is_int(request_id):
-                raise ValueError("request id must be an integer")
-            op = request.get("op")
-            if not isinstance(op, str):
-                raise ValueError("request op must be a string")
-            args = request.get("args", {})
-            if args is None:
-                args = {}
-            if not isinstance(args, dict):
-                raise ValueError("request args must be an object")
-            if args.get("model_id"):
-                subject = f"model_id={args['model_id']}"
-            elif args.get("base_model") or args.get("name"):
-                subject = f"base={args.get('base_model') or args.get('name')}"
-            if op == "sample_batch" and isinstance(args.get("requests"), list):
-                subject += f" requests={len(args['requests'])}"
-            if op in ("forward_backward", "optim_step"):
+            parse_frame(body, f)
+            if f.op == "sample_batch" and isinstance(f.args.get("requests"), list):
+                f.subject += f" requests={len(f.args['requests'])}"
+            if f.op in ("forward_backward", "optim_step"):
                 self.registry.trained_since_release = True
-            if stepped and op in self.stepped_ops:
-                return Task(self, request_id, op, subject, start, self.stepped_ops[op](args), None)
-            result = self.call(op, args)
-            return Task(self, request_id, op, subject, start, None, self._ok(request_id, op, subject, start, result))
+            if stepped and f.op in self.stepped_ops:
+                return Task(self, f.id, f.op, f.subject, start, self.stepped_ops[f.op](f.args), None)
+            result = self.call(f.op, f.args)
+            return Task(self, f.id, f.op, f.subject, start, None, ok_reply(f.id, f.op, f.subject, start, result))
         except Exception as exc:  # noqa: BLE001 - every failure becomes a reply; the engine keeps serving
-            return Task(self, request_id, op, subject, start, None, self._failed(request_id, op, subject, start, exc))
+            return Task(self, f.id, f.op, f.subject, start, None, failed_reply(f.id, f.op, f.subject, start, exc))
 
-    def _ok(self, request_id: Any, op: str, subject: str, start: float, result: dict[str, Any]) -> dict[str, Any]:
-        _log(op, subject, start, "ok")
-        return {"id": request_id, "ok": True, "result": result}
 
-    def _failed(self, request_id: Any, op: str, subject: str, start: float, exc: Exception) -> dict[str, Any]:
-        if isinstance(exc, UserError):
-            _log(op, subject, start, f"user_error: {exc}")
-            return {"id": request_id, "ok": False, "error": {"category": "user", "message": str(exc)}}
-        log.error("op=%s failed:\n%s", op, "".join(traceback.format_exception(exc)).rstrip())
-        _log(op, subject, start, "server_error")
-        if isinstance(exc, torch.OutOfMemoryError) and torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
-        return {"id": request_id, "ok": False,
-                "error": {"category": "server", "message": f"{type(exc).__name__}: {message}"}}
+@dataclass
+class Frame:
+    """What one request frame said, as far as it was read (a malformed frame keeps the rest default)."""
+    id: Any = None
+    op: str = "?"
+    subject: str = ""
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_frame(body: bytes, f: Frame) -> None:
+    """Fills ``f`` from one request frame ``{"id", "op", "args"}``; raises ValueError for a malformed one."""
+    request = json.loads(body.decode("utf-8"))
+    if not isinstance(request, dict):
+        raise ValueError("a request must be a JSON object")
+    f.id = request.get("id")
+    if not is_int(f.id):
+        raise ValueError("request id must be an integer")
+    op = request.get("op")
+    if not isinstance(op, str):
+        raise ValueError("request op must be a string")
+    f.op = op
+    args = request.get("args", {})
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        raise ValueError("request args must be an object")
+    f.args = args
+    if args.get("model_id"):
+        f.subject = f"model_id={args['model_id']}"
+    elif args.get("base_model") or args.get("name"):
+        f.subject = f"base={args.get('base_model') or args.get('name')}"
+
+
+def ok_reply(request_id: Any, op: str, subject: str, start: float, result: dict[str, Any]) -> dict[str, Any]:
+    _log(op, subject, start, "ok")
+    return {"id": request_id, "ok": True, "result": result}
+
+
+def failed_reply(request_id: Any, op: str, subject: str, start: float, exc: Exception) -> dict[str, Any]:
+    """A failure's reply: a ``UserError`` is a ``user`` error, any other exception a ``server`` one."""
+    if isinstance(exc, UserError):
+        _log(op, subject, start, f"user_error: {exc}")
+        return {"id": request_id, "ok": False, "error": {"category": "user", "message": str(exc)}}
+    log.error("op=%s failed:\n%s", op, "".join(traceback.format_exception(exc)).rstrip())
+    _log(op, subject, start, "server_error")
+    if isinstance(exc, torch.OutOfMemoryError) and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    return {"id": request_id, "ok": False,
+            "error": {"category": "server", "message": f"{type(exc).__name__}: {message}"}}
 
 
 def reply(call: Callable[[str, dict[str, Any]], dict[str, Any]], body: bytes) -> dict[str, Any]:
@@ -202,43 +220,13 @@ def reply(call: Callable[[str, dict[str, Any]], dict[str, Any]], body: bytes) ->
     Shared by every engine speaking this protocol (torch, verl): a ``UserError`` becomes a
     ``user`` error reply, any other exception a ``server`` one; the engine keeps serving.
     """
-    request_id: Any = None
-    op = "?"
-    subject = ""
+    f = Frame()
     start = time.perf_counter()
     try:
-        request = json.loads(body.decode("utf-8"))
-        if not isinstance(request, dict):
-            raise ValueError("a request must be a JSON object")
-        request_id = request.get("id")
-        if not is_int(request_id):
-            raise ValueError("request id must be an integer")
-        op = request.get("op")
-        if not isinstance(op, str):
-            raise ValueError("request op must be a string")
-        args = request.get("args", {})
-        if args is None:
-            args = {}
-        if not isinstance(args, dict):
-            raise ValueError("request args must be an object")
-        if args.get("model_id"):
-            subject = f"model_id={args['model_id']}"
-        elif args.get("base_model") or args.get("name"):
-            subject = f"base={args.get('base_model') or args.get('name')}"
-        result = call(op, args)
-        _log(op, subject, start, "ok")
-        return {"id": request_id, "ok": True, "result": result}
-    except UserError as exc:
-        _log(op, subject, start, f"user_error: {exc}")
-        return {"id": request_id, "ok": False, "error": {"category": "user", "message": str(exc)}}
+        parse_frame(body, f)
+        return ok_reply(f.id, f.op, f.subject, start, call(f.op, f.args))
     except Exception as exc:  # noqa: BLE001 - every failure becomes a reply; the engine keeps serving
-        log.error("op=%s failed:\n%s", op, traceback.format_exc().rstrip())
-        _log(op, subject, start, "server_error")
-        if isinstance(exc, torch.OutOfMemoryError) and torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
-        return {"id": request_id, "ok": False,
-                "error": {"category": "server", "message": f"{type(exc).__name__}: {message}"}}
+        return failed_reply(f.id, f.op, f.subject, start, exc)
 
 
 def _log(op: str, subject: str, start: float, outcome: str) -> None:

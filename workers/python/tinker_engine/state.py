@@ -29,6 +29,7 @@ import math
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,7 +62,8 @@ def _keyed_params(model: TrainingModel) -> dict[str, torch.nn.Parameter]:
     return {peft_key(model, name): p for name, p in model.params}
 
 
-def _lora_json(model: TrainingModel) -> dict[str, Any]:
+def _lora_json(model: Any) -> dict[str, Any]:
+    """A model's LoRA config as a checkpoint records it (any engine's model with a ``lora`` spec)."""
     lora = model.lora
     return {"rank": lora.rank, "seed": lora.seed, "train_unembed": lora.train_unembed,
             "train_mlp": lora.train_mlp, "train_attn": lora.train_attn}
@@ -217,9 +219,11 @@ def _read_weights(directory: str, keyed: dict[str, torch.nn.Parameter]) -> dict[
     return tensors
 
 
-def _read_optimizer(directory: str, model: TrainingModel,
-                    keyed: dict[str, torch.nn.Parameter]) -> torch.optim.AdamW | None:
-    """A new AdamW over ``model``'s parameters holding the saved state (None: the saved state is empty)."""
+def read_optimizer_files(directory: str, keyed: dict[str, Any], like: Callable[[Any], Any] = lambda p: p,
+                         ) -> tuple[dict[str, Any] | None, dict[str, tuple[float, dict[str, torch.Tensor]]]]:
+    """A saved AdamW state, checked against the parameters ``keyed`` (``like(p)`` gives what a saved
+    moment must match): its hyperparameters (None when no parameter has state yet) and, per
+    parameter with state, its step and moments. Shared by the torch and verl engines."""
     meta_path = os.path.join(directory, OPTIMIZER_META)
     tensor_path = os.path.join(directory, OPTIMIZER_TENSORS)
     meta = _read_json(meta_path)
@@ -237,28 +241,36 @@ def _read_optimizer(directory: str, model: TrainingModel,
         odd = sorted(set(tensors) ^ expected)
         raise UserError(f"load_state: {tensor_path} does not match the steps in {meta_path} (e.g. {odd[:3]})")
     if not steps:
-        return None
-    hyper = meta.get("hyperparameters")
+        return None, {}
+    raw = meta.get("hyperparameters")
     try:
-        lr = float(hyper["lr"])
-        betas = (float(hyper["betas"][0]), float(hyper["betas"][1]))
-        eps = float(hyper["eps"])
-        weight_decay = float(hyper["weight_decay"])
+        hyper = {"lr": float(raw["lr"]), "betas": [float(raw["betas"][0]), float(raw["betas"][1])],
+                 "eps": float(raw["eps"]), "weight_decay": float(raw["weight_decay"])}
     except (TypeError, KeyError, IndexError, ValueError) as exc:
         raise UserError(f"load_state: {meta_path}: bad 'hyperparameters': {exc}") from exc
-
-    index = {key: i for i, key in enumerate(keyed)}
-    params = list(keyed.values())
-    state: dict[int, dict[str, torch.Tensor]] = {}
+    entries: dict[str, tuple[float, dict[str, torch.Tensor]]] = {}
     for key, step in steps.items():
         if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) or step < 0:
             raise UserError(f"load_state: {meta_path}: step of '{key}' must be a number >= 0, got {step!r}")
-        entry: dict[str, torch.Tensor] = {"step": torch.tensor(float(step), dtype=torch.float32)}
-        for moment in MOMENTS:
-            name = f"{moment}/{key}"
-            _check_tensor(tensor_path, name, tensors[name], keyed[key])
-            entry[moment] = tensors[name]
-        state[index[key]] = entry
+        for m in MOMENTS:
+            _check_tensor(tensor_path, f"{m}/{key}", tensors[f"{m}/{key}"], like(keyed[key]))
+        entries[key] = (float(step), {m: tensors[f"{m}/{key}"] for m in MOMENTS})
+    return hyper, entries
+
+
+def _read_optimizer(directory: str, model: TrainingModel,
+                    keyed: dict[str, torch.nn.Parameter]) -> torch.optim.AdamW | None:
+    """A new AdamW over ``model``'s parameters holding the saved state (None: the saved state is empty)."""
+    hyper, entries = read_optimizer_files(directory, keyed)
+    if hyper is None:
+        return None
+    lr, betas = hyper["lr"], (hyper["betas"][0], hyper["betas"][1])
+    eps, weight_decay = hyper["eps"], hyper["weight_decay"]
+    index = {key: i for i, key in enumerate(keyed)}
+    params = list(keyed.values())
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, (step, moments) in entries.items():
+        state[index[key]] = {"step": torch.tensor(step, dtype=torch.float32), **moments}
     # params follows model.params' order (the order optim_step builds AdamW with).
     optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     state_dict = optimizer.state_dict()
@@ -267,15 +279,15 @@ def _read_optimizer(directory: str, model: TrainingModel,
     return optimizer
 
 
-def load_state(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
-    model = registry.model(get_str(args, "model_id"))
+def check_state_dir(args: dict[str, Any], model: Any) -> tuple[str, bool, bool]:
+    """A load_state request's checkpoint directory, checked against ``model`` before anything is read
+    into it (any engine's model: ``model_id``, ``base.name``, ``lora``): format, base model, LoRA
+    config, optimizer state when asked for, adapter files. Returns (path, with_optimizer, has_optimizer)."""
     directory = get_str(args, "dir")
     with_optimizer = get_bool(args, "optimizer")
     path = os.path.normpath(os.path.abspath(directory))
     if not os.path.isdir(path):
         raise UserError(f"load_state: checkpoint directory {path} does not exist")
-
-    # Validate everything before touching the model.
     state_path = os.path.join(path, STATE_FILE)
     meta = _read_json(state_path)
     if meta.get("format") != STATE_FORMAT:
@@ -298,6 +310,13 @@ def load_state(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
         raise UserError(f"load_state: checkpoint {path} has no optimizer state (it was saved with optimizer=false)")
     for fname in ADAPTER_FILES:
         _require_file(os.path.join(path, fname))
+    return path, with_optimizer, has_optimizer
+
+
+def load_state(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
+    model = registry.model(get_str(args, "model_id"))
+    # Validate everything before touching the model.
+    path, with_optimizer, has_optimizer = check_state_dir(args, model)
     keyed = _keyed_params(model)
     weights = _read_weights(path, keyed)
     optimizer = _read_optimizer(path, model, keyed) if with_optimizer else None

@@ -20,6 +20,8 @@ import sys
 import warnings
 from datetime import timedelta
 
+from tinker_engine.channel import claim_stdio
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -52,14 +54,7 @@ def _init_distributed():  # -> (rank, world_size, control group)
 
 
 def main() -> int:
-    protocol_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    sys.stdout.flush()
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    sys.stdout = sys.stderr
-    protocol_in = sys.stdin.buffer
-
-    logging.basicConfig(stream=sys.stderr, level=os.environ.get("TB_ENGINE_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    protocol_in, protocol_out = claim_stdio()
     warnings.filterwarnings("ignore", category=FutureWarning)
     import torch.distributed as dist
 

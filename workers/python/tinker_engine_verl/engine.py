@@ -38,9 +38,9 @@ from tinker_engine.errors import UserError
 from tinker_engine.models import ADAPTER_FILES, LoraSpec, seeded_lora_values
 from tinker_engine.params import get_bool, get_obj, get_str
 from tinker_engine.save import _normalise_config
-from tinker_engine.state import (LORA_FIELDS, MOMENTS, OPTIMIZER_META, OPTIMIZER_TENSORS, STATE_FILE, STATE_FORMAT,
-                                 _check_tensor, _describe_lora, _fsync_dir_tree, _fsync_path, _read_json,
-                                 _read_tensors, _require_file, _write_json)
+from tinker_engine.state import (MOMENTS, OPTIMIZER_META, OPTIMIZER_TENSORS, STATE_FILE, STATE_FORMAT, _check_tensor,
+                                 _fsync_dir_tree, _fsync_path, _lora_json, _read_tensors, _write_json,
+                                 check_state_dir, read_optimizer_files)
 from tinker_engine.tensors import tensor_to_json
 from tinker_engine.train import AdamParams, max_batch_tokens, parse_forward_backward
 
@@ -372,11 +372,6 @@ class VerlEngine:
         self._barrier()
         return {"dir": directory, "size_bytes": size}
 
-    def _lora_json(self, model: VerlModel) -> dict[str, Any]:
-        lora = model.lora
-        return {"rank": lora.rank, "seed": lora.seed, "train_unembed": lora.train_unembed,
-                "train_mlp": lora.train_mlp, "train_attn": lora.train_attn}
-
     def _optimizer_payload(self, model: VerlModel) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         opt = model.engine.optimizer
         tensors: dict[str, torch.Tensor] = {}
@@ -415,7 +410,7 @@ class VerlEngine:
                     save_file(opt_tensors, os.path.join(tmp, OPTIMIZER_TENSORS), metadata={"format": "pt"})
                     _write_json(os.path.join(tmp, OPTIMIZER_META), opt_meta)
                 _write_json(os.path.join(tmp, STATE_FILE), {
-                    "format": STATE_FORMAT, "base_model": model.base.name, "lora": self._lora_json(model),
+                    "format": STATE_FORMAT, "base_model": model.base.name, "lora": _lora_json(model),
                     "has_optimizer": with_optimizer})
                 size = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
                 _fsync_dir_tree(tmp)
@@ -429,30 +424,7 @@ class VerlEngine:
 
     def load_state(self, args: dict[str, Any]) -> dict[str, Any]:
         model = self.model(get_str(args, "model_id"))
-        directory = get_str(args, "dir")
-        with_optimizer = get_bool(args, "optimizer")
-        path = os.path.normpath(os.path.abspath(directory))
-        if not os.path.isdir(path):
-            raise UserError(f"load_state: checkpoint directory {path} does not exist")
-        state_path = os.path.join(path, STATE_FILE)
-        meta = _read_json(state_path)
-        if meta.get("format") != STATE_FORMAT:
-            raise UserError(f"load_state: {state_path}: unsupported format {meta.get('format')!r}")
-        if meta.get("base_model") != model.base.name:
-            raise UserError(f"load_state: checkpoint {path} is of base model '{meta.get('base_model')}', "
-                            f"but model '{model.model_id}' is on base model '{model.base.name}'")
-        saved_lora, own_lora = meta.get("lora"), self._lora_json(model)
-        if not isinstance(saved_lora, dict) or any(saved_lora.get(k) != own_lora[k] for k in LORA_FIELDS):
-            raise UserError(f"load_state: checkpoint {path} has LoRA config "
-                            f"{_describe_lora(saved_lora if isinstance(saved_lora, dict) else {})}, but model "
-                            f"'{model.model_id}' has {_describe_lora(own_lora)}; rank and targets must match")
-        has_optimizer = meta.get("has_optimizer")
-        if not isinstance(has_optimizer, bool):
-            raise UserError(f"load_state: {state_path}: 'has_optimizer' must be a boolean")
-        if with_optimizer and not has_optimizer:
-            raise UserError(f"load_state: checkpoint {path} has no optimizer state (it was saved with optimizer=false)")
-        for fname in ADAPTER_FILES:
-            _require_file(os.path.join(path, fname))
+        path, with_optimizer, has_optimizer = check_state_dir(args, model)
         weights_path = os.path.join(path, "adapter_model.safetensors")
         weights = _read_tensors(weights_path)
         engine = model.engine
@@ -489,35 +461,7 @@ class VerlEngine:
         return {"model_id": model.model_id, "has_optimizer": has_optimizer}
 
     def _read_optimizer(self, path: str, keyed: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-        meta_path, tensor_path = os.path.join(path, OPTIMIZER_META), os.path.join(path, OPTIMIZER_TENSORS)
-        meta, tensors = _read_json(meta_path), _read_tensors(tensor_path)
-        if meta.get("format") != STATE_FORMAT or meta.get("optimizer") != "adamw":
-            raise UserError(f"load_state: {meta_path} is not an AdamW state of format {STATE_FORMAT}")
-        steps = meta.get("step")
-        if not isinstance(steps, dict):
-            raise UserError(f"load_state: {meta_path}: 'step' must be an object")
-        unknown = sorted(set(steps) - set(keyed))
-        if unknown:
-            raise UserError(f"load_state: {meta_path}: state for parameters the model does not have: {unknown[:3]}")
-        expected = {f"{m}/{k}" for k in steps for m in MOMENTS}
-        if set(tensors) != expected:
-            raise UserError(f"load_state: {tensor_path} does not match the steps in {meta_path}")
-        hyper = None
-        if steps:
-            raw = meta.get("hyperparameters")
-            try:
-                hyper = {"lr": float(raw["lr"]), "betas": [float(raw["betas"][0]), float(raw["betas"][1])],
-                         "eps": float(raw["eps"]), "weight_decay": float(raw["weight_decay"])}
-            except (TypeError, KeyError, IndexError, ValueError) as exc:
-                raise UserError(f"load_state: {meta_path}: bad 'hyperparameters': {exc}") from exc
-        entries = {}
-        for key, step in steps.items():
-            if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) or step < 0:
-                raise UserError(f"load_state: {meta_path}: step of '{key}' must be a number >= 0, got {step!r}")
-            for m in MOMENTS:
-                _check_tensor(tensor_path, f"{m}/{key}", tensors[f"{m}/{key}"], _FullShape(keyed[key]))
-            entries[key] = (step, {m: tensors[f"{m}/{key}"] for m in MOMENTS})
-        return hyper, entries
+        return read_optimizer_files(path, keyed, _FullShape)
 
 
 class _FullShape:
