@@ -124,7 +124,7 @@ RECIPES["arithmetic_sft"] = (RECIPES["chat_sl"][0], {
 })
 RECIPES["math_rl_from_sft"] = (RECIPES["math_rl"][0], {
     **{k: v for k, v in RECIPES["math_rl"][1].items() if k != "loss_fn"}, "groups_per_batch": "8",
-    "max_tokens": "10", "learning_rate": "1e-3", "lora_rank": "32", "max_steps": "4",
+    "max_tokens": "10", "learning_rate": "1e-3", "lora_rank": "32", "max_steps": "6",
 })
 # SFT, then RL from the SFT run's final state (the two above, in one command).
 SFT_THEN_RL = ("arithmetic_sft", "math_rl_from_sft")
