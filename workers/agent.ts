@@ -156,8 +156,8 @@ export class Agent {
     for (const w of this.workers) {
       w.on('error', (err) => this.log.error('worker error', { queue: w.name, error: String(err) }));
       w.on('failed', (job, err) => {
-        const d = job?.data as { model_id?: string; sampling_session_id?: string } | undefined;
-        this.log.warn('job failed', { queue: w.name, jobId: job?.id, op: job?.name, modelId: d?.model_id, samplingSession: d?.sampling_session_id, error: err.message });
+        const d = job?.data as { model_id?: string | null; sampling_session_id?: string | null } | undefined;
+        this.log.warn('job failed', { queue: w.name, jobId: job?.id, op: job?.name, modelId: d?.model_id ?? undefined, samplingSession: d?.sampling_session_id ?? undefined, error: err.message });
       });
       await w.waitUntilReady();
     }

@@ -1,9 +1,9 @@
-import type { SampleFeature } from '../../queues/config.js';
 import { randomUUID } from 'node:crypto';
 import type { Request } from 'express';
 import type { z } from 'zod';
 import { BrokerError, invalid } from '../../queues/errors.js';
 import { encodeRequestId } from '../../queues/futures.js';
+import type { SampleFeature } from '../../queues/config.js';
 import { jobIds, resourceIds } from '../../queues/names.js';
 import { sampleEngine, type SamplingSessionRecord } from '../../queues/registry.js';
 import type { SampleJob, SamplingParams } from '../../queues/schemas.js';
