@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,6 @@ def placement_from_env(env: dict[str, str] | None = None) -> Placement:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
     dtype_name = env.get("TB_ENGINE_DTYPE", "").strip() or ("bfloat16" if device.type == "cuda" else "float32")
-    if dtype_name not in _DTYPES:
-        raise RuntimeError(f"TB_ENGINE_DTYPE must be one of {sorted(_DTYPES)}, got {dtype_name!r}")
-    return Placement(device=device, dtype=_DTYPES[dtype_name])
+    if dtype_name not in DTYPES:
+        raise RuntimeError(f"TB_ENGINE_DTYPE must be one of {sorted(DTYPES)}, got {dtype_name!r}")
+    return Placement(device=device, dtype=DTYPES[dtype_name])

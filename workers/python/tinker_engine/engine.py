@@ -17,7 +17,7 @@ from . import PROTOCOL_VERSION
 from .device import Placement
 from .errors import UserError
 from .models import LoraSpec, Registry
-from .params import get_obj, get_str, is_int
+from .params import get_obj, get_opt_str, get_str, is_int
 from .sample import Sampler
 from .save import save_sampler
 from .state import load_state, save_state
@@ -96,7 +96,8 @@ class Engine:
                 "torch": torch.__version__}
 
     def load_base(self, args: dict[str, Any]) -> dict[str, Any]:
-        base = self.registry.load_base(get_str(args, "name"), get_str(args, "path"))
+        # ``dtype`` (the preset's): the base weights' dtype for this model; else the engine's (TB_ENGINE_DTYPE).
+        base = self.registry.load_base(get_str(args, "name"), get_str(args, "path"), get_opt_str(args, "dtype"))
         return base.info()
 
     def create_model(self, args: dict[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import math
 import os
 import re
 from collections import OrderedDict
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from .device import Placement
+from .device import DTYPES, Placement
 from .errors import UserError
 from .params import get_bool, get_int, get_opt_int
 
@@ -248,8 +249,13 @@ class Registry:
         else:
             self.pinned.pop(adapter, None)
 
-    def load_base(self, name: str, path: str) -> BaseModel:
+    def load_base(self, name: str, path: str, dtype: str | None = None) -> BaseModel:
         full = os.path.abspath(path)
+        placement = self.placement
+        if dtype is not None:
+            if dtype not in DTYPES:
+                raise UserError(f"load_base: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+            placement = dataclasses.replace(placement, dtype=DTYPES[dtype])
         existing = self.bases.get(name)
         if existing is not None:
             if existing.path != full:
@@ -257,7 +263,7 @@ class Registry:
             return existing
         if not os.path.isdir(full) or not os.path.isfile(os.path.join(full, "config.json")):
             raise UserError(f"load_base: {full} is not a model directory (no config.json)")
-        base = BaseModel(name, full, self.placement)
+        base = BaseModel(name, full, placement)
         self.bases[name] = base
         self.samplers[name] = OrderedDict()
         return base
