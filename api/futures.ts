@@ -101,7 +101,7 @@ export class FutureResolver {
         this.names.futureOwner(encodeRequestId(ref)),
         this.names.failedFuture(ref.jobId),
         this.names.gateHeldIndex(),
-        this.liveness.reapedKey(agentId),
+        this.names.agentReaped(agentId),
       ],
       [ref.jobId, this.ttlAfterReadS * 1000, ref.jobId.startsWith('c-') ? '1' : '0'],
     )) as (string | null)[];

@@ -11,16 +11,15 @@ import { z } from 'zod';
  */
 
 /**
- * The engines an agent can drive and what each does: the one list (presets, the agent's adapter
- * choice, sample routing and `start`'s checks read it).
- */
-/**
  * Sample-request fields some sampling engine cannot answer: the API sends a request using one to an
  * engine that can (queues/registry.ts sampleEngine), and an engine that cannot refuses it clearly.
  */
-export const SAMPLE_FEATURES = ['prompt_alt_tokens_k', 'target_prompt_logprobs'] as const;
-export type SampleFeature = (typeof SAMPLE_FEATURES)[number];
+export type SampleFeature = 'prompt_alt_tokens_k' | 'target_prompt_logprobs';
 
+/**
+ * The engines an agent can drive and what each does: the one list (presets, the agent's adapter
+ * choice, sample routing and `start`'s checks read it).
+ */
 export const ENGINES = {
   /** transformers + PEFT: trains and samples, on the CPU or one GPU (workers/adapters/torch.ts). */
   torch: { trains: true, samples: true, sampleLacks: [] },

@@ -44,16 +44,6 @@ export class Liveness {
     private readonly outcomes: Outcomes,
   ) {}
 
-  reapedKey(agentId: string): string {
-    return this.names.agentReaped(agentId);
-  }
-  drainedKey(agentId: string): string {
-    return this.names.agentDrained(agentId);
-  }
-  drainRequestKey(agentId: string): string {
-    return this.names.agentDrainRequest(agentId);
-  }
-
   // ---- agent side ----
 
   /**
@@ -82,19 +72,19 @@ export class Liveness {
 
   /** Refreshes the liveness key and the agent's record (re-registering after Redis lost them). */
   async beat(rec: AgentRecord, incarnation: string, takeOver = false): Promise<BeatResult> {
-    if (takeOver) await this.redis.del(this.names.agentAlive(rec.agent_id), this.reapedKey(rec.agent_id));
+    if (takeOver) await this.redis.del(this.names.agentAlive(rec.agent_id), this.names.agentReaped(rec.agent_id));
     const ttl = Math.round((rec.timeout_s ?? 30) * 1000);
     return (await runScript(
       this.redis,
       'liveness-beat',
-      [this.names.agentAlive(rec.agent_id), this.reapedKey(rec.agent_id), this.names.agents()],
+      [this.names.agentAlive(rec.agent_id), this.names.agentReaped(rec.agent_id), this.names.agents()],
       [incarnation, Date.now(), ttl, rec.agent_id, JSON.stringify(rec)],
     )) as BeatResult;
   }
 
   /** After a `reaped` heartbeat: the agent has dropped its models and comes back as alive. */
   async clearReaped(agentId: string, incarnation: string): Promise<void> {
-    const key = this.reapedKey(agentId);
+    const key = this.names.agentReaped(agentId);
     if ((await this.redis.get(key))?.startsWith(`${incarnation} `)) await this.redis.del(key);
   }
 
@@ -113,7 +103,7 @@ export class Liveness {
 
   /** Why the agent was reaped, or null when it was not. */
   async reapedWhy(agentId: string): Promise<string | null> {
-    const v = await this.redis.get(this.reapedKey(agentId));
+    const v = await this.redis.get(this.names.agentReaped(agentId));
     return v === null ? null : v.slice(v.indexOf(' ') + 1);
   }
 
@@ -130,7 +120,7 @@ export class Liveness {
         const parsed = AgentRecord.safeParse(JSON.parse(raw));
         if (!parsed.success) continue;
         const rec = parsed.data;
-        if ((await this.redis.exists(this.names.agentAlive(agentId))) === 1 || (await this.redis.exists(this.drainedKey(agentId))) === 1) {
+        if ((await this.redis.exists(this.names.agentAlive(agentId))) === 1 || (await this.redis.exists(this.names.agentDrained(agentId))) === 1) {
           this.missingSince.delete(agentId);
           continue;
         }
@@ -156,7 +146,7 @@ export class Liveness {
     const agentId = rec.agent_id;
     const timeout = rec.timeout_s ?? 30;
     const why = `its worker agent '${agentId}' stopped answering (no heartbeat for over ${timeout} s)`;
-    await this.redis.set(this.reapedKey(agentId), `${rec.incarnation ?? '?'} ${why}`, 'EX', 7 * 86_400);
+    await this.redis.set(this.names.agentReaped(agentId), `${rec.incarnation ?? '?'} ${why}`, 'EX', 7 * 86_400);
     await this.redis.hdel(this.names.agents(), agentId);
     const lost = await this.registry.markModelsLost(agentId, `${why}; load it from a saved checkpoint`);
     const queue = new Queue(rec.train_queue, { connection: this.redis, prefix: this.names.bull });

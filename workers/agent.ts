@@ -173,7 +173,7 @@ export class Agent {
    */
   private async restoreDrained(): Promise<Set<string>> {
     const restored = new Set<string>();
-    const key = this.liveness.drainedKey(this.config.agentId);
+    const key = this.names.agentDrained(this.config.agentId);
     const raw = await this.redis.get(key);
     if (raw === null) return restored;
     const drained = JSON.parse(raw) as { models: { model_id: string; dir: string }[] };
@@ -256,7 +256,7 @@ export class Agent {
         await this.liveness.clearReaped(this.config.agentId, this.incarnation);
         return await this.liveness.beat(this.record, this.incarnation);
       }
-      if (r === 'ok' && (await this.redis.getdel(this.liveness.drainRequestKey(this.config.agentId))) !== null) {
+      if (r === 'ok' && (await this.redis.getdel(this.names.agentDrainRequest(this.config.agentId))) !== null) {
         this.log.info('drain requested (tinker-broker drain)');
         void this.drain();
       }
@@ -598,7 +598,7 @@ export class Agent {
         }
       }
       const keepS = this.config.drainKeepS ?? 3_600;
-      await this.redis.set(this.liveness.drainedKey(this.config.agentId), JSON.stringify({ models: saved, at: new Date().toISOString(), incarnation: this.incarnation }), 'EX', keepS);
+      await this.redis.set(this.names.agentDrained(this.config.agentId), JSON.stringify({ models: saved, at: new Date().toISOString(), incarnation: this.incarnation }), 'EX', keepS);
       this.log.info('drained', { models: saved.map((s) => s.model_id), ms: Date.now() - t0 });
       await this.stop();
     })();

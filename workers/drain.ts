@@ -1,7 +1,5 @@
 import { loadCommonConfig } from '../queues/config.js';
-import { Liveness } from '../queues/liveness.js';
 import { Names } from '../queues/names.js';
-import { Outcomes } from '../queues/outcomes.js';
 import { connect } from '../queues/redis.js';
 import { Registry } from '../queues/registry.js';
 
@@ -18,7 +16,6 @@ export async function drainAgents(env: NodeJS.ProcessEnv, agentIds: string[], ti
   try {
     const names = new Names(config.prefix);
     const registry = new Registry(redis, names);
-    const liveness = new Liveness(redis, names, registry, new Outcomes(redis, names, config.retentionS));
     const live = new Map((await registry.liveAgents()).map((a) => [a.agent_id, a]));
     const targets = agentIds.length ? agentIds : [...live.keys()];
     const out: DrainResult[] = [];
@@ -27,11 +24,11 @@ export async function drainAgents(env: NodeJS.ProcessEnv, agentIds: string[], ti
         const rec = live.get(id);
         if (!rec) return out.push({ agent_id: id, status: 'not_live' });
         const t0 = Date.now();
-        await redis.set(liveness.drainRequestKey(id), '1', 'EX', Math.ceil(timeoutS));
+        await redis.set(names.agentDrainRequest(id), '1', 'EX', Math.ceil(timeoutS));
         const alive = names.agentAlive(id);
         while (Date.now() - t0 < timeoutS * 1000) {
           const v = await redis.get(alive);
-          const drained = await redis.get(liveness.drainedKey(id));
+          const drained = await redis.get(names.agentDrained(id));
           if ((v === null || !v.startsWith(`${rec.incarnation} `)) && drained !== null) {
             const d = JSON.parse(drained) as { models: unknown[]; incarnation?: string };
             if (d.incarnation === rec.incarnation)
@@ -39,7 +36,7 @@ export async function drainAgents(env: NodeJS.ProcessEnv, agentIds: string[], ti
           }
           await new Promise((r) => setTimeout(r, 200));
         }
-        await redis.del(liveness.drainRequestKey(id));
+        await redis.del(names.agentDrainRequest(id));
         return out.push({ agent_id: id, status: 'timeout' });
       }),
     );

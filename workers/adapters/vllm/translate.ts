@@ -114,7 +114,7 @@ function topkRows(rows: unknown, n: number, k: number, choice: number): [number,
       if (!Number.isInteger(id) || typeof lp !== 'number' || Number.isNaN(lp)) throw bad(`choice ${choice}: top_logprobs[${t}] has '${key}': ${String(lp)}`);
       return [id, lp] as [number, number];
     });
-    if (entries.length < Math.min(k, 1)) throw bad(`choice ${choice}: top_logprobs[${t}] is empty`);
+    if (entries.length === 0) throw bad(`choice ${choice}: top_logprobs[${t}] is empty`);
     return entries.sort((a, b) => b[1] - a[1] || a[0] - b[0]).slice(0, k);
   });
 }

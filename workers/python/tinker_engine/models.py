@@ -15,6 +15,7 @@ each ``lora_B`` is zero, so a fresh adapter leaves the base model's outputs unch
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import logging
@@ -22,7 +23,6 @@ import math
 import os
 import re
 from collections import OrderedDict
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
