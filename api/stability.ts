@@ -7,7 +7,8 @@ import type { DatumProvenance, ProvenanceSpan } from './wire/proto.js';
 
 /**
  * stable_reinforce: resolve each datum's provenance spans against the stability records the
- * sampler wrote (queues/stability.ts), check that the datum's tokens are the recorded ones, and
+ * sampler wrote (queues/stability.ts), check that the datum's tokens are the recorded ones (the
+ * model input everywhere, the targets where they are sampled tokens), and
  * add the engine's inputs `stability_logprobs` (the recorded sampler logprob at each sampled
  * target position, 0 elsewhere) and `stability_mask` (1 at those positions). Every refusal names
  * the datum and position.
@@ -20,8 +21,13 @@ function tile(spans: ProvenanceSpan[], n: number, what: string): void {
   if (total !== n) throw invalid(`${what} cover ${total} positions but the field has ${n}; the runs must tile it exactly`);
 }
 
-/** Walks the runs of `spans` over `values`, checking each value against the record. */
-function walk(values: number[], spans: ProvenanceSpan[], recs: Map<string, StabilityRecord>, what: string, visit?: (pos: number, run: Run, k: number) => void): void {
+/**
+ * Walks the runs of `spans` over `values`, checking each value against the record. With
+ * `promptValuesFree`, values under a prompt span are not checked: targets there are not scored
+ * (stable_reinforce takes advantages on sampled tokens only), and the cookbook's rl_loop pads them
+ * with 0 rather than repeating the prompt.
+ */
+function walk(values: number[], spans: ProvenanceSpan[], recs: Map<string, StabilityRecord>, what: string, visit?: (pos: number, run: Run, k: number) => void, promptValuesFree = false): void {
   let pos = 0;
   for (const span of spans) {
     const rec = recs.get(span.sequence_id)!;
@@ -29,9 +35,10 @@ function walk(values: number[], spans: ProvenanceSpan[], recs: Map<string, Stabi
     const label = span.kind === 'prompt' ? 'prompt' : 'sampled tokens';
     if (span.offset + span.length > source.length)
       throw invalid(`${what}: span [${span.offset}, ${span.offset + span.length}) of sequence '${span.sequence_id}' is outside its ${label} (${source.length} tokens)`);
+    const free = promptValuesFree && span.kind === 'prompt';
     for (let k = 0; k < span.length; k++) {
       const want = source[span.offset + k]!;
-      if (values[pos] !== want)
+      if (!free && values[pos] !== want)
         throw invalid(`${what}: position ${pos} is token ${values[pos]}, but its provenance (${label} of sequence '${span.sequence_id}', offset ${span.offset + k}) recorded ${want}`);
       visit?.(pos, { span, rec }, k);
       pos++;
@@ -75,7 +82,7 @@ export async function attachStability(ctx: ApiContext, model: ModelRecord, data:
       if (run.span.kind !== 'sampled') return;
       q[pos] = run.rec.logprobs[run.span.offset + k]!;
       mask[pos] = 1;
-    });
+    }, true);
     const adv = d.loss_fn_inputs.advantages!.data;
     const bad = adv.findIndex((a, pos) => a !== 0 && mask[pos] === 0);
     if (bad >= 0)

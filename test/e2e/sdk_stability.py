@@ -15,10 +15,12 @@ from sdk_common import error_of
 PROMPT = [5, 17, 123, 42]
 
 
-def datum(seq, advantage: float = 1.0, spans: bool = True, prompt_advantage: float = 0.0, swap_token: bool = False):
+def datum(seq, advantage: float = 1.0, spans: bool = True, prompt_advantage: float = 0.0, swap_token: bool = False,
+          zero_prompt_targets: bool = False):
+    """``zero_prompt_targets``: the prompt's targets padded with 0, as the cookbook's rl_loop does."""
     sampled = list(seq.tokens)
     ob = len(PROMPT) - 1
-    targets = PROMPT[1:] + sampled
+    targets = ([0] * ob if zero_prompt_targets else PROMPT[1:]) + sampled
     if swap_token:
         targets[ob] = (targets[ob] + 1) % 1000
     adv = np.array([prompt_advantage] + [0.0] * (ob - 1) + [advantage] * len(sampled), dtype=np.float32)
@@ -61,7 +63,7 @@ def main() -> None:
         "wrong_token": error_of(lambda: fb([datum(recorded[0], swap_token=True)])),
         "prompt_advantage": error_of(lambda: fb([datum(recorded[0], prompt_advantage=0.5)])),
     }
-    good = fb([datum(recorded[0], 1.0), datum(recorded[1], -1.0)])
+    good = fb([datum(recorded[0], 1.0), datum(recorded[1], -1.0, zero_prompt_targets=True)])
     out["good_loss"] = good.metrics["loss:sum"]
     out["good_logprobs"] = [list(map(float, o["logprobs"].to_numpy())) for o in good.loss_fn_outputs]
     out["sampled_logprobs"] = [list(map(float, s.logprobs)) for s in recorded]

@@ -20,7 +20,9 @@ describe('stable_reinforce: provenance and stability records', function () {
     expect(out.prompt_advantage).to.match(/BadRequestError.*nonzero advantages only on sampled tokens, but position 0 is not a sampled token/);
   });
 
-  it('trains on recorded samples: loss:sum is -sum(min(r, 4) * A * lp) over the sampled tokens', () => {
+  // The second datum pads its prompt targets with 0, as the cookbook's rl_loop does: accepted
+  // (targets under a prompt span are not scored), and its sampled tokens still checked.
+  it('trains on recorded samples (prompt targets as given or padded with 0): loss:sum is -sum(min(r, 4) * A * lp) over the sampled tokens', () => {
     const ob = out.n_prompt - 1;
     let loss = 0;
     out.good_logprobs.forEach((lps: number[], i: number) => {
