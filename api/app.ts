@@ -61,6 +61,11 @@ function watch(c: Redis, role: string): Redis {
   return c;
 }
 
+/** How often the listing sweep runs: a quarter of the retention, between 1 s and 60 s. */
+export function listingSweepMs(retentionS: number): number {
+  return Math.min(60_000, Math.max(1_000, Math.round(retentionS * 250)));
+}
+
 export function buildApp(config: ApiConfig): BuiltApp {
   const redis: Redis = watch(connect(config.redisUrl, 'producer'), 'producer');
   const blocking: Redis[] = [];
@@ -71,6 +76,7 @@ export function buildApp(config: ApiConfig): BuiltApp {
     window: config.seqWindow,
     gapTimeoutMs: config.seqGapTimeoutMs,
     failedTtlS: config.retentionS,
+    modelTtlS: config.retentionS,
   });
   const futures = new FutureResolver(
     redis,
@@ -151,13 +157,25 @@ export function buildApp(config: ApiConfig): BuiltApp {
   app.use(notFoundHandler);
   app.use(errorHandler);
 
-  const stopSweeper = startCheckpointSweeper(ctx);
+  const stopSweeper = startCheckpointSweeper(ctx, Math.min(30_000, listingSweepMs(config.retentionS)));
   const stopReaper = futures.startReaper();
   // Ops waiting behind a gap fail at its deadline even when nobody polls them.
   const gapTimer = setInterval(() => void gate.expireGaps().catch(() => undefined), Math.min(5_000, gate.gapTimeoutMs));
   gapTimer.unref();
+  // Listing entries whose record expired leave within a quarter of the retention, at most a minute (queues/names.ts).
+  let pruning = false;
+  const pruneTimer = setInterval(() => {
+    if (pruning) return;
+    pruning = true;
+    registry
+      .pruneListings()
+      .catch((e) => logger.debug('listing sweep failed (Redis unreachable?)', { error: String(e) }))
+      .finally(() => (pruning = false));
+  }, listingSweepMs(config.retentionS));
+  pruneTimer.unref();
   const close = async () => {
     clearInterval(gapTimer);
+    clearInterval(pruneTimer);
     stopSweeper();
     stopReaper();
     await futures.close();

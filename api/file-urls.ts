@@ -17,7 +17,7 @@ export const URL_TTL_MS = 15 * 60 * 1000;
 const Token = z.object({ p: z.string(), f: z.string(), e: z.number().int() });
 
 async function secret(ctx: ApiContext): Promise<Buffer> {
-  const key = `${ctx.names.prefix}:url-secret`;
+  const key = ctx.names.urlSecret();
   await ctx.redis.set(key, randomBytes(32).toString('hex'), 'NX');
   return Buffer.from((await ctx.redis.get(key))!, 'hex');
 }

@@ -43,6 +43,8 @@ export type GateOptions = {
   gapTimeoutMs?: number;
   /** How long the failure records of timed-out ops are kept, in seconds. @defaultValue 86 400 */
   failedTtlS?: number;
+  /** The lifetime of a model's gate (its `next` key, as the model's record), restarted by every op submitted, in seconds. @defaultValue 86 400 */
+  modelTtlS?: number;
 };
 
 /** What the submit records beside the op: its future's owner, and the agent that must be alive. */
@@ -59,6 +61,7 @@ export class OrderingGate {
   readonly window: number;
   readonly gapTimeoutMs: number;
   private readonly failedTtlS: number;
+  private readonly modelTtlS: number;
 
   constructor(
     private readonly redis: Redis,
@@ -69,6 +72,7 @@ export class OrderingGate {
     this.window = opts.window ?? 1024;
     this.gapTimeoutMs = opts.gapTimeoutMs ?? 120_000;
     this.failedTtlS = opts.failedTtlS ?? 86_400;
+    this.modelTtlS = opts.modelTtlS ?? 86_400;
   }
 
   private keys(modelId: string): string[] {
@@ -77,7 +81,7 @@ export class OrderingGate {
 
   /** Opens a model's gate after create_model (seq 0): the next op to release is seq 1. */
   async open(modelId: string): Promise<void> {
-    await this.redis.set(this.names.gateNext(modelId), '1', 'NX');
+    await this.redis.set(this.names.gateNext(modelId), '1', 'EX', this.modelTtlS, 'NX');
   }
 
   async isOpen(modelId: string): Promise<boolean> {
@@ -132,6 +136,7 @@ export class OrderingGate {
         this.names.futureOwner(encodeRequestId({ queue: op?.queue ?? '-', jobId })),
         this.names.modelLast(),
         this.names.agentDrained(extras.agentId ?? ''),
+        this.names.model(modelId),
       ],
       [
         seqId,
@@ -155,6 +160,7 @@ export class OrderingGate {
         extras.ownerTtlS ?? 172_800,
         new Date().toISOString(),
         op && extras.agentId ? '1' : '0',
+        this.modelTtlS * 1000,
       ],
     )) as number;
     if (r === -1) throw new Error(`ordering gate of model ${modelId} is not open`);

@@ -2,6 +2,7 @@ import { Queue } from 'bullmq';
 import type { Redis } from 'ioredis';
 import { outcomeUnknownMessage } from './errors.js';
 import type { Logger } from './logger.js';
+import { removeAgentStats } from './metrics.js';
 import type { Names } from './names.js';
 import { Outcomes } from './outcomes.js';
 import { AgentRecord, type Registry } from './registry.js';
@@ -148,6 +149,7 @@ export class Liveness {
     const why = `its worker agent '${agentId}' stopped answering (no heartbeat for over ${timeout} s)`;
     await this.redis.set(this.names.agentReaped(agentId), `${rec.incarnation ?? '?'} ${why}`, 'EX', 7 * 86_400);
     await this.redis.hdel(this.names.agents(), agentId);
+    await removeAgentStats(this.redis, this.names, agentId);
     const lost = await this.registry.markModelsLost(agentId, `${why}; load it from a saved checkpoint`);
     const queue = new Queue(rec.train_queue, { connection: this.redis, prefix: this.names.bull });
     let failed = 0;

@@ -37,7 +37,7 @@ export const AgentStats = z.object({
 });
 export type AgentStats = z.infer<typeof AgentStats>;
 
-const key = (names: Names, ...parts: string[]) => [names.prefix, 'metrics', ...parts].join(':');
+const key = (names: Names, ...parts: string[]) => names.metrics(...parts);
 
 function bucketIndex(ms: number): number {
   const s = ms / 1000;

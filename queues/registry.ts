@@ -213,6 +213,7 @@ export class Registry {
       .multi()
       .set(this.names.session(sessionId), JSON.stringify({ session_id: sessionId, created_at: new Date().toISOString(), ...info, tenant }), 'EX', ttlS)
       .zadd(this.names.tenantIndex(tenant, 'sessions'), Date.now(), sessionId)
+      .sadd(this.names.tenants(), tenant)
       .exec();
   }
   /** The tenant owning a live session, or null when the session does not exist. */
@@ -220,17 +221,20 @@ export class Registry {
     const info = await this.sessionInfo(sessionId);
     return info === null ? null : typeof info.tenant === 'string' ? info.tenant : '';
   }
+  /** A heartbeat: the session and what it lists (its models, samplers and finish record) live another `ttlS`. */
   async touchSession(sessionId: string, ttlS: number): Promise<boolean> {
-    return (await this.redis.expire(this.names.session(sessionId), ttlS)) === 1;
+    const key = this.names.session(sessionId);
+    const r = await this.redis.multi().expire(key, ttlS).expire(`${key}:models`, ttlS).expire(`${key}:samplers`, ttlS).expire(`${key}:finish`, ttlS).exec();
+    return r?.[0]?.[1] === 1;
   }
   async sessionExists(sessionId: string): Promise<boolean> {
     return (await this.redis.exists(this.names.session(sessionId))) === 1;
   }
 
   // ---- models ----
-  /** Stores the record unless one exists; returns the stored one (create_model is idempotent). */
-  async putModelIfAbsent(rec: ModelRecord): Promise<ModelRecord> {
-    const ok = await this.redis.set(this.names.model(rec.model_id), JSON.stringify(rec), 'NX');
+  /** Stores the record (for `ttlS`) unless one exists; returns the stored one (create_model is idempotent). */
+  async putModelIfAbsent(rec: ModelRecord, ttlS: number): Promise<ModelRecord> {
+    const ok = await this.redis.set(this.names.model(rec.model_id), JSON.stringify(rec), 'EX', ttlS, 'NX');
     if (ok === 'OK') return rec;
     return (await this.getModel(rec.model_id))!;
   }
@@ -239,7 +243,17 @@ export class Registry {
   }
   async markModelLost(modelId: string, reason: string): Promise<void> {
     const m = await this.getModel(modelId);
-    if (m && m.lost_reason === null) await this.redis.set(this.names.model(modelId), JSON.stringify({ ...m, lost_reason: reason }), 'XX');
+    if (m && m.lost_reason === null) await this.redis.set(this.names.model(modelId), JSON.stringify({ ...m, lost_reason: reason }), 'KEEPTTL', 'XX');
+  }
+  /**
+   * The models stay at least `ttlS` more (never less than they had; a model kept without a TTL
+   * stays so): what an agent's heartbeat does for the models loaded on it, so a model in use never
+   * expires. The record and the gate's next seq_id share one lifetime.
+   */
+  async keepModels(modelIds: Iterable<string>, ttlS: number): Promise<void> {
+    const p = this.redis.pipeline();
+    for (const id of modelIds) p.expire(this.names.model(id), ttlS, 'GT').expire(this.names.gateNext(id), ttlS, 'GT');
+    if (p.length) await p.exec();
   }
   async markModelsLost(agentId: string, reason: string, except: ReadonlySet<string> = new Set()): Promise<string[]> {
     const lost: string[] = [];
@@ -252,7 +266,7 @@ export class Registry {
         if (!raw) continue;
         const m = ModelRecord.parse(JSON.parse(raw));
         if (m.agent_id === agentId && m.lost_reason === null && !except.has(m.model_id)) {
-          await this.redis.set(key, JSON.stringify({ ...m, lost_reason: reason }), 'XX');
+          await this.redis.set(key, JSON.stringify({ ...m, lost_reason: reason }), 'KEEPTTL', 'XX');
           lost.push(m.model_id);
         }
       }
@@ -302,26 +316,31 @@ export class Registry {
   async getSamplingSession(id: string): Promise<SamplingSessionRecord | null> {
     return this.getJson(this.names.samplingSession(id), SamplingSessionRecord);
   }
+  /** A sample request through the session: it lives another `ttlS`. */
+  async touchSamplingSession(id: string, ttlS: number): Promise<void> {
+    await this.redis.expire(this.names.samplingSession(id), ttlS);
+  }
   // ---- checkpoints ----
   private ckptKey(tinkerPath: string): string {
-    return `${this.names.prefix}:ckpt:${tinkerPath}`;
+    return this.names.checkpoint(tinkerPath);
   }
   private modelCkpts(modelId: string): string {
-    return `${this.names.prefix}:model-ckpts:${modelId}`;
+    return this.names.modelCheckpoints(modelId);
   }
   private allCkpts(tenant: string): string {
     return this.names.tenantIndex(tenant, 'ckpts');
   }
   private ckptExpiry(): string {
-    return `${this.names.prefix}:ckpt-expiry`;
+    return this.names.checkpointExpiry();
   }
 
+  /** Stores a checkpoint's record; a listed (named) one keeps its model's record without a TTL while it exists. */
   async putCheckpoint(rec: CheckpointRecord): Promise<void> {
     const m = this.redis
       .multi()
       .set(this.ckptKey(rec.tinker_path), JSON.stringify(rec))
       .zadd(this.modelCkpts(rec.model_id), Date.parse(rec.time), rec.tinker_path);
-    if (!rec.ephemeral) m.zadd(this.allCkpts(rec.tenant), Date.parse(rec.time), rec.tinker_path);
+    if (!rec.ephemeral) m.zadd(this.allCkpts(rec.tenant), Date.parse(rec.time), rec.tinker_path).persist(this.names.model(rec.model_id)).persist(this.names.gateNext(rec.model_id));
     if (rec.expires_at) m.zadd(this.ckptExpiry(), Date.parse(rec.expires_at), rec.tinker_path);
     else m.zrem(this.ckptExpiry(), rec.tinker_path);
     await m.exec();
@@ -336,7 +355,11 @@ export class Registry {
     if (rec?.expires_at && Date.parse(rec.expires_at) <= Date.now()) return null;
     return rec;
   }
-  async deleteCheckpointRecord(rec: CheckpointRecord): Promise<void> {
+  /**
+   * Deletes a checkpoint's record. When it was its model's last listed checkpoint, the model's record
+   * gets its lifetime back (`ttlS`, unless it has one: a loaded model's agent keeps refreshing it).
+   */
+  async deleteCheckpointRecord(rec: CheckpointRecord, ttlS: number): Promise<void> {
     await this.redis
       .multi()
       .del(this.ckptKey(rec.tinker_path))
@@ -344,6 +367,8 @@ export class Registry {
       .zrem(this.allCkpts(rec.tenant), rec.tinker_path)
       .zrem(this.ckptExpiry(), rec.tinker_path)
       .exec();
+    if (rec.ephemeral || (await this.listModelCheckpoints(rec.model_id)).length > 0) return;
+    await this.redis.multi().expire(this.names.model(rec.model_id), ttlS, 'NX').expire(this.names.gateNext(rec.model_id), ttlS, 'NX').exec();
   }
   /** A model's listed checkpoints, newest first. */
   async listModelCheckpoints(modelId: string): Promise<CheckpointRecord[]> {
@@ -388,11 +413,15 @@ export class Registry {
   }
 
   // ---- listings ----
-  async indexModel(rec: ModelRecord): Promise<void> {
+  /** Lists a model under its tenant and its session (whose set lives `ttlS`, as the session does). */
+  async indexModel(rec: ModelRecord, ttlS: number): Promise<void> {
+    const set = `${this.names.session(rec.session_id)}:models`;
     await this.redis
       .multi()
       .zadd(this.names.tenantIndex(rec.tenant, 'models'), Date.parse(rec.created_at), rec.model_id)
-      .sadd(`${this.names.session(rec.session_id)}:models`, rec.model_id)
+      .sadd(this.names.tenants(), rec.tenant)
+      .sadd(set, rec.model_id)
+      .expire(set, ttlS)
       .exec();
   }
   async touchModel(modelId: string): Promise<void> {
@@ -410,8 +439,9 @@ export class Registry {
     const models = raws.flatMap((raw) => (raw === null ? [] : [ModelRecord.parse(JSON.parse(raw))]));
     return { models, total };
   }
-  async indexSampler(sessionId: string, samplerId: string): Promise<void> {
-    await this.redis.sadd(`${this.names.session(sessionId)}:samplers`, samplerId);
+  async indexSampler(sessionId: string, samplerId: string, ttlS: number): Promise<void> {
+    const set = `${this.names.session(sessionId)}:samplers`;
+    await this.redis.multi().sadd(set, samplerId).expire(set, ttlS).exec();
   }
   async sessionMembers(sessionId: string): Promise<{ training_run_ids: string[]; sampler_ids: string[] }> {
     const [models, samplers] = await Promise.all([
@@ -424,9 +454,10 @@ export class Registry {
   async listSessions(tenant: string, offset: number, limit: number): Promise<string[]> {
     return this.redis.zrevrange(this.names.tenantIndex(tenant, 'sessions'), offset, offset + limit - 1);
   }
-  async finishSession(sessionId: string, finish: Record<string, unknown>): Promise<Record<string, unknown>> {
+  /** ServiceClient.close(): the first finish record stays, for as long as the session (`ttlS`). */
+  async finishSession(sessionId: string, finish: Record<string, unknown>, ttlS: number): Promise<Record<string, unknown>> {
     const key = `${this.names.session(sessionId)}:finish`;
-    await this.redis.set(key, JSON.stringify(finish), 'NX');
+    await this.redis.set(key, JSON.stringify(finish), 'EX', ttlS, 'NX');
     return JSON.parse((await this.redis.get(key))!);
   }
   async sessionFinished(sessionId: string): Promise<boolean> {
@@ -452,6 +483,67 @@ export class Registry {
     const ckpts = await this.checkpointsOfModels(models.flat());
     let at = 0;
     return models.map((ms) => ms.reduce((n) => n + ckpts[at++]!.length, 0));
+  }
+  /**
+   * The listing sweep (every API process runs it, api/app.ts): drops the entries whose record is gone
+   * (expired) from the tenants' session and model listings, from the model and sampler sets of live
+   * sessions, and from the models' last-request times. Walks every listing in chunks (ZSCAN/SSCAN,
+   * one pipelined EXISTS per chunk); returns how many entries it dropped.
+   */
+  async pruneListings(chunk = 500): Promise<number> {
+    let dropped = 0;
+    // Members of `key` (a sorted set or a set) whose record (`recordKey`) is gone; `gone` removes them.
+    const sweep = async (key: string, sorted: boolean, recordKey: (id: string) => string, gone: (ids: string[]) => Promise<unknown>, live?: (ids: string[]) => Promise<void>) => {
+      let cursor = '0';
+      do {
+        const [next, flat] = sorted ? await this.redis.zscan(key, cursor, 'COUNT', chunk) : await this.redis.sscan(key, cursor, 'COUNT', chunk);
+        cursor = next;
+        const ids = sorted ? flat.filter((_, i) => i % 2 === 0) : flat;
+        if (ids.length === 0) continue;
+        const p = this.redis.pipeline();
+        for (const id of ids) p.exists(recordKey(id));
+        const exists = ((await p.exec()) ?? []).map(([err, v]) => err !== null || v === 1);
+        const missing = ids.filter((_, i) => !exists[i]);
+        if (missing.length) {
+          await gone(missing);
+          dropped += missing.length;
+        }
+        if (live) await live(ids.filter((_, i) => exists[i]));
+      } while (cursor !== '0');
+    };
+    for (const tenant of await this.redis.smembers(this.names.tenants())) {
+      await sweep(
+        this.names.tenantIndex(tenant, 'sessions'),
+        true,
+        (id) => this.names.session(id),
+        (ids) => this.redis.zrem(this.names.tenantIndex(tenant, 'sessions'), ...ids),
+        async (sessions) => {
+          // The model and sampler sets of a chunk of live sessions, in three round trips.
+          const sets = sessions.flatMap((s) => [
+            { key: `${this.names.session(s)}:models`, record: (id: string) => this.names.model(id) },
+            { key: `${this.names.session(s)}:samplers`, record: (id: string) => this.names.samplingSession(id) },
+          ]);
+          const members = await this.pipelined(sets.map((x) => ['smembers', x.key]));
+          const entries = sets.flatMap((x, i) => ((members[i] as string[] | null) ?? []).map((id) => ({ key: x.key, id, record: x.record(id) })));
+          const exists = await this.pipelined(entries.map((e) => ['exists', e.record]));
+          const missing = entries.filter((_, i) => exists[i] === 0);
+          if (missing.length) await this.pipelined(missing.map((e) => ['srem', e.key, e.id]));
+          dropped += missing.length;
+        },
+      );
+      await sweep(
+        this.names.tenantIndex(tenant, 'models'),
+        true,
+        (id) => this.names.model(id),
+        (ids) => this.redis.multi().zrem(this.names.tenantIndex(tenant, 'models'), ...ids).hdel(this.names.modelLast(), ...ids).exec(),
+      );
+    }
+    return dropped;
+  }
+  /** Commands in one pipeline; each one's reply (null where it failed). */
+  private async pipelined(cmds: string[][]): Promise<unknown[]> {
+    if (cmds.length === 0) return [];
+    return ((await this.redis.pipeline(cmds).exec()) ?? []).map(([err, v]) => (err ? null : v));
   }
   private async mgetJson(keys: string[]): Promise<(Record<string, unknown> | null)[]> {
     if (keys.length === 0) return [];

@@ -136,7 +136,7 @@ export class Agent {
     const restored = await this.restoreDrained();
     const lost = await this.registry.markModelsLost(this.config.agentId, 'its worker agent restarted; load it from a saved checkpoint', restored);
     if (lost.length) this.log.warn('models from a previous run of this agent are unavailable', { models: lost });
-    await rebuildCheckpoints(this.registry, this.config.storageDir, this.log).catch((e) => this.log.error('rebuilding checkpoint records failed', { error: String(e) }));
+    await rebuildCheckpoints(this.registry, this.config.storageDir, this.log, this.config.retentionS).catch((e) => this.log.error('rebuilding checkpoint records failed', { error: String(e) }));
 
     const common = { connection: this.redis, prefix: this.names.bull, maxStalledCount: 0, lockDuration: this.config.jobLockMs ?? 30_000 };
     this.workers.push(
@@ -256,6 +256,8 @@ export class Agent {
         await this.liveness.clearReaped(this.config.agentId, this.incarnation);
         return await this.liveness.beat(this.record, this.incarnation);
       }
+      // The models loaded here are in use: their records never expire while this agent lives (queues/names.ts).
+      if (r === 'ok') await this.registry.keepModels(this.loaded, Math.max(this.config.retentionS, 2 * this.timeoutS));
       if (r === 'ok' && (await this.redis.getdel(this.names.agentDrainRequest(this.config.agentId))) !== null) {
         this.log.info('drain requested (tinker-broker drain)');
         void this.drain();
@@ -488,7 +490,7 @@ export class Agent {
         },
         this.config.retentionS,
       );
-      await this.registry.indexSampler(model.session_id, job.sampling_session_id);
+      await this.registry.indexSampler(model.session_id, job.sampling_session_id, this.config.retentionS);
     }
     return { path: job.tinker_path, sampling_session_id: job.sampling_session_id };
   }
@@ -598,6 +600,8 @@ export class Agent {
         }
       }
       const keepS = this.config.drainKeepS ?? 3_600;
+      // No heartbeat keeps the saved models' records while the agent is away: they outlast the drain record.
+      await this.registry.keepModels(saved.map((s) => s.model_id), keepS + this.config.retentionS);
       await this.redis.set(this.names.agentDrained(this.config.agentId), JSON.stringify({ models: saved, at: new Date().toISOString(), incarnation: this.incarnation }), 'EX', keepS);
       this.log.info('drained', { models: saved.map((s) => s.model_id), ms: Date.now() - t0 });
       await this.stop();

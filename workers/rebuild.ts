@@ -12,9 +12,12 @@ const KINDS = { weights: 'training', sampler_weights: 'sampler', external_weight
  * while their model's record exists (it names the tenant, base model and LoRA config). What only the
  * record knew comes back as defaults: no expiry, not public, no user metadata; the time is the
  * directory's mtime. Directories half-written or being replaced (`*.tmp-*`, `*.old-*`) are skipped.
+ * The unnamed sampler saves behind save_weights_and_get_sampling_client (`sampler_weights/ephemeral-<seq_id>`)
+ * come back as what they were: unlisted, expiring `retentionS` after their mtime (the sweeper deletes
+ * those already past it), so they neither become permanent nor keep their model's record.
  * Runs at every agent start; returns the tinker paths rebuilt.
  */
-export async function rebuildCheckpoints(registry: Registry, storageDir: string, log: Logger): Promise<string[]> {
+export async function rebuildCheckpoints(registry: Registry, storageDir: string, log: Logger, retentionS: number): Promise<string[]> {
   const rebuilt: string[] = [];
   if (!existsSync(storageDir)) return rebuilt;
   // Directory names are model ids with unsafe characters replaced (api/paths.ts): map them back.
@@ -66,6 +69,8 @@ export async function rebuildCheckpoints(registry: Registry, storageDir: string,
             continue;
           }
         }
+        const mtime = (await stat(dir)).mtime;
+        const ephemeral = type === 'sampler' && e.name.startsWith('ephemeral-');
         const rec: CheckpointRecord = {
           tinker_path: tinkerPath,
           model_id: model.model_id,
@@ -74,12 +79,12 @@ export async function rebuildCheckpoints(registry: Registry, storageDir: string,
           base_model: model.base_model,
           lora: model.lora,
           dir,
-          time: (await stat(dir)).mtime.toISOString(),
+          time: mtime.toISOString(),
           size_bytes: size,
-          expires_at: null,
+          expires_at: ephemeral ? new Date(mtime.getTime() + retentionS * 1000).toISOString() : null,
           public: false,
           has_optimizer: hasOptimizer,
-          ephemeral: false,
+          ephemeral,
           user_metadata: null,
           tenant: model.tenant,
         };

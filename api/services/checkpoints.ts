@@ -95,8 +95,8 @@ async function holdCopiedWeights(
     lost_reason: `it holds copied weights (copy_weights) and cannot be trained; use create_training_client_from_state`,
     tenant: h.tenant,
     max_context_length: null,
-  });
-  await ctx.registry.indexModel(holder);
+  }, ctx.config.retentionS);
+  await ctx.registry.indexModel(holder, ctx.config.retentionS);
   return holder;
 }
 
@@ -111,7 +111,7 @@ export async function copyCheckpoint(
   idempotencyKey: string | undefined,
 ): Promise<string> {
   const tenant = tenantOf(req);
-  const idemKey = idempotencyKey ? `${ctx.names.prefix}:idem:copy:${tenant}:${idempotencyKey}` : null;
+  const idemKey = idempotencyKey ? ctx.names.copyIdempotency(tenant, idempotencyKey) : null;
   if (idemKey) {
     const prev = await ctx.redis.get(idemKey);
     if (prev) return prev;
@@ -143,16 +143,18 @@ export async function copyCheckpoint(
 }
 
 export async function deleteCheckpoint(ctx: ApiContext, c: CheckpointRecord): Promise<void> {
-  await ctx.registry.deleteCheckpointRecord(c);
+  await ctx.registry.deleteCheckpointRecord(c, ctx.config.retentionS);
   await rm(c.dir, { recursive: true, force: true });
 }
 
 export async function sweepExpiredCheckpoints(ctx: ApiContext): Promise<number> {
   let n = 0;
   for (const c of await ctx.registry.expiredCheckpoints()) {
-    const lock = `${ctx.names.prefix}:sweep:${c.tinker_path}`;
+    const lock = ctx.names.checkpointSweepLock(c.tinker_path);
     if ((await ctx.redis.set(lock, '1', 'PX', 60_000, 'NX')) !== 'OK') continue;
     await deleteCheckpoint(ctx, c);
+    // Gone from the expiry set: no sweep picks it up again (one that read it before finds nothing to delete).
+    await ctx.redis.del(lock);
     n++;
     logger.info('checkpoint expired', { tinkerPath: c.tinker_path });
   }

@@ -49,8 +49,8 @@ export async function placeModel(
     lost_reason: null,
     tenant: m.tenant,
     max_context_length: model.max_context_length,
-  });
-  await ctx.registry.indexModel(rec);
+  }, ctx.config.retentionS);
+  await ctx.registry.indexModel(rec, ctx.config.retentionS);
   await ctx.gate.open(m.modelId);
   return rec;
 }

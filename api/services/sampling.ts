@@ -36,7 +36,7 @@ export async function createSamplingSession(ctx: ApiContext, req: Request, body:
   const target = await resolveTarget(ctx, req, body.base_model, body.model_path);
   const id = resourceIds.samplingSession(body.session_id, body.sampling_session_seq_id);
   await ctx.registry.putSamplingSession({ sampling_session_id: id, session_id: body.session_id, ...target, tenant: tenantOf(req) }, ctx.config.retentionS);
-  await ctx.registry.indexSampler(body.session_id, id);
+  await ctx.registry.indexSampler(body.session_id, id, ctx.config.retentionS);
   return id;
 }
 
@@ -87,6 +87,8 @@ type Body = z.output<typeof SampleBody>;
 async function sampleTarget(ctx: ApiContext, req: Request, body: Body): Promise<{ target: Target; sessionId: string; ownerSession: string | null }> {
   if (body.sampling_session_id) {
     const s = await requireSamplingSession(ctx, req, body.sampling_session_id);
+    // A sampling client in use does not expire (a teacher's may sample for days).
+    await ctx.registry.touchSamplingSession(s.sampling_session_id, ctx.config.retentionS);
     // Inflight: the model's newest inflight save, which only moves forward from the one this session was created with.
     const t = s.inflight_model_id ? await ctx.registry.inflightTarget(s.inflight_model_id) : null;
     const target = t ? { base_model: s.base_model, model_path: t.model_path, adapter_dir: t.adapter_dir } : s;

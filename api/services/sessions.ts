@@ -31,7 +31,7 @@ export async function heartbeat(ctx: ApiContext, req: Request, sessionId: string
 /** ServiceClient.close(): the first finish reason wins. */
 export async function finishSession(ctx: ApiContext, req: Request, sessionId: string, reason: Record<string, unknown>, detail: string | null) {
   await requireSession(ctx, req, sessionId);
-  return ctx.registry.finishSession(sessionId, { reason, detail, finished_at: new Date().toISOString() });
+  return ctx.registry.finishSession(sessionId, { reason, detail, finished_at: new Date().toISOString() }, ctx.config.retentionS);
 }
 
 type SessionSearch = {

@@ -1,6 +1,6 @@
 --[[
   The per-model ordering gate's shared steps (queues/gate.ts). A model's gate is:
-    next       the seq_id released next
+    next       the seq_id released next (it keeps its TTL: the model's lifetime, queues/names.ts)
     held       seq_id -> '<queue> <job id>' (an admitted op whose job hash is stored) or '- <job id>' (a
                seq_id used up by a refused request)
     held-index job id -> model id, for every held entry (a held future is pending, not unknown)
@@ -34,7 +34,7 @@ local function gateDrain(G, modelId, bullPrefix, window, gapMs)
     nxt = nxt + 1
   end
   if nxt == start then return 0 end
-  redis.call('SET', G.next, tostring(nxt))
+  redis.call('SET', G.next, tostring(nxt), 'KEEPTTL')
   -- The gap deadline counts from when the gate last moved.
   redis.call('ZREM', G.gaps, modelId)
   if redis.call('HLEN', G.held) > 0 then redis.call('ZADD', G.gaps, nowMs() + gapMs, modelId) end
@@ -86,6 +86,6 @@ local function gateExpireGap(G, modelId, bullPrefix, failedPrefix, failedTtlS, g
     if not jobId then jobId = G.jobIdPrefix .. s end
     redis.call('SET', failedPrefix .. jobId, cjson.encode({op = op, category = 'user', message = msg}), 'EX', failedTtlS, 'NX')
   end
-  redis.call('SET', G.next, tostring(last + 1))
+  redis.call('SET', G.next, tostring(last + 1), 'KEEPTTL')
   return n
 end

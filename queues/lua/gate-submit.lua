@@ -7,6 +7,7 @@
   KEYS[4] gate digests       KEYS[5] gate gaps        KEYS[6] the agent's liveness key
   KEYS[7] the future's owner record                   KEYS[8] models' last-request hash
   KEYS[9] the agent's drain record (the models a drained agent saved for its restart)
+  KEYS[10] the model's record
 
   ARGV[1]  seq_id                ARGV[2]  job id               ARGV[3]  model id
   ARGV[4]  payload digest ('skip' for a refused request)
@@ -18,6 +19,7 @@
   ARGV[16] gap timeout s (for messages)                        ARGV[17] job id prefix of the model's train jobs
   ARGV[18] owner tenant ('' = record no owner)                 ARGV[19] owner ttl s
   ARGV[20] now (ISO time, the model's last request)            ARGV[21] '1': refuse when the agent is not alive
+  ARGV[22] the model's lifetime ms (its record and gate live at least this long after each op; never shortened)
 
   Returns 1 admitted, 0 duplicate (same payload, or a seq_id already past), -1 gate not open,
   -2 beyond the window, -3 the seq_id was used with another payload, -4 too old to recognise,
@@ -45,7 +47,12 @@ local nxt = tonumber(redis.call('GET', G.next))
 
 local function owned(r)
   if ARGV[18] ~= '' then redis.call('SET', KEYS[7], ARGV[18], 'EX', tonumber(ARGV[19]), 'NX') end
-  if not skip then redis.call('HSET', KEYS[8], modelId, ARGV[20]) end
+  if not skip then
+    redis.call('HSET', KEYS[8], modelId, ARGV[20])
+    -- A model in use lives on (GT: a model kept without a TTL, for its checkpoints, stays so).
+    redis.call('PEXPIRE', KEYS[1], ARGV[22], 'GT')
+    redis.call('PEXPIRE', KEYS[10], ARGV[22], 'GT')
+  end
   return r
 end
 
