@@ -1,6 +1,8 @@
 import { expect } from 'chai';
 import { rmSync } from 'node:fs';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
+import { decodeRequestId } from '../queues/futures.js';
+import { Outcomes } from '../queues/outcomes.js';
 import { deletePrefix } from './helpers/stack.js';
 import { call, type HttpReply } from './helpers/stack.js';
 import { enginePid, OwnRedis, sleep, spawnAgent, stackEnv, startApi, stopAgent, waitFor, type AgentProc, type Api } from './helpers/procs.js';
@@ -212,6 +214,61 @@ describe('reliability: worker agents, outcomes and liveness (real processes, own
     const fresh = await client.createModel(2);
     expect((await client.train(fresh, 1))[0]).to.be.a('number');
     expect(await enginePid(a)).to.not.equal(engine);
+  });
+
+  it('an agent reaped while alive (SIGSTOP past its timeout): futures failed, models unavailable; at SIGCONT it drops them and registers again, an op it finishes late stays failed, new ops work', async () => {
+    const id = `a-${st.prefix}`;
+    const a = await agent(id);
+    const m = await client.createModel(1);
+    await client.train(m, 1);
+    // An op in the engine when the agent stops, and one queued behind it; the engine finishes the
+    // first while the agent is stopped, so the agent holds a result it has not recorded yet.
+    const engine = await enginePid(a);
+    process.kill(engine, 'SIGSTOP');
+    stopped.push(engine);
+    const inFlight = await client.submitFb(m);
+    await waitFor('the op to be taken', () => redisActive(api, id));
+    const queued = await client.submitOptim(m);
+    const stoppedAt = Date.now();
+    process.kill(a.child.pid!, 'SIGSTOP');
+    process.kill(engine, 'SIGCONT');
+    const replies = await Promise.all([inFlight, queued].map((f) => client.result(f)));
+    figure('agent SIGSTOP -> its futures failed (s), timeout 3 s', (Date.now() - stoppedAt) / 1000);
+    for (const r of replies) expectUnknownOutcome(r, /its worker agent 'a-rel-[0-9a-f]+' stopped answering \(no heartbeat for over 3 s\)/);
+    expect((await api.built.ctx.registry.liveAgents()).map((r) => r.agent_id)).to.not.include(id);
+    // Its model is reported unavailable, at once.
+    const refused = await client.result(await client.submitFb(m), 'application/json', 5_000);
+    expect(refused.json, JSON.stringify(refused.json)).to.include({ category: 'server', code: 'UNAVAILABLE' });
+    expect(refused.json.error).to.match(/^model .* is unavailable: its worker agent 'a-rel-[0-9a-f]+' stopped answering/);
+    const ref = decodeRequestId(inFlight)!;
+    expect((await api.built.ctx.queues.view(ref.queue, ref.jobId))?.finished).to.equal(false); // the agent has not answered it
+
+    // SIGCONT: the agent learns at its next heartbeat that it was reaped, drops its models and registers again.
+    const contAt = Date.now();
+    process.kill(a.child.pid!, 'SIGCONT');
+    await waitFor('the agent registered again', async () => (await api.built.ctx.registry.liveAgents()).some((r) => r.agent_id === id && r.incarnation !== undefined), 30_000);
+    figure('SIGCONT -> registered again (s)', (Date.now() - contAt) / 1000);
+    await waitFor('the reaped marker cleared', async () => (await api.built.ctx.futures.liveness.reapedWhy(id)) === null, 10_000);
+    expect(a.child.exitCode, a.log()).to.equal(null);
+    expect(a.log()).to.match(/this agent was reaped \(silent past its timeout\)/);
+    // The op it finished after being reaped stays failed: the agent ended its job with the reaper's verdict.
+    const job = await waitFor('the late op to end', async () => {
+      const v = await api.built.ctx.queues.view(ref.queue, ref.jobId);
+      return v?.finished ? v : null;
+    }, 30_000);
+    expect(job.failedReason).to.match(/OUTCOME_UNKNOWN/);
+    const outcome = await new Outcomes(api.built.ctx.redis, api.built.ctx.names, 60).get(ref.jobId);
+    expect(outcome).to.include({ state: 'failed', code: 'OUTCOME_UNKNOWN', token: 'reaper' });
+    expectUnknownOutcome(await client.result(inFlight), /stopped answering/);
+    expectUnknownOutcome(await client.result(queued), /stopped answering/);
+    // The reaped model stays unavailable; new models train on the agent, registered again under its id.
+    const after = await client.result(await client.submitOptim(m), 'application/json', 5_000);
+    expect(after.json.code, JSON.stringify(after.json)).to.equal('UNAVAILABLE');
+    const fresh = await client.createModel(2);
+    expect((await api.built.ctx.registry.getModel(fresh))?.agent_id).to.equal(id);
+    const losses = await client.train(fresh, 2);
+    expect(losses.every(Number.isFinite)).to.equal(true);
+    expect(await api.built.ctx.futures.liveness.reapedWhy(id)).to.equal(null);
   });
 
   it('an agent id alive elsewhere cannot be registered again; the first agent keeps it', async () => {

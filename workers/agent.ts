@@ -361,7 +361,8 @@ export class Agent {
       }
       endTurn();
       const stood = await this.outcomes.finish(jobId, token, { state: 'done', op, agent_id: this.config.agentId, result, engine });
-      this.log.debug('job done', { queue: this.trainQueue, jobId, op, modelId: parsed.data?.model_id, ms: Date.now() - start });
+      // An op finished after the reaper gave up on this agent keeps the reaper's verdict (the 'job failed' line says so).
+      if (stood.state === 'done') this.log.debug('job done', { queue: this.trainQueue, jobId, op, modelId: parsed.data?.model_id, ms: Date.now() - start });
       this.meter(job, start, stood.state === 'done' ? 'ok' : 'server_error', result);
       return await this.standing(jobId, op, stood);
     } finally {
