@@ -272,6 +272,7 @@ def main() -> None:
     ap.add_argument("--tp-tokens", type=int, default=128)
     ap.add_argument("--tp-rounds", type=int, default=3)
     ap.add_argument("--torch-tp", action="store_true", help="also measure the torch actor's sampling throughput (once)")
+    ap.add_argument("--phases", default="compare,mixed,throughput", help="which of compare, mixed, throughput run (training always does)")
     ap.add_argument("--out", default="vllm_sdk_check.json")
     args = ap.parse_args()
     SUMMARY["args"] = vars(args)
@@ -301,10 +302,11 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001
             record_error(f"train {label}", e)
 
+    phases = set(args.phases.split(","))
     SUMMARY["compare"] = {}
     base_lp = None
     scored: dict[str, Any] = {}
-    for label, client in samplers.items():
+    for label, client in (samplers.items() if {"compare", "mixed"} & phases else []):
         try:
             r = score_target(label, client, P, C, args, base_lp if label != "base" else None)
             if label == "base":
@@ -314,10 +316,11 @@ def main() -> None:
             SUMMARY["compare"][label] = r
         except Exception as e:  # noqa: BLE001
             record_error(f"compare {label}", e)
-    try:
-        SUMMARY["mixed"] = mixed(samplers, scored, P, args)
-    except Exception as e:  # noqa: BLE001
-        record_error("mixed", e)
+    if "mixed" in phases:
+        try:
+            SUMMARY["mixed"] = mixed(samplers, scored, P, args)
+        except Exception as e:  # noqa: BLE001
+            record_error("mixed", e)
 
     SUMMARY["gpu_memory_gib_after_compare"] = gpu_memory()
     SUMMARY["throughput"] = {}
@@ -325,13 +328,13 @@ def main() -> None:
     vocab = len(tok)
     # Warm-up of each target: the adapter loads and kernels compile outside the timed rounds.
     for label in ("base", "all"):
-        if label in samplers:
+        if label in samplers and "throughput" in phases:
             try:
                 samplers[label].sample(types.ModelInput.from_ints(P), args.tp_n, types.SamplingParams(max_tokens=8, stop=[])).result()
                 SUMMARY["throughput"][f"vllm {label}"] = throughput(f"vllm {label}", samplers[label], args, rng, vocab)
             except Exception as e:  # noqa: BLE001
                 record_error(f"throughput {label}", e)
-    if args.torch_tp and "all" in samplers:
+    if args.torch_tp and "all" in samplers and "throughput" in phases:
         try:
             SUMMARY["throughput"]["torch all"] = throughput("torch all", samplers["all"], args, rng, vocab, torch=True)
         except Exception as e:  # noqa: BLE001

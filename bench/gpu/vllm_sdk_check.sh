@@ -6,8 +6,8 @@
 #   bash bench/gpu/vllm_sdk_check.sh gpu   # on the H200 device, after the carried parts are in /tmp/tb/parts
 #   bash bench/gpu/vllm_sdk_check.sh cpu   # here: presets/cpu/tiny_vllm.yaml, .venv and .venv-vllm
 #
-# gpu: unpacks what was carried into /tmp/tb (vLLM 0.26.0 overlay, node, redis-server, the production
-# node_modules, the SDK's wheels), writes the random Qwen3-0.6B-shaped model, and starts
+# gpu: unpacks what was carried into /tmp/tb/parts (vsite.tar.xz.part-N, SHA256SUMS: the vLLM 0.26.0 overlay, node, redis-server, the production
+# node_modules, the SDK's wheels under whl/sdk, peft for the engine under whl/eng), writes the random Qwen3-0.6B-shaped model, and starts
 # presets/gpu/h200_vllm.yaml: the API and the actor first, then the vLLM agent once the actor serves
 # its model (both on GPU 0). Extra arguments after the mode go to vllm_sdk_check.py.
 set -uo pipefail
@@ -26,12 +26,12 @@ cleanup() {
 trap cleanup EXIT
 
 if [ "$MODE" = gpu ]; then
-  TB=/tmp/tb
+  TB=${TB:-/tmp/tb}
   mkdir -p $TB/bin
   if [ ! -f $TB/.unpacked ]; then
     stamp "joining and unpacking the carried parts"
-    ( cd $TB/parts && cat vsite.tar.xz.part-* > $TB/vsite.tar.xz && cd $TB && cp parts/SHA256SUMS . && sha256sum -c --ignore-missing SHA256SUMS ) || exit 1
-    mkdir -p $TB/vsite && tar -C $TB/vsite -xJf $TB/vsite.tar.xz && rm $TB/vsite.tar.xz
+    ( cd $TB/parts && cat vsite.tar.xz.part-* > vsite.tar.xz && sha256sum -c SHA256SUMS ) || exit 1
+    mkdir -p $TB/vsite && tar -C $TB/vsite -xJf $TB/parts/vsite.tar.xz && rm $TB/parts/vsite.tar.xz
     xz -dc $TB/parts/node.xz > $TB/bin/node && chmod +x $TB/bin/node
     tar -C $TB -xJf $TB/parts/redis.tar.xz
     tar -C "$REPO" -xJf $TB/parts/nm.tar.xz
@@ -94,12 +94,38 @@ grep -m1 'starting vLLM' "$OUT/vllm-agent.log" | cut -c1-600
 [ "$MODE" = gpu ] && nvidia-smi --query-gpu=memory.used --format=csv
 
 stamp "SDK check"
-TINKER_BASE_URL=$URL TINKER_API_KEY=tml-local PYTHONUNBUFFERED=1 $SDK_PY bench/gpu/vllm_sdk_check.py \
+TINKER_BASE_URL=$URL TINKER_API_KEY=tml-local PYTHONUNBUFFERED=1 timeout ${SDK_TIMEOUT_S:-420} $SDK_PY bench/gpu/vllm_sdk_check.py \
   --actor $ACTOR --rollout $ROLLOUT --out "$OUT/summary.json" "$@"
 RC=$?
 stamp "SDK check exited $RC"
 echo "--- vLLM agent log (LoRA, warnings, errors) ---"
-grep -i -E 'lora|warn|error|exception|Traceback' "$OUT/vllm-agent.log" | cut -c1-400 | tail -40
+grep -v 'path=/healthz' "$OUT/vllm-agent.log" | grep -i -E 'lora|warn|error|exception|Traceback' | cut -c1-400 | tail -40
 echo "--- actor log (warnings, errors) ---"
-grep -i -E 'warn|error|exception|Traceback' "$OUT/api-actor.log" | cut -c1-400 | tail -20
+grep -v 'path=/healthz' "$OUT/api-actor.log" | grep -i -E 'warn|error|exception|Traceback' | cut -c1-400 | tail -20
+[ "$MODE" = gpu ] && nvidia-smi --query-gpu=memory.used --format=csv
+
+# vLLM's prompt logprobs with LoRA straight against its server, without the adapter's gate (last: it may kill vLLM).
+if [ "${PROBE:-$([ "$MODE" = gpu ] && echo 1 || echo 0)}" = 1 ] && [ -f "$OUT/summary.json" ]; then
+  stamp "probe: prompt logprobs alone, n=4, and during other requests"
+  PROMPT=$(python3 -c "import json; s=json.load(open('$OUT/summary.json')); print(','.join(map(str, s['prompt']['P'] + s['prompt']['C'])))")
+  timeout 180 python3 bench/gpu/vllm_prompt_logprobs_probe.py --agent-log "$OUT/vllm-agent.log" --prompt "$PROMPT" --out "$OUT/probe.json"
+  stamp "probe done"
+fi
+
+# With CUDA graphs and torch.compile (no --enforce-eager): start-up time and throughput, when time is left.
+if [ "$MODE" = gpu ] && [ "${GRAPHS:-1}" = 1 ] && [ $(( $(date +%s) - T0 )) -lt ${GRAPHS_IF_BEFORE_S:-280} ]; then
+  stamp "restarting the vLLM agent without --enforce-eager"
+  kill -TERM ${PIDS[1]}; for _ in $(seq 60); do kill -0 ${PIDS[1]} 2>/dev/null || break; sleep 1; done
+  export TB_VLLM_EXTRA_ARGS="${TB_VLLM_EXTRA_ARGS//--enforce-eager/}"
+  node scripts/tinker-broker.mjs start --preset $PRESET --agent $VLLM_AGENT --agents-only > "$OUT/vllm-agent-graphs.log" 2>&1 &
+  PIDS+=($!)
+  if wait_for "healthz ready (graphs)" ${GRAPHS_WAIT_S:-240} "curl -sf $URL/api/v1/healthz | grep -q ready" ${PIDS[2]}; then
+    grep -o '"ready_s":[0-9]*' "$OUT/vllm-agent-graphs.log" | head -1
+    TINKER_BASE_URL=$URL TINKER_API_KEY=tml-local PYTHONUNBUFFERED=1 timeout 150 $SDK_PY bench/gpu/vllm_sdk_check.py \
+      --actor $ACTOR --rollout $ROLLOUT --out "$OUT/summary-graphs.json" --phases throughput "$@"
+    stamp "graphs pass exited $?"
+  else
+    grep -v 'path=/healthz' "$OUT/vllm-agent-graphs.log" | tail -30 | cut -c1-400
+  fi
+fi
 exit $RC
