@@ -31,10 +31,13 @@ if [ "$MODE" = gpu ]; then
   if [ ! -f $TB/.unpacked ]; then
     stamp "joining and unpacking the carried parts"
     ( cd $TB/parts && cat vsite.tar.xz.part-* > vsite.tar.xz && sha256sum -c SHA256SUMS ) || exit 1
-    mkdir -p $TB/vsite && tar -C $TB/vsite -xJf $TB/parts/vsite.tar.xz && rm $TB/parts/vsite.tar.xz
-    xz -dc $TB/parts/node.xz > $TB/bin/node && chmod +x $TB/bin/node
-    tar -C $TB -xJf $TB/parts/redis.tar.xz
-    tar -C "$REPO" -xJf $TB/parts/nm.tar.xz
+    # xz when the machine has it, else Python's lzma.
+    untar() { if command -v xz >/dev/null; then tar -C "$1" -xJf "$2"; else python3 -c "import sys, tarfile; tarfile.open(sys.argv[2], 'r:xz').extractall(sys.argv[1])" "$1" "$2"; fi; }
+    unxz() { if command -v xz >/dev/null; then xz -dc "$1"; else python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)" "$1"; fi; }
+    mkdir -p $TB/vsite && untar $TB/vsite $TB/parts/vsite.tar.xz && rm $TB/parts/vsite.tar.xz || exit 1
+    unxz $TB/parts/node.xz > $TB/bin/node && chmod +x $TB/bin/node
+    untar $TB $TB/parts/redis.tar.xz
+    untar "$REPO" $TB/parts/nm.tar.xz
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $TB/sdksite $TB/parts/whl/sdk/*.whl
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $TB/engsite $TB/parts/whl/eng/*.whl
     touch $TB/.unpacked
@@ -78,7 +81,12 @@ wait_for() {  # what, seconds, command (quiet), pid to watch
   done
   stamp "$what after $(( $(date +%s) - t )) s"
 }
-caps="curl -sf -H 'X-API-Key: tml-local' $URL/api/v1/get_server_capabilities | grep -q '\"trainable\":true'"
+# GET a URL (python3: the machine may have no curl); true when the answer is 200 and contains $2.
+http_has() { python3 -c "
+import sys, urllib.request
+r = urllib.request.urlopen(urllib.request.Request(sys.argv[1], headers={'X-API-Key': 'tml-local'}), timeout=5)
+sys.exit(0 if r.status == 200 and sys.argv[2] in r.read().decode() else 1)" "$1" "$2"; }
+caps="http_has $URL/api/v1/get_server_capabilities '\"trainable\":true'"
 
 stamp "starting the API and the actor ($PRESET --agent $ACTOR_AGENT)"
 node scripts/tinker-broker.mjs start --preset $PRESET --agent $ACTOR_AGENT > "$OUT/api-actor.log" 2>&1 &
@@ -88,7 +96,7 @@ wait_for "actor serves its model" 300 "$caps" ${PIDS[0]} || { tail -50 "$OUT/api
 stamp "starting the vLLM agent ($PRESET --agent $VLLM_AGENT --agents-only; TB_VLLM_EXTRA_ARGS=${TB_VLLM_EXTRA_ARGS:-})"
 node scripts/tinker-broker.mjs start --preset $PRESET --agent $VLLM_AGENT --agents-only > "$OUT/vllm-agent.log" 2>&1 &
 PIDS+=($!)
-wait_for "healthz ready (both agents serve their models)" ${VLLM_WAIT_S:-600} "curl -sf $URL/api/v1/healthz | grep -q ready" ${PIDS[1]} || { tail -80 "$OUT/vllm-agent.log"; exit 1; }
+wait_for "healthz ready (both agents serve their models)" ${VLLM_WAIT_S:-360} "http_has $URL/api/v1/healthz ready" ${PIDS[1]} || { tail -80 "$OUT/vllm-agent.log"; exit 1; }
 grep -o '"ready_s":[0-9]*' "$OUT/vllm-agent.log" | head -1
 grep -m1 'starting vLLM' "$OUT/vllm-agent.log" | cut -c1-600
 [ "$MODE" = gpu ] && nvidia-smi --query-gpu=memory.used --format=csv
@@ -119,7 +127,7 @@ if [ "$MODE" = gpu ] && [ "${GRAPHS:-1}" = 1 ] && [ $(( $(date +%s) - T0 )) -lt 
   export TB_VLLM_EXTRA_ARGS="${TB_VLLM_EXTRA_ARGS//--enforce-eager/}"
   node scripts/tinker-broker.mjs start --preset $PRESET --agent $VLLM_AGENT --agents-only > "$OUT/vllm-agent-graphs.log" 2>&1 &
   PIDS+=($!)
-  if wait_for "healthz ready (graphs)" ${GRAPHS_WAIT_S:-240} "curl -sf $URL/api/v1/healthz | grep -q ready" ${PIDS[2]}; then
+  if wait_for "healthz ready (graphs)" ${GRAPHS_WAIT_S:-240} "http_has $URL/api/v1/healthz ready" ${PIDS[2]}; then
     grep -o '"ready_s":[0-9]*' "$OUT/vllm-agent-graphs.log" | head -1
     TINKER_BASE_URL=$URL TINKER_API_KEY=tml-local PYTHONUNBUFFERED=1 timeout 150 $SDK_PY bench/gpu/vllm_sdk_check.py \
       --actor $ACTOR --rollout $ROLLOUT --out "$OUT/summary-graphs.json" --phases throughput "$@"
