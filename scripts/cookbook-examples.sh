@@ -6,7 +6,8 @@
 #   scripts/cookbook-examples.sh --list
 #
 # recipes: chat_sl sl_loop rl_loop math_rl math_rl_ppo dpo distill_on_policy
-#          distill_multi_teacher distill_off_policy_topk sft_then_rl
+#          distill_multi_teacher distill_off_policy_topk arithmetic_sft math_rl_from_sft
+#          sft_then_rl rl_loop_sft rl_loop_from_sft (resume_from=<state_path> of rl_loop_sft)
 #
 # The server is TINKER_BASE_URL (default http://127.0.0.1:8000, key TINKER_API_KEY, default
 # tml-local). The distillation recipes need a teacher served by name, and sl_loop/rl_loop the tiny

@@ -35,7 +35,7 @@ describe('Tinker Cookbook recipes, unchanged, against the server', function () {
   const server = new E2EServer({}, ['--preset', 'presets/cpu/cookbook.yaml']);
   const workdir = mkdtempSync(path.join(os.tmpdir(), 'tb-cookbook-'));
   const cookbook = (recipe: string, ...args: string[]): any =>
-    server.runPython(['test/e2e/cookbook/run.py', recipe, '--workdir', workdir, ...args]);
+    server.runPython(['test/e2e/cookbook/run.py', recipe, '--workdir', workdir, ...args], 1_200_000);
 
   before(async function () {
     this.timeout(240_000);
@@ -76,19 +76,56 @@ describe('Tinker Cookbook recipes, unchanged, against the server', function () {
     expect(mean(nll.slice(-2))).to.be.below(nll[0]! - 0.5);
   });
 
-  it('rl_loop (GSM8K layout, local): every step completes with a finite reward', () => {
+  it('rl_loop (GSM8K layout, local; importance_sampling): every step completes with a finite reward', () => {
     for (const row of steps(cookbook('rl_loop'), 3)) expect(num(row, 'reward/total')).to.be.within(0, 1);
   });
 
-  // `loss_fn=` drops run.py's default: the recipe runs with its own, stable_reinforce (sampling
-  // clients with record_stability_info, datums with provenance).
-  it('rl_loop with its default loss (stable_reinforce) and with loss_fn=gspo: every step completes', () => {
-    for (const lossFn of ['', 'gspo']) {
-      const run: Run = cookbook('rl_loop', `loss_fn=${lossFn}`);
-      expect(run.cmd.join(' ')).to.not.match(/loss_fn=importance_sampling/);
-      for (const row of steps(run, 3)) expect(num(row, 'reward/total')).to.be.within(0, 1);
-    }
+  // RL that really updates the policy in rl_loop, the cookbook's minimal loop, with its default
+  // loss (stable_reinforce: sampling clients with record_stability_info, datums with provenance
+  // whose prompt targets are padded with 0) and with gspo (sequence_ratio_mask). Its reward is
+  // the recipe's own grader: 1 for the right \boxed{} answer, else 0. A random model never earns
+  // it (every advantage 0: rl_loop skips the training step, as the plain run above does), and the
+  // tiny model cannot add, so every local problem has the same answer (12, data.RL_LOOP_TOTAL) and
+  // SFT on rl_loop's own prompts teaches half "\boxed{12}", half "No idea." (data.rl_loop_sft_rows;
+  // deterministic: fixed data and order, CPU training). After it both whole answers have
+  // probability 0.20 (the rest goes to garbled mixtures of the two), so most groups of 4 samples
+  // are mixed. rl_loop resumes from that state (run.py's resume_from writes it into the recipe's
+  // checkpoints.jsonl). The probabilities are read exactly (prompt logprobs of the saved weights,
+  // every local problem) before and after 6 RL steps. Sampling is unseeded, so runs differ: in 5
+  // runs of each loss P(correct) ended at 0.34-0.40 (1.7-2.0 times higher) and P(No idea.) at
+  // 0.067-0.098 (2.1-3.0 times lower); the bounds, 1.25 times and 0.75 times, leave a wide margin.
+  // The sampled reward rose too, but 16 samples a step make it too noisy to assert.
+  let rlLoopSft: Run;
+  it('SFT on rl_loop\'s prompts (the boxed answer or "No idea."): the NLL falls', function () {
+    this.timeout(1_200_000); // 48 steps of 16 prompts of ~250 tokens: 3-4 minutes on 2 busy cores
+    rlLoopSft = cookbook('rl_loop_sft');
+    const nll = steps(rlLoopSft, 48).map((r) => num(r, 'train_mean_nll'));
+    expect(nll[0]).to.be.closeTo(Math.log(1029), 0.5);
+    expect(mean(nll.slice(-4))).to.be.below(0.5);
   });
+
+  for (const lossFn of ['', 'gspo']) {
+    it(`rl_loop from the SFT state with ${lossFn ? `loss_fn=${lossFn}` : 'its default loss (stable_reinforce)'}: the rewarded answer becomes more likely`, function () {
+      if (!rlLoopSft) this.skip();
+      const sft = rlLoopSft.checkpoints.at(-1)!;
+      const rl: Run = cookbook('rl_loop_from_sft', `resume_from=${sft.state_path}`, `loss_fn=${lossFn}`);
+      expect(rl.cmd.join(' ')).to.not.match(lossFn ? /loss_fn=importance_sampling/ : /loss_fn=/);
+      const rows = steps(rl, 6);
+      for (const row of rows) expect(num(row, 'reward/total')).to.be.within(0, 1);
+      // Trained from the SFT state: the recipe earned reward (a random model earns none).
+      expect(Math.max(...rows.map((r) => num(r, 'reward/total')))).to.be.above(0);
+      const before = sft.sampler_path as string;
+      const after = rl.checkpoints.at(-1)!.sampler_path as string;
+      const probe = server.runPython(['test/e2e/cookbook/policy_probe.py', 'rl_loop', TINY_MODEL_DIR, 'role_colon', workdir, before, after]);
+      const [c0, c1] = [mean(probe.correct[before]), mean(probe.correct[after])];
+      const [g0, g1] = [mean(probe.give_up[before]), mean(probe.give_up[after])];
+      console.log(`      ${lossFn || 'stable_reinforce'}: P(\\boxed{12}) ${c0.toFixed(4)} -> ${c1.toFixed(4)}; P(No idea.) ${g0.toFixed(4)} -> ${g1.toFixed(4)}; reward by step ${rows.map((r) => num(r, 'reward/total').toFixed(2)).join(' ')}`);
+      expect(c0, 'P(correct) after SFT').to.be.within(0.05, 0.6);
+      expect(g0, 'P(No idea.) after SFT').to.be.within(0.05, 0.6);
+      expect(c1, `P(correct) after RL (was ${c0})`).to.be.above(1.25 * c0);
+      expect(g1, `P(No idea.) after RL (was ${g0})`).to.be.below(0.75 * g0);
+    });
+  }
 
   const checkRl = (run: Run, n: number) => {
     for (const row of steps(run, n)) {
@@ -187,7 +224,7 @@ describe('Tinker Cookbook recipes, unchanged, against the server', function () {
       expect(Math.max(...rows.map((r) => num(r, 'grad_norm')))).to.be.above(1e-3);
       const before = sft.checkpoints.at(-1)!.sampler_path as string;
       const after = (rl.checkpoints.at(-1) as { sampler_path: string }).sampler_path;
-      const probe = server.runPython(['test/e2e/cookbook/policy_probe.py', TINY_MODEL_DIR, 'role_colon', before, after]);
+      const probe = server.runPython(['test/e2e/cookbook/policy_probe.py', 'math_rl', TINY_MODEL_DIR, 'role_colon', before, after]);
       expect(probe.verbose_token).to.equal(' The');
       const [p0, p1] = [mean(probe.paths[before]), mean(probe.paths[after])];
       const fmt = rows.map((r) => num(r, 'env/all/format').toFixed(2)).join(' ');

@@ -127,12 +127,50 @@ def tulu3_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
-def gsm8k_rows(n: int, seed: int) -> list[dict]:
+def gsm8k_rows(n: int, seed: int, total: int | None = None) -> list[dict]:
+    """Addition problems in openai/gsm8k's layout; with ``total``, every problem's sum is that number
+    (a tiny model cannot add, but it can learn one answer: see rl_loop_sft_rows)."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        a, b = _addition(rng)
+        if total is None:
+            a, b = _addition(rng)
+        else:
+            a = rng.randint(0, total)
+            b = total - a
         rows.append({"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"})
+    return rows
+
+
+# rl_loop's prompt: this one-shot example, then the question with this suffix (recipes/rl_loop.py).
+RL_LOOP_SUFFIX = " Provide a numerical answer without units, written inside \\boxed{}."
+RL_LOOP_FEWSHOT = [
+    {"role": "user", "content": "How many r's are in strawberry?" + RL_LOOP_SUFFIX},
+    {"role": "assistant", "content": "Let's spell the word out and number all the letters: 1) s 2) t 3) r 4) a "
+                                     "5) w 6) b 7) e 8) r 9) r 10) y. We have r's at positions 3, 8, and 9. \\boxed{3}"},
+]
+RL_LOOP_GIVE_UP = "No idea."
+# Every local rl_loop problem sums to this (gsm8k_rows(total=...)).
+RL_LOOP_TOTAL = 12
+
+
+def rl_loop_prompt(question: str) -> list[dict]:
+    return [*RL_LOOP_FEWSHOT, {"role": "user", "content": question + RL_LOOP_SUFFIX}]
+
+
+def rl_loop_sft_rows(n: int, problems: list[dict]) -> list[dict]:
+    """SFT data for rl_loop: its exact prompt for each of ``problems`` (gsm8k rows, in turn),
+    answered half of the time with the boxed answer (``\\boxed{c}``: reward 1 from the recipe's own
+    grader) and half of the time with "No idea." (no boxed answer: reward 0). The local problems
+    all have the same answer (RL_LOOP_TOTAL), which the tiny model learns although it cannot add,
+    and it keeps both replies about equally likely, so most groups of its samples have mixed
+    rewards, and RL has a decision to learn: give the boxed answer.
+    """
+    rows = []
+    for i in range(n):
+        p = problems[(i // 2) % len(problems)]
+        answer = f"\\boxed{{{p['answer'].rsplit('#### ', 1)[1]}}}" if i % 2 == 0 else RL_LOOP_GIVE_UP
+        rows.append({"messages": [*rl_loop_prompt(p["question"]), {"role": "assistant", "content": answer}]})
     return rows
 
 
@@ -162,7 +200,9 @@ def prepare(workdir: str | os.PathLike[str], model_dir: str | os.PathLike[str]) 
     _write_jsonl(w / "Anthropic/hh-rlhf/test.jsonl", hh_rlhf_rows(8, seed=7))
     _write_jsonl(w / "zwhe99/DeepMath-103K/train.jsonl", deepmath_rows(64, seed=8))
     _write_jsonl(w / "allenai/tulu-3-sft-mixture/train.jsonl", tulu3_rows(64, seed=9))
-    _write_jsonl(w / "openai/gsm8k/main/train.jsonl", gsm8k_rows(64, seed=10))
+    gsm8k_train = gsm8k_rows(64, seed=10, total=RL_LOOP_TOTAL)
+    _write_jsonl(w / "openai/gsm8k/main/train.jsonl", gsm8k_train)
+    _write_jsonl(w / "rl_loop_sft.jsonl", rl_loop_sft_rows(1024, gsm8k_train))
     _write_jsonl(w / "openai/gsm8k/main/test.jsonl", gsm8k_rows(8, seed=11))
     (w / "openai/gsm8k/README.md").write_text(GSM8K_CARD)
     link = w / SL_LOOP_MODEL_ALIAS
@@ -178,6 +218,7 @@ def prepare(workdir: str | os.PathLike[str], model_dir: str | os.PathLike[str]) 
         "deepmath": str(w / "zwhe99/DeepMath-103K"),
         "tulu3": str(w / "allenai/tulu-3-sft-mixture"),
         "gsm8k": str(w / "openai/gsm8k"),
+        "rl_loop_sft_jsonl": str(w / "rl_loop_sft.jsonl"),
         "sl_loop_model": str(link),
     }
 

@@ -10,7 +10,9 @@ tml-local) with the tiny model, a few steps and small batches, and local data wr
 are the recipe's own (chz) arguments and replace the defaults below (``key=`` with no value drops
 a default: ``loss_fn=`` runs the recipe with its own default loss, ``stable_reinforce`` in
 ``rl_loop`` and ``math_rl``); for ``sft_then_rl`` prefix them with ``sft.`` or ``rl.``. The recipe writes its metrics to ``<workdir>/runs/<recipe>/``
-(``metrics.jsonl``, ``checkpoints.jsonl``; its console output in ``runs/<recipe>.out``). The last line printed is one JSON object:
+(``metrics.jsonl``, ``checkpoints.jsonl``; its console output in ``runs/<recipe>.out``).
+``resume_from=<state_path>`` is run.py's own: it starts a recipe that resumes from its log
+directory (``rl_loop``, ``sl_loop``) from that saved state, at batch 0. The last line printed is one JSON object:
 the commands, the log paths, and every metrics row (without the ``time/`` and ``tokens/`` keys;
 NaN and infinities as strings).
 
@@ -126,6 +128,19 @@ RECIPES["math_rl_from_sft"] = (RECIPES["math_rl"][0], {
     **{k: v for k, v in RECIPES["math_rl"][1].items() if k != "loss_fn"}, "groups_per_batch": "8",
     "max_tokens": "10", "learning_rate": "1e-3", "lora_rank": "32", "max_steps": "6",
 })
+# SFT on rl_loop's own prompts (data.rl_loop_sft_rows: the boxed sum or "No idea.", half and half,
+# for the problems of rl_loop's first 6 steps); rl_loop_from_sft runs rl_loop from that state. rl_loop
+# has no argument for a start state: it resumes from the last state in <log_path>/checkpoints.jsonl,
+# so run.py writes one there (``resume_from=<state_path>``, run.py's own argument, not the recipe's).
+RECIPES["rl_loop_sft"] = (RECIPES["chat_sl"][0], {
+    **RECIPES["chat_sl"][1], "model_name": data.SL_LOOP_MODEL_ALIAS, "renderer_name": "role_colon",
+    "dataset": "{workdir}/rl_loop_sft.jsonl", "train_on_what": "last_assistant_message",
+    "batch_size": "16", "max_steps": "48", "learning_rate": "5e-3", "lora_rank": "32",
+})
+RECIPES["rl_loop_from_sft"] = (RECIPES["rl_loop"][0], {
+    **{k: v for k, v in RECIPES["rl_loop"][1].items() if k != "loss_fn"}, "max_tokens": "12",
+    "learning_rate": "1e-3", "lora_rank": "32", "max_steps": "6",
+})
 # SFT, then RL from the SFT run's final state (the two above, in one command).
 SFT_THEN_RL = ("arithmetic_sft", "math_rl_from_sft")
 ALL = [*RECIPES, "sft_then_rl"]
@@ -157,9 +172,16 @@ def read_checkpoints(log_path: Path) -> list[dict]:
 def run_one(recipe: str, workdir: Path, overrides: dict[str, str], run_name: str | None = None) -> dict:
     cmd_prefix, defaults = RECIPES[recipe]
     log_path = workdir / "runs" / (run_name or recipe)
-    # A recipe resumes from checkpoints it finds in log_path (sl_loop, off-policy): start clean.
+    # A recipe resumes from checkpoints it finds in log_path (sl_loop, rl_loop, off-policy): start
+    # clean, or from the state named by resume_from (as if the recipe had saved it at batch 0).
     shutil.rmtree(log_path, ignore_errors=True)
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    overrides = dict(overrides)
+    resume_from = overrides.pop("resume_from", "")
+    if resume_from:
+        log_path.mkdir()
+        record = {"name": "resume_from", "batch": 0, "state_path": resume_from}
+        (log_path / "checkpoints.jsonl").write_text(json.dumps(record) + "\n")
     fill = {**_models(), "workdir": str(workdir), "log_path": str(log_path)}
     args = {k: v.format(**fill) for k, v in defaults.items()}
     args.update(overrides)
