@@ -86,10 +86,10 @@ export class Names {
   }
   /**
    * A training model (training run). TTL the retention, restarted by every training op submitted and,
-   * while the model is loaded on a live agent, by that agent's every heartbeat (so a model in use never
-   * expires, however long it is idle); a drain extends it by TB_DRAIN_KEEP_S. No TTL while the run has
-   * a listed (named) checkpoint: a run is kept as long as a checkpoint of it is. Its gate's `next`
-   * key has the same lifetime.
+   * while the model is loaded on a live agent, by that agent's every heartbeat to at least the agent's
+   * timeout (so a model in use never expires, however long it is idle); a drain extends it by
+   * TB_DRAIN_KEEP_S. No TTL while the run has a listed (named) checkpoint: a run is kept as long as a
+   * checkpoint of it is. Its gate's `next` key has the same lifetime.
    */
   model(modelId: string): string {
     return `${this.prefix}:model:${modelId}`;

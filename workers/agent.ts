@@ -256,8 +256,9 @@ export class Agent {
         await this.liveness.clearReaped(this.config.agentId, this.incarnation);
         return await this.liveness.beat(this.record, this.incarnation);
       }
-      // The models loaded here are in use: their records never expire while this agent lives (queues/names.ts).
-      if (r === 'ok') await this.registry.keepModels(this.loaded, Math.max(this.config.retentionS, 2 * this.timeoutS));
+      // The models loaded here are in use: their records never expire while this agent lives (queues/names.ts),
+      // at least five heartbeats ahead however short the retention.
+      if (r === 'ok') await this.registry.keepModels(this.loaded, Math.max(this.config.retentionS, this.timeoutS));
       if (r === 'ok' && (await this.redis.getdel(this.names.agentDrainRequest(this.config.agentId))) !== null) {
         this.log.info('drain requested (tinker-broker drain)');
         void this.drain();
