@@ -233,18 +233,39 @@ describe('API with a worker agent and the tiny model', function () {
 
   it('fails with a user error when the engine rejects input the API let through', async () => {
     const id = await createModel(6);
-    // ppo with a low clip threshold above the high one: the engine validates loss_fn_config.
+    // ppo with a per-token clip threshold <= 0: the engine checks the per-token values.
     const raw = encodeForwardBackward({
       modelId: id,
       seqId: 1,
       lossFn: 'ppo',
-      config: { clip_low_threshold: 2.0, clip_high_threshold: 0.5 },
-      data: [{ tokens: [1, 2, 3], targets: [2, 3, 4], logprobs: [-1, -1, -1], advantages: [1, -1, 0.5] }],
+      data: [{ tokens: [1, 2, 3], targets: [2, 3, 4], logprobs: [-1, -1, -1], advantages: [1, -1, 0.5], clipHigh: [1.2, -1, 1.2] }],
     });
     const sub = await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw });
     const r = await result(sub.json.request_id, PROTO);
     expect(r.json).to.include({ category: 'user', code: 'INVALID_REQUEST' });
-    expect(r.json.error).to.match(/clip/);
+    expect(r.json.error).to.match(/clip_high_threshold must be > 0/);
+  });
+
+  it('refuses a loss_fn_config the loss catalogue does not allow before queueing, with the engine\'s message; the seq_id is used up', async () => {
+    const id = await createModel(6);
+    const datum = { tokens: [1, 2, 3], targets: [2, 3, 4], logprobs: [-1, -1, -1], advantages: [1, -1, 0.5] };
+    const refused: [string, Record<string, number>, RegExp][] = [
+      ['ppo', { clip_low_threshold: 2.0, clip_high_threshold: 0.5 }, /loss_fn_config: clip_low_threshold must not exceed clip_high_threshold/],
+      ['ppo', { epsilon: 0.2 }, /loss_fn_config for 'ppo' has unknown keys \['epsilon'\]; accepted: clip_high_threshold, clip_low_threshold/],
+      ['dro', {}, /loss 'dro' requires loss_fn_config\['beta'\]/],
+    ];
+    for (const [i, [lossFn, config, message]] of refused.entries()) {
+      const raw = encodeForwardBackward({ modelId: id, seqId: i + 1, lossFn, config, data: [datum] });
+      const sub = await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw });
+      expect(sub.status, JSON.stringify(sub.json)).to.equal(400);
+      expect(sub.json).to.include({ category: 'user', code: 'INVALID_REQUEST' });
+      expect(sub.json.error).to.match(message);
+    }
+    // The refused requests used up seq_ids 1-3: the next op, 4, runs.
+    const ok = encodeForwardBackward({ modelId: id, seqId: 4, lossFn: 'dro', config: { beta: 0.1 }, data: [datum] });
+    const out = await fbOutput((await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: ok })).json.request_id);
+    expect(out.logprobs).to.have.length(1);
+    expect(out.logprobs[0]).to.have.length(3);
   });
 
   it('takes optimizer_config adamw, and refuses dimuon (create_model and optim_step) naming what is supported; the refused step uses up its seq_id', async () => {

@@ -1,12 +1,12 @@
 import { Router, type RequestHandler } from 'express';
+import { LOSSES } from '../../queues/losses.js';
 import type { ApiContext } from '../context.js';
-import { LOSS_INPUTS } from '../services/training.js';
 
 /** Client bootstrap, telemetry, billing, health and capabilities (sessions: routes/sessions.ts). */
 
 /** get_server_capabilities' notes: where this server's losses differ from, or guess at, Tinker's (docs/losses.md). */
 export const CAPABILITY_NOTES = [
-  `losses: ${Object.keys(LOSS_INPUTS).join(', ')}; definitions, defaults and sources in docs/losses.md`,
+  `losses: ${Object.keys(LOSSES).join(', ')}; definitions, defaults and sources in docs/losses.md`,
   "stable_reinforce: Tinker's exact objective is not public. This server implements REINFORCE with a truncated, detached importance weight " +
     "min(exp(lp - q), clip_high_threshold=4.0) against the sampler logprobs q it recorded for each sequence_id (record_stability_info), plus " +
     'kl_coeff * sum(r - 1 - log r) (k3 estimate of KL(sampler || model), default kl_coeff 0); the datum\'s own logprobs are not used',

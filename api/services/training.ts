@@ -1,5 +1,6 @@
 import type { Request } from 'express';
 import { invalid } from '../../queues/errors.js';
+import { checkLossConfig, LOSS_INPUTS, lossEntry } from '../../queues/losses.js';
 import { jobIds } from '../../queues/names.js';
 import type { ModelRecord } from '../../queues/registry.js';
 import type { Datum, ForwardBackwardJob } from '../../queues/schemas.js';
@@ -8,25 +9,13 @@ import { ownsModel } from '../tenants.js';
 import { attachStability } from '../stability.js';
 import type { DecodedForwardBackward } from '../wire/proto.js';
 
-/** forward_backward (also forward): the loss catalogue and the checks of a batch against its loss and model, before it is queued. */
-
-const RL = ['target_tokens', 'logprobs', 'advantages'];
-const CLIP = ['clip_low_threshold', 'clip_high_threshold'];
-
 /**
- * Loss functions and the `loss_fn_inputs` each takes (definitions and sources: docs/losses.md).
- * stable_reinforce's sampler logprobs come from the server's stability records, not the datum:
- * a datum's `logprobs` is accepted and not used.
+ * forward_backward (also forward): the checks of a batch against its loss and model, before it is
+ * queued. The losses, the `loss_fn_inputs` and config keys each takes come from the loss catalogue
+ * (queues/losses.json; definitions and sources: docs/losses.md). stable_reinforce's sampler
+ * logprobs come from the server's stability records, not the datum: a datum's `logprobs` is
+ * accepted and not used.
  */
-export const LOSS_INPUTS: Record<string, { required: string[]; optional: string[] }> = {
-  cross_entropy: { required: ['target_tokens'], optional: ['weights'] },
-  importance_sampling: { required: RL, optional: [] },
-  ppo: { required: RL, optional: CLIP },
-  cispo: { required: RL, optional: CLIP },
-  dro: { required: RL, optional: [] },
-  gspo: { required: RL, optional: ['sequence_ratio_mask', ...CLIP] },
-  stable_reinforce: { required: ['target_tokens', 'advantages'], optional: ['logprobs', 'clip_high_threshold'] },
-};
 
 /** Widest 2-D loss input (N, K) accepted (top-K distillation targets and weights). */
 export const MAX_TARGET_K = 128;
@@ -39,8 +28,8 @@ async function contextLength(ctx: ApiContext, model: ModelRecord): Promise<numbe
 
 /** Checks a batch against the loss and the model before it is queued; the engine re-checks. */
 export function validateBatch(lossFn: string, data: Datum[], vocabSize: number): void {
-  const spec = LOSS_INPUTS[lossFn];
-  if (!spec) throw invalid(`unknown loss_fn '${lossFn}'; supported: ${Object.keys(LOSS_INPUTS).join(', ')}`);
+  lossEntry(lossFn);
+  const spec = LOSS_INPUTS[lossFn]!;
   if (data.length === 0) throw invalid('forward_backward needs at least one datum');
   data.forEach((d, i) => {
     const n = d.tokens.length;
@@ -73,7 +62,7 @@ export async function forwardBackwardJob(ctx: ApiContext, fb: DecodedForwardBack
   // The datums are decoded only now, under the model's bounds: nothing is allocated past them.
   const data = fb.data({ maxTokens: await contextLength(ctx, model), vocabSize: model.vocab_size, maxK: MAX_TARGET_K });
   validateBatch(fb.loss_fn, data, model.vocab_size);
-  if (fb.loss_fn === 'dro' && typeof fb.loss_fn_config.beta !== 'number') throw invalid("loss_fn 'dro' needs loss_fn_config.beta");
+  checkLossConfig(fb.loss_fn, fb.loss_fn_config);
   if (fb.loss_fn === 'stable_reinforce') await attachStability(ctx, model, data, fb.provenance);
   const { data: _lazy, provenance: _spans, ...rest } = fb;
   return { op: 'forward_backward', ...rest, data };

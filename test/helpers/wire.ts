@@ -11,7 +11,7 @@ const i32 = (a: number[]) => Buffer.from(new Int32Array(a).buffer);
 const i64 = (a: number[]) => Buffer.from(new BigInt64Array(a.map(BigInt)).buffer);
 const f32 = (a: number[]) => Buffer.from(new Float32Array(a).buffer);
 
-export type TestDatum = { tokens: number[]; targets: number[]; weights?: number[]; advantages?: number[]; logprobs?: number[] };
+export type TestDatum = { tokens: number[]; targets: number[]; weights?: number[]; advantages?: number[]; logprobs?: number[]; clipHigh?: number[] };
 
 export function encodeForwardBackward(opts: {
   modelId: string;
@@ -29,6 +29,7 @@ export function encodeForwardBackward(opts: {
       ['weights', d.weights],
       ['advantages', d.advantages],
       ['logprobs', d.logprobs],
+      ['clip_high_threshold', d.clipHigh],
     ];
     for (const [k, v] of floats) if (v) inputs[k] = { dense: f32(v), dtype: 1, shape: [v.length] };
     return { model_input: [{ encoded_text: { tokens: i32(d.tokens) } }], loss_fn_inputs: inputs };

@@ -439,3 +439,20 @@ def test_per_token_threshold_checks(setup) -> None:
         fb(engine, MODEL, "gspo", [datum(tokens, targets, **inp, sequence_ratio_mask=torch.zeros(n))])
     with pytest.raises(UserError, match="kl_coeff"):
         losses.get_loss("stable_reinforce").parse_config({"kl_coeff": -1})
+
+
+def test_catalogue_and_engine_functions_must_agree(tmp_path) -> None:
+    """The engine reads its losses from the catalogue the API reads (queues/losses.json): a loss
+    there without a function here, or a function here without a loss there, stops the import."""
+    import json
+
+    catalogue = json.loads(losses.CATALOGUE_FILE.read_text())
+    assert set(losses.load_catalogue()) == set(catalogue["losses"])
+    extra = {"losses": {**catalogue["losses"], "mse": catalogue["losses"]["cross_entropy"]}}
+    (tmp_path / "extra.json").write_text(json.dumps(extra))
+    with pytest.raises(RuntimeError, match="but the engine implements"):
+        losses.load_catalogue(tmp_path / "extra.json")
+    fewer = {"losses": {k: v for k, v in catalogue["losses"].items() if k != "gspo"}}
+    (tmp_path / "fewer.json").write_text(json.dumps(fewer))
+    with pytest.raises(RuntimeError, match="but the engine implements"):
+        losses.load_catalogue(tmp_path / "fewer.json")

@@ -24,9 +24,12 @@ Sources for each definition and default: docs/losses.md.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,10 +43,10 @@ InputCheck = Callable[[Inputs, Config, str], None]
 
 # Per-token loss inputs of SDK 0.38 (tinker/types/datum.py _KEY_TO_TYPE).
 CLIP_INPUTS = ("clip_low_threshold", "clip_high_threshold")
-# What the server recorded at sampling time for stable_reinforce, resolved by the API from the
-# datum's provenance spans: the sampler's logprob at each sampled target position (0 elsewhere),
-# and 1 at those positions, 0 elsewhere. Clients cannot send these names (the API refuses them).
-STABILITY_INPUTS = ("stability_logprobs", "stability_mask")
+# stable_reinforce's server inputs (the catalogue's server_inputs): what the server recorded at
+# sampling time, resolved by the API from the datum's provenance spans: ``stability_logprobs``, the
+# sampler's logprob at each sampled target position (0 elsewhere), and ``stability_mask``, 1 at
+# those positions, 0 elsewhere. Clients cannot send these names (the API refuses them).
 
 
 def cross_entropy(lp: torch.Tensor, inputs: Inputs, config: Config) -> torch.Tensor:
@@ -206,7 +209,8 @@ class LossSpec:
         return parsed
 
 
-# Defaults, each with its source (docs/losses.md):
+# The loss catalogue (queues/losses.json, read by the API too): each loss's inputs, config keys and
+# defaults. The source of each default (docs/losses.md):
 # - ppo 0.8 / 1.2: Tinker's PPO docs ("epsilon_low and epsilon_high ... currently fixed to 0.2").
 # - cispo 0.0 / 4.0: Tinker's CISPO docs and cookbook tutorial 202 (one-sided clip by default,
 #   following MiniMax-M1 and ScaleRL).
@@ -214,27 +218,37 @@ class LossSpec:
 #   Tinker's GSPO docs define the objective with 1 - eps_low / 1 + eps_high.
 # - stable_reinforce kl_coeff 0.0 (the SDK names kl_coeff; a penalty is off unless asked for) and
 #   clip_high_threshold 4.0 (the truncation of the detached importance weight, CISPO's default).
-_PPO_CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
-_CISPO_CLIP = {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
-_GSPO_CLIP = {"clip_low_threshold": 1.0 - 3e-4, "clip_high_threshold": 1.0 + 4e-4}
-_STABLE_REINFORCE = {"kl_coeff": 0.0, "clip_high_threshold": 4.0}
-_RL_INPUTS = ("logprobs", "advantages")
+# The engine is run from the project's tree (workers/python), so the file is found beside it;
+# TB_LOSS_CATALOGUE names another copy.
+CATALOGUE_FILE = Path(os.environ.get("TB_LOSS_CATALOGUE") or Path(__file__).resolve().parents[3] / "queues/losses.json")
 
-LOSSES: dict[str, LossSpec] = {
-    spec.name: spec
-    for spec in (
-        LossSpec("cross_entropy", cross_entropy, (), ("weights",), {}, allows_topk=True),
-        LossSpec("importance_sampling", importance_sampling, _RL_INPUTS, (), {}, allows_topk=False),
-        LossSpec("ppo", ppo, _RL_INPUTS, CLIP_INPUTS, _PPO_CLIP, allows_topk=False, check=_check_clip),
-        LossSpec("cispo", cispo, _RL_INPUTS, CLIP_INPUTS, _CISPO_CLIP, allows_topk=False, check=_check_clip),
-        LossSpec("dro", dro, _RL_INPUTS, (), {"beta": None}, allows_topk=False),
-        LossSpec("gspo", gspo, _RL_INPUTS, ("sequence_ratio_mask", *CLIP_INPUTS), _GSPO_CLIP,
-                 allows_topk=False, check=_check_gspo),
-        LossSpec("stable_reinforce", stable_reinforce, ("advantages", *STABILITY_INPUTS),
-                 ("logprobs", "clip_high_threshold"), _STABLE_REINFORCE, allows_topk=False,
-                 check=_check_stable_reinforce),
-    )
+# The functions of the catalogue's losses, by name.
+_FUNCTIONS: dict[str, tuple[LossFn, InputCheck | None]] = {
+    "cross_entropy": (cross_entropy, None),
+    "importance_sampling": (importance_sampling, None),
+    "ppo": (ppo, _check_clip),
+    "cispo": (cispo, _check_clip),
+    "dro": (dro, None),
+    "gspo": (gspo, _check_gspo),
+    "stable_reinforce": (stable_reinforce, _check_stable_reinforce),
 }
+
+
+def load_catalogue(path: Path = CATALOGUE_FILE) -> dict[str, LossSpec]:
+    """The catalogue's losses with their functions; a loss without a function (or a function
+    without a loss) is an error at import, so the engine and the API cannot drift apart."""
+    entries = json.loads(path.read_text())["losses"]
+    if set(entries) != set(_FUNCTIONS):
+        raise RuntimeError(f"{path}: losses {sorted(entries)} but the engine implements {sorted(_FUNCTIONS)}")
+    specs = {}
+    for name, e in entries.items():
+        fn, check = _FUNCTIONS[name]
+        specs[name] = LossSpec(name, fn, tuple(e["inputs"]) + tuple(e["server_inputs"]), tuple(e["optional_inputs"]),
+                               dict(e["config"]), allows_topk=bool(e["topk"]), check=check)
+    return specs
+
+
+LOSSES: dict[str, LossSpec] = load_catalogue()
 
 
 def get_loss(name: str) -> LossSpec:
