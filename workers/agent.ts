@@ -1,14 +1,13 @@
 import { randomUUID } from 'node:crypto';
-import { existsSync } from 'node:fs';
 import os from 'node:os';
 import { performance } from 'node:perf_hooks';
-import { readdir, rename, rm, stat } from 'node:fs/promises';
+import { rm } from 'node:fs/promises';
 import path from 'node:path';
 import { Queue, UnrecoverableError, WaitingError, Worker, type Job } from 'bullmq';
 import type { Redis } from 'ioredis';
 import { ZodError } from 'zod';
 import { DEFAULT_OP_TIMEOUTS_S, type AgentConfig } from '../queues/config.js';
-import { assertSaveAllowed, requireCheckpointRecord } from '../queues/checkpoints.js';
+import { requireCheckpointRecord } from '../queues/checkpoints.js';
 import { BrokerError, encodeJobFailure, failure, failureOf, modelUnavailable, outcomeUnknownMessage, recordedFailure, type Failure } from '../queues/errors.js';
 import { heartbeatMs, Liveness } from '../queues/liveness.js';
 import { logger as rootLogger, type Logger } from '../queues/logger.js';
@@ -16,15 +15,15 @@ import { publishAgentStats, recordJob, recordTokens, removeAgentStats, type JobS
 import { Names } from '../queues/names.js';
 import { Outcomes, type Outcome } from '../queues/outcomes.js';
 import { connect } from '../queues/redis.js';
-import { Registry, type AgentRecord, type CheckpointRecord, type ModelRecord, type ServedModel } from '../queues/registry.js';
+import { Registry, type AgentRecord, type ServedModel } from '../queues/registry.js';
 import { writeStabilityRecords } from '../queues/stability.js';
-import { SampleJob, TrainJob, type SampleResult, type AnyJob, type SaveExternalJob, type SaveSamplerJob, type SaveStateJob } from '../queues/schemas.js';
+import { SampleJob, TrainJob, type SampleResult, type AnyJob } from '../queues/schemas.js';
 import type { EngineAdapter } from './adapters/adapter.js';
 import { TorchAdapter } from './adapters/torch.js';
 import { VerlAdapter } from './adapters/verl.js';
 import { VllmAdapter } from './adapters/vllm.js';
-import { encryptFileInPlace } from '../queues/age.js';
 import { rebuildCheckpoints } from './rebuild.js';
+import { CheckpointJobs } from './checkpoint-jobs.js';
 import { SampleGatherer } from './sample-gather.js';
 import { engineMemory } from './stats.js';
 
@@ -48,6 +47,7 @@ export class Agent {
   readonly log: Logger;
   private redis!: Redis;
   private registry!: Registry;
+  private checkpoints!: CheckpointJobs;
   private readonly adapter: EngineAdapter;
   private served: ServedModel[] = [];
   private workers: Worker[] = [];
@@ -107,6 +107,7 @@ export class Agent {
     // Reconnect within a second of Redis coming back, well inside the reaper's grace.
     this.redis = connect(this.config.redisUrl, 'blocking', { retryStrategy: (n) => Math.min(n * 50, 1_000) });
     this.registry = new Registry(this.redis, this.names);
+    this.checkpoints = new CheckpointJobs(this.registry, this.adapter, this.config.retentionS);
     this.outcomes = new Outcomes(this.redis, this.names, this.config.retentionS);
     this.liveness = new Liveness(this.redis, this.names, this.registry, this.outcomes);
     this.record = {
@@ -415,10 +416,10 @@ export class Agent {
           return this.adapter.optimStep(data);
         case 'save_weights_for_sampler':
           await this.requireLoaded(data.model_id);
-          return this.saveSampler(data);
+          return this.checkpoints.saveSampler(data);
         case 'save_weights':
           await this.requireLoaded(data.model_id);
-          return this.saveState(data);
+          return this.checkpoints.saveState(data);
         case 'load_weights': {
           await this.requireLoaded(data.model_id);
           await requireCheckpointRecord(this.registry, data.tinker_path);
@@ -427,7 +428,7 @@ export class Agent {
         }
         case 'save_weights_external':
           await this.requireLoaded(data.model_id);
-          return this.saveExternal(data);
+          return this.checkpoints.saveExternal(data);
         case 'unload_model':
           if (this.loaded.has(data.model_id)) await this.adapter.unloadModel(data.model_id);
           this.loaded.delete(data.model_id);
@@ -435,103 +436,6 @@ export class Agent {
           return { model_id: data.model_id };
       }
     }
-  }
-
-  /** The model a checkpoint job saves (it exists: create_model ran before any op of the model). */
-  private async modelOf(job: { model_id: string }): Promise<ModelRecord> {
-    return (await this.registry.getModel(job.model_id))!;
-  }
-
-  private checkpointRecord(
-    model: ModelRecord,
-    job: { tinker_path: string; dir: string; ttl_seconds: number | null; user_metadata: Record<string, string> | null },
-    type: CheckpointRecord['checkpoint_type'],
-    extra: { size_bytes: number; has_optimizer: boolean; ephemeral: boolean },
-  ): CheckpointRecord {
-    const now = Date.now();
-    // Unnamed sampler saves live as long as futures do.
-    const ttl = job.ttl_seconds ?? (extra.ephemeral ? this.config.retentionS : null);
-    return {
-      tinker_path: job.tinker_path,
-      model_id: model.model_id,
-      checkpoint_id: job.tinker_path.split('/').slice(-2).join('/'),
-      checkpoint_type: type,
-      base_model: model.base_model,
-      lora: model.lora,
-      dir: job.dir,
-      time: new Date(now).toISOString(),
-      expires_at: ttl === null ? null : new Date(now + ttl * 1000).toISOString(),
-      public: false,
-      user_metadata: job.user_metadata,
-      tenant: model.tenant,
-      ...extra,
-    };
-  }
-
-  private async saveSampler(job: SaveSamplerJob): Promise<{ path: string; sampling_session_id: string | null }> {
-    const ephemeral = job.sampling_session_id !== null;
-    // A named sampler version is immutable: a second save under its name is refused.
-    if (!ephemeral) await assertSaveAllowed(this.registry, { type: 'sampler', tinker_path: job.tinker_path });
-    if (existsSync(job.dir)) await rm(job.dir, { recursive: true, force: true }); // leftovers of an expired or deleted checkpoint
-    const { size_bytes } = await this.adapter.saveSampler(job);
-    const model = await this.modelOf(job);
-    await this.registry.putCheckpoint(this.checkpointRecord(model, job, 'sampler', { size_bytes, has_optimizer: false, ephemeral }));
-    const inflight = job.kind === 'inflight';
-    // The target moves before the save completes: a client created from this save never sees older weights.
-    if (inflight) await this.registry.setInflightTarget(model.model_id, { model_path: job.tinker_path, adapter_dir: job.dir, seq_id: job.seq_id }, this.config.retentionS);
-    if (job.sampling_session_id) {
-      await this.registry.putSamplingSession(
-        {
-          sampling_session_id: job.sampling_session_id,
-          session_id: model.session_id,
-          base_model: model.base_model,
-          model_path: job.tinker_path,
-          adapter_dir: job.dir,
-          inflight_model_id: inflight ? model.model_id : null,
-          tenant: model.tenant,
-        },
-        this.config.retentionS,
-      );
-      await this.registry.indexSampler(model.session_id, job.sampling_session_id, this.config.retentionS);
-    }
-    return { path: job.tinker_path, sampling_session_id: job.sampling_session_id };
-  }
-
-  private async saveExternal(job: SaveExternalJob): Promise<{ path: string; size_bytes: number }> {
-    await assertSaveAllowed(this.registry, { type: 'external', tinker_path: job.tinker_path });
-    if (existsSync(job.dir)) await rm(job.dir, { recursive: true, force: true });
-    await this.adapter.saveSampler({ ...job, op: 'save_weights_for_sampler', sampling_session_id: null, user_metadata: null });
-    let size = 0;
-    for (const f of await readdir(job.dir, { recursive: true, withFileTypes: true })) {
-      if (!f.isFile()) continue;
-      const p = path.join(f.parentPath, f.name);
-      const out = job.age_recipients.length ? await encryptFileInPlace(p, job.age_recipients) : p;
-      size += (await stat(out)).size;
-    }
-    await this.registry.putCheckpoint(
-      this.checkpointRecord(await this.modelOf(job), { ...job, user_metadata: null }, 'external', { size_bytes: size, has_optimizer: false, ephemeral: false }),
-    );
-    return { path: job.tinker_path, size_bytes: size };
-  }
-
-  private async saveState(job: SaveStateJob): Promise<{ path: string }> {
-    await assertSaveAllowed(this.registry, { type: 'training', tinker_path: job.tinker_path, overwrite: job.overwrite });
-    // Overwrite keeps the old files until the new ones are complete.
-    const old = `${job.dir}.old-${Date.now()}`;
-    const hadDir = existsSync(job.dir);
-    if (hadDir) await rename(job.dir, old);
-    try {
-      const { size_bytes } = await this.adapter.saveState(job.model_id, job.dir, true);
-      await this.registry.putCheckpoint(this.checkpointRecord(await this.modelOf(job), job, 'training', { size_bytes, has_optimizer: true, ephemeral: false }));
-    } catch (e) {
-      if (hadDir) {
-        await rm(job.dir, { recursive: true, force: true });
-        await rename(old, job.dir);
-      }
-      throw e;
-    }
-    if (hadDir) await rm(old, { recursive: true, force: true });
-    return { path: job.tinker_path };
   }
 
   private makeGatherer(base: string): SampleGatherer {
