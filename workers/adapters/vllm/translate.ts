@@ -201,3 +201,26 @@ export function loraName(dir: string, mtimeNs: bigint, size: number): string {
 }
 
 export const ADAPTER_FILES = ['adapter_config.json', 'adapter_model.safetensors'] as const;
+
+/**
+ * Whether a PEFT adapter puts a LoRA on `lm_head` (its adapter_config.json `target_modules`: a list of
+ * module names or suffixes, or one regular expression PEFT matches against whole module names).
+ */
+export function adapterTargetsLmHead(dir: string): boolean {
+  let cfg: any;
+  try {
+    cfg = readJson(path.join(dir, 'adapter_config.json'));
+  } catch {
+    return false; // unreadable: the load reports it
+  }
+  const t = cfg?.target_modules;
+  if (Array.isArray(t)) return t.some((m) => m === 'lm_head' || (typeof m === 'string' && m.endsWith('.lm_head')));
+  if (typeof t === 'string') {
+    try {
+      return new RegExp(`^(?:${t})$`).test('lm_head');
+    } catch {
+      return t.includes('lm_head');
+    }
+  }
+  return false;
+}
