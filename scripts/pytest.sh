@@ -1,5 +1,16 @@
 #!/usr/bin/env bash
-# Runs the engine's pytest tests with the project's virtual environment.
+# Runs the engine's pytest tests with the project's virtual environment: with the pinned versions
+# (workers/python/requirements.txt), then again with the lowest supported ones
+# (workers/python/requirements-lowest.txt, the overlay .venv/lowest that scripts/setup.sh installs).
+# TB_PYTEST_LOWEST=0 skips the second pass. Arguments go to both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHONPATH=workers/python exec .venv/bin/python -m pytest workers/python/tests -q "$@"
+PYTHONPATH=workers/python .venv/bin/python -m pytest workers/python/tests -q "$@"
+if [ "${TB_PYTEST_LOWEST:-1}" != 0 ]; then
+  if [ ! -d .venv/lowest ]; then
+    echo "scripts/pytest.sh: .venv/lowest is missing; run scripts/setup.sh (or TB_PYTEST_LOWEST=0)" >&2
+    exit 1
+  fi
+  echo "== engine tests with the lowest supported versions: $(grep -v '^#' workers/python/requirements-lowest.txt | xargs)"
+  PYTHONPATH=.venv/lowest:workers/python .venv/bin/python -m pytest workers/python/tests -q "$@"
+fi
