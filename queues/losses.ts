@@ -45,7 +45,9 @@ export function checkLossConfig(lossFn: string, config: Record<string, number | 
   const unknown = Object.keys(config).filter((k) => !Object.hasOwn(entry.config, k)).sort();
   if (unknown.length) {
     const accepted = Object.keys(entry.config).sort().join(', ') || 'none';
-    throw invalid(`loss_fn_config for '${lossFn}' has unknown keys [${unknown.map((k) => `'${k}'`).join(', ')}]; accepted: ${accepted}`);
+    // At most 10 named (a hostile request may send thousands), as the engine names them otherwise.
+    const named = unknown.slice(0, 10).map((k) => `'${k.slice(0, 64)}'`).join(', ') + (unknown.length > 10 ? `, … (${unknown.length} in all)` : '');
+    throw invalid(`loss_fn_config for '${lossFn}' has unknown keys [${named}]; accepted: ${accepted}`);
   }
   const parsed: Record<string, number> = {};
   for (const [key, dflt] of Object.entries(entry.config)) {

@@ -103,6 +103,11 @@ print(json.dumps(out))`);
       expect(api, `${name} ${JSON.stringify(config)}`).to.equal(want);
     });
     expect(engine.filter((e) => e === null).length, 'some configs are accepted').to.be.at.least(5);
+    // A hostile config with thousands of keys: the message names ten, and how many there were.
+    const many = Object.fromEntries(Array.from({ length: 5000 }, (_, i) => [`k${String(i).padStart(4, '0')}${'x'.repeat(200)}`, 1]));
+    const message = apiError('ppo', many)!;
+    expect(message).to.match(/has unknown keys \['k0000x+', .*, … \(5000 in all\)\]; accepted: clip_high_threshold, clip_low_threshold$/);
+    expect(message.length).to.be.below(1200);
     expect(engine.filter((e) => e !== null).length, 'some configs are refused').to.be.at.least(7);
   });
 });
