@@ -29,6 +29,8 @@ import { encodeForwardBackward, type TestDatum } from '../test/helpers/wire.js';
  * plain HTTP round trips to the same server (`GET /api/v1/healthz`, and a 404), interleaved in one
  * Python process (bench/sdk_optim_step.py).
  *
+ * Each run also prints where an op's time goes, stage by stage (see stages()).
+ *
  *   node --import tsx bench/overhead.ts [opsPerClient1=200] [opsPerClient64=8] [sdkSteps=100] [--json]
  */
 const args = process.argv.slice(2).filter((a) => !a.startsWith('--'));
@@ -65,7 +67,7 @@ async function result(base: string, requestId: string): Promise<any> {
   }
 }
 
-type Op = { requestId: string; start: number; end: number; engine?: [number, number] };
+type Op = { requestId: string; start: number; end: number; engine?: [number, number]; job?: { added: number; processed: number; finished: number } };
 
 async function createModel(base: string, session: string, i: number): Promise<string> {
   const cm = await post(base, '/create_model', { session_id: session, model_seq_id: i, base_model: TINY_MODEL_ALIAS, lora_config: { rank: 8, seed: i } });
@@ -94,15 +96,16 @@ async function engineTimes(redis: Redis, prefix: string, ops: Op[]): Promise<voi
     const [queue, jobId] = op.requestId.split('/') as [string, string];
     const rec = await redis.get(`${prefix}:outcome:${jobId}`);
     const engine = rec ? (JSON.parse(rec).engine as [number, number] | undefined) : undefined;
+    let q = queues.get(queue);
+    if (!q) queues.set(queue, (q = new Queue(queue, { connection: redis, prefix: `${prefix}-bull` })));
+    const job = await Job.fromId(q, jobId);
+    if (job?.processedOn && job.finishedOn) op.job = { added: job.timestamp, processed: job.processedOn, finished: job.finishedOn };
     if (engine) {
       op.engine = engine;
       continue;
     }
-    let q = queues.get(queue);
-    if (!q) queues.set(queue, (q = new Queue(queue, { connection: redis, prefix: `${prefix}-bull` })));
-    const job = await Job.fromId(q, jobId);
-    if (!job?.processedOn || !job.finishedOn) throw new Error(`no engine times for ${op.requestId}`);
-    op.engine = [job.processedOn, job.finishedOn];
+    if (!op.job) throw new Error(`no engine times for ${op.requestId}`);
+    op.engine = [op.job.processed, op.job.finished];
   }
   await Promise.all([...queues.values()].map((q) => q.close()));
 }
@@ -125,7 +128,28 @@ const pct = (xs: number[], p: number) => {
   return s[Math.min(s.length - 1, Math.floor(p * s.length))]!;
 };
 
-type Figures = { clients: number; ops: number; p50: number; p99: number; engineP50: number; clientP50: number };
+/**
+ * Where one op's time goes, p50 of each stage (ms; BullMQ stamps are whole milliseconds):
+ * submit (client start → job added: HTTP, API, gate), pickup (added → the agent's worker took it),
+ * before (taken → engine start: the agent's claim and checks), engine, after (engine end → job
+ * finished: the agent's outcome record), reply (finished → the client has the result: signal,
+ * retrieve_future, HTTP).
+ */
+function stages(ops: Op[]): Record<string, number> | null {
+  const timed = ops.filter((o) => o.job && o.engine);
+  if (!timed.length) return null;
+  const of = (f: (o: Op) => number) => pct(timed.map(f), 0.5);
+  return {
+    submit: of((o) => o.job!.added - o.start),
+    pickup: of((o) => o.job!.processed - o.job!.added),
+    before: of((o) => o.engine![0] - o.job!.processed),
+    engine: of((o) => o.engine![1] - o.engine![0]),
+    after: of((o) => o.job!.finished - o.engine![1]),
+    reply: of((o) => o.end - o.job!.finished),
+  };
+}
+
+type Figures = { clients: number; ops: number; p50: number; p99: number; engineP50: number; clientP50: number; stages: Record<string, number> | null };
 
 async function run(base: string, redis: Redis, prefix: string, clients: number, n: number): Promise<Figures> {
   const session = (await post(base, '/create_session', { tags: [], user_metadata: {}, sdk_version: '0.38.0', type: 'create_session' })).session_id;
@@ -144,6 +168,7 @@ async function run(base: string, redis: Redis, prefix: string, clients: number, 
     p99: pct(oh, 0.99),
     engineP50: pct(ops.map((o) => o.engine![1] - o.engine![0]), 0.5),
     clientP50: pct(ops.map((o) => o.end - o.start), 0.5),
+    stages: stages(ops),
   };
 }
 
@@ -162,10 +187,12 @@ async function main(): Promise<void> {
       return;
     }
     const f = (x: number) => x.toFixed(2);
-    for (const r of [one, many])
+    for (const r of [one, many]) {
       console.log(
         `${r.clients} client(s), ${r.ops} ops: broker overhead p50 ${f(r.p50)} ms, p99 ${f(r.p99)} ms (client-observed p50 ${f(r.clientP50)} ms, engine p50 ${f(r.engineP50)} ms)`,
       );
+      if (r.stages) console.log(`  stages p50 (ms): ${Object.entries(r.stages).map(([k, v]) => `${k} ${f(v)}`).join(', ')}`);
+    }
     console.log(
       `SDK optim_step p50 ${f(sdk.sdk_p50_ms)} ms; two plain round trips p50: ${f(sdk.plain_healthz_p50_ms)} ms (healthz), ${f(sdk.plain_404_p50_ms)} ms (404); ratio ${f(sdk.ratio_healthz)}x / ${f(sdk.ratio_404)}x`,
     );
