@@ -25,9 +25,10 @@ import { ADAPTER_FILES, adapterTargetsLmHead, completionRequest, completionResul
  *
  * On CUDA that is not enough for an adapter with a LoRA on `lm_head` (the SDK's default
  * `train_unembed=True`): measured with vLLM 0.26 on an H200, alone and with n = 1, its prompt
- * logprobs lack the `lm_head` LoRA at every position but the first (they equal the base model's
- * there; up to 29 nats from the torch engine's), while its sampled tokens' logprobs are right
- * (docs/engines/vllm.md, "On the H200"). Such requests are refused (`lmHeadPromptLogprobs` false,
+ * logprobs lack the `lm_head` LoRA (at the completion positions of the check they equal the base
+ * model's; up to 29 nats from the torch engine's), while its sampled tokens' logprobs are right
+ * (docs/engines/vllm.md, "On the H200"). By vLLM's code only the first rows, one per sampled
+ * sequence, get it. Such requests are refused (`lmHeadPromptLogprobs` false,
  * every device but the CPU) rather than answered wrong.
  */
 
@@ -112,8 +113,8 @@ export class VllmModel {
       throw new EngineError(
         'user',
         'prompt logprobs (compute_logprobs, include_prompt_logprobs, topk_prompt_logprobs) of a sampler version with a LoRA on lm_head ' +
-          '(train_unembed=True) are not available from the vLLM engine on a GPU: vLLM leaves the lm_head adapter out of them after the first ' +
-          'position (docs/engines/vllm.md). Sampling this version works; to score it through vLLM, train with train_unembed=False.',
+          '(train_unembed=True) are not available from the vLLM engine on a GPU: vLLM leaves the lm_head adapter out of most ' +
+          'positions (docs/engines/vllm.md). Sampling this version works; to score it through vLLM, train with train_unembed=False.',
       );
     if (job.num_samples === 1 && job.sampling_params.max_tokens === 1) return this.complete(job, true);
     // Prompt logprobs alone (n = 1, one token), the samples beside other requests.
