@@ -1,6 +1,6 @@
 import { Job, Queue, type JobsOptions } from 'bullmq';
 import type { Redis } from 'ioredis';
-import type { AnyJob } from './schemas.js';
+import type { AnyJob, SampleJob, SampleResult, TrainJob } from './schemas.js';
 import type { Names } from './names.js';
 
 /** A job as a future sees it: its op, and its end once it has one. */
@@ -11,6 +11,14 @@ export type JobView = {
   failedReason: string | null;
   returnvalue: unknown;
 };
+
+/**
+ * The two queue families, typed at both ends (producers here, the agent's workers): a training
+ * queue (`train-<agentId>`) carries TrainJobs and its jobs return nothing (an op's result is its
+ * outcome record, queues/outcomes.ts); a sample queue carries SampleJobs and returns SampleResults.
+ */
+export type TrainQueue = Queue<TrainJob, null>;
+export type SampleQueue = Queue<SampleJob, SampleResult>;
 
 /**
  * Producer-side queues, created on first use and shared by one process. This file and the Lua
@@ -79,9 +87,14 @@ export class QueueSet {
     return `${this.names.bull}:${queue}:${jobId}`;
   }
 
-  /** Adds a job under a deterministic id; a repeated id is ignored by BullMQ (idempotent). */
-  async add(queue: string, jobId: string, job: AnyJob): Promise<void> {
-    await this.get(queue).add(job.op, job, { jobId });
+  /** Adds a training job under a deterministic id; a repeated id is ignored by BullMQ (idempotent). */
+  async addTrain(queue: string, jobId: string, job: TrainJob): Promise<void> {
+    await (this.get(queue) as unknown as TrainQueue).add(job.op, job, { jobId });
+  }
+
+  /** Adds a sample job under a deterministic id (idempotent as addTrain). */
+  async addSample(queue: string, jobId: string, job: SampleJob): Promise<void> {
+    await (this.get(queue) as unknown as SampleQueue).add(job.op, job, { jobId });
   }
 
   async close(): Promise<void> {

@@ -143,11 +143,11 @@ export class Agent {
     this.workers.push(
       // No stalled check on the training queue: outcomes are recorded apart, the reaper handles dead agents.
       // Two at a time: the next op waits parsed in the agent while the current one runs (runTrain).
-      new Worker<AnyJob>(this.trainQueue, (job, token) => this.runTrain(job, token), { ...common, concurrency: 2, skipStalledCheck: true }),
+      new Worker<TrainJob, null>(this.trainQueue, (job, token) => this.runTrain(job, token), { ...common, concurrency: 2, skipStalledCheck: true }),
       // An engine that only trains (verl) takes no sample jobs: they wait for agents that sample.
       ...(this.adapter.samples === false ? [] : this.served).map(
         (m) =>
-          new Worker<AnyJob>(this.names.sampleQueue(m.name, this.adapter.kind), (job) => this.runSample(job), {
+          new Worker<SampleJob, SampleResult>(this.names.sampleQueue(m.name, this.adapter.kind), (job) => this.runSample(job), {
             ...common,
             concurrency: this.config.sampleConcurrency,
           }),
@@ -323,7 +323,7 @@ export class Agent {
    * then is not run). Ops run in the order the queue gives them (the gate's seq_id order). One taken
    * ahead when the agent drains or stops goes back to the head of the queue, unstarted.
    */
-  private async runTrain(job: Job<AnyJob>, lockToken?: string): Promise<null> {
+  private async runTrain(job: Job<TrainJob, null>, lockToken?: string): Promise<null> {
     const jobId = job.id!;
     const op = job.name;
     const parsed = TrainJob.safeParse(job.data);
@@ -455,7 +455,7 @@ export class Agent {
   }
 
   /** A sample has no effect on any model: a failure (a timeout included) is a plain server error the client may retry. */
-  private async runSample(job: Job<AnyJob>): Promise<unknown> {
+  private async runSample(job: Job<SampleJob, SampleResult>): Promise<SampleResult> {
     const start = Date.now();
     try {
       await this.ensureEngine();

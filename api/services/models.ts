@@ -58,7 +58,7 @@ export async function placeModel(
 /** Queues a job on the model's training queue outside the seq_id order; returns the future's request_id. */
 async function enqueue(ctx: ApiContext, req: Request, model: ModelRecord, jobId: string, job: TrainJob): Promise<string> {
   const requestId = await issueFuture(ctx, req, encodeRequestId({ queue: model.train_queue, jobId }));
-  await ctx.queues.add(model.train_queue, jobId, job);
+  await ctx.queues.addTrain(model.train_queue, jobId, job);
   return requestId;
 }
 
@@ -101,7 +101,7 @@ export async function createModelFromCheckpoint(
   }
   const modelId = resourceIds.model(body.session_id, body.model_seq_id);
   const rec = await placeModel(ctx, { modelId, sessionId: body.session_id, baseModel: c.base_model, lora: c.lora, tenant: tenantOf(req) });
-  await ctx.queues.add(rec.train_queue, jobIds.createModel(modelId), createJob(rec));
+  await ctx.queues.addTrain(rec.train_queue, jobIds.createModel(modelId), createJob(rec));
   const load: TrainJob = { op: 'load_weights', model_id: modelId, seq_id: 0, tinker_path: c.tinker_path, dir: c.dir, optimizer: body.optimizer };
   return { request_id: await enqueue(ctx, req, rec, jobIds.loadOnCreate(modelId), load), model_id: modelId };
 }

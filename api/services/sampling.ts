@@ -177,7 +177,7 @@ export async function sample(ctx: ApiContext, req: Request, body: Body): Promise
     // Only samples of a sampling session are recorded: the record belongs to that session (and its tenant).
     record_stability: body.record_stability_info && ownerSession ? { session_id: ownerSession, request_id: requestId } : null,
   };
-  await ctx.queues.add(queue, jobId, job);
+  await ctx.queues.addSample(queue, jobId, job);
   // A (sampling session, seq_id) names one request: a replay with another payload would silently
   // get the first one's samples, so it is refused. The job that BullMQ kept is the first one.
   if (body.sampling_session_id && seqId !== null) {
