@@ -44,8 +44,18 @@ async function until<T>(what: string, fn: () => T | Promise<T>, timeoutMs: numbe
 describe('docker-compose.yml', function () {
   this.timeout(1_800_000);
 
+  it('refuses to run without TB_API_KEYS (no default key), naming it, for every variant', () => {
+    for (const files of [['docker-compose.yml'], ['docker-compose.yml', 'docker-compose.cpu.yml']]) {
+      const r = spawnSync(compose.cmd, [...compose.pre, ...files.flatMap((f) => ['-f', f]), 'config'], { encoding: 'utf8', cwd: ROOT, env: { ...process.env, TB_API_KEYS: '' } });
+      expect(r.status, r.stdout).to.not.equal(0);
+      expect(r.stderr).to.include('set TB_API_KEYS to your own comma-separated tml-... keys');
+    }
+    const cfg = composeConfig(['docker-compose.yml', 'docker-compose.cpu.yml'], { TB_API_KEYS: 'tml-mine-1,tml-mine-2' });
+    expect(cfg.services.api.environment.TB_API_KEYS).to.equal('tml-mine-1,tml-mine-2');
+  });
+
   it('passes compose config: Redis with AOF and noeviction, healthchecks, one GPU per agent service', () => {
-    const cfg = composeConfig(['docker-compose.yml']);
+    const cfg = composeConfig(['docker-compose.yml'], { TB_API_KEYS: 'tml-config-check' });
     expect(cfg.services.redis.command).to.include.members(['--appendonly', 'yes', '--appendfsync', 'everysec', '--maxmemory-policy', 'noeviction']);
     expect(cfg.services.redis.healthcheck).to.be.an('object');
     expect(cfg.services.api.depends_on.redis.condition).to.equal('service_healthy');
