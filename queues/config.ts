@@ -13,8 +13,13 @@ import { z } from 'zod';
 /**
  * Sample-request fields some sampling engine cannot answer: the API sends a request using one to an
  * engine that can (queues/registry.ts sampleEngine), and an engine that cannot refuses it clearly.
+ * `lm_head_prompt_logprobs`: prompt logprobs of a sampler version with a LoRA on lm_head
+ * (train_unembed), which vLLM on a GPU computes without that LoRA (docs/engines/vllm.md); what an
+ * engine kind lacks everywhere is in ENGINES, what one agent lacks on its device in its record.
  */
-export type SampleFeature = 'prompt_alt_tokens_k' | 'target_prompt_logprobs';
+export type SampleFeature = 'prompt_alt_tokens_k' | 'target_prompt_logprobs' | 'lm_head_prompt_logprobs';
+/** Every SampleFeature, for the schema of the agents' records (AgentRecord.sample_lacks). */
+export const SAMPLE_FEATURES = ['prompt_alt_tokens_k', 'target_prompt_logprobs', 'lm_head_prompt_logprobs'] as const satisfies readonly SampleFeature[];
 
 /**
  * The engines an agent can drive and what each does: the one list (presets, the agent's adapter

@@ -1,6 +1,6 @@
 import type { Redis } from 'ioredis';
 import { z } from 'zod';
-import { ENGINE_KINDS, ENGINES, type SampleFeature } from './config.js';
+import { ENGINE_KINDS, ENGINES, SAMPLE_FEATURES, type SampleFeature } from './config.js';
 import { BrokerError } from './errors.js';
 import { LoraConfig } from './schemas.js';
 import type { Names } from './names.js';
@@ -36,6 +36,8 @@ export const AgentRecord = z.object({
   timeout_s: z.number().optional(),
   host: z.string().optional(),
   pid: z.number().int().optional(),
+  /** Sample-request features this agent's engine cannot answer on its device, beyond its kind's (ENGINES). */
+  sample_lacks: z.array(z.enum(SAMPLE_FEATURES)).optional(),
 });
 export type AgentRecord = z.infer<typeof AgentRecord>;
 
@@ -127,18 +129,18 @@ function engineLacks(engine: string, feature: SampleFeature): boolean {
 /**
  * Where a sample job of `baseModel` goes: the fastest engine kind among the live `agents` serving it
  * that can answer the request's fields (`needs`: prompt_alt_tokens_k and target_prompt_logprobs only
- * the torch engine answers) and accept the sampler version's LoRA rank (`loraRank`, null for the base
+ * the torch engine answers; lm_head_prompt_logprobs not a vLLM agent on a GPU) and accept the sampler version's LoRA rank (`loraRank`, null for the base
  * model). The torch actor thus samples only when no rollout (vLLM) agent serves that version, or when
  * the request needs what only it answers. When no agent qualifies, the fastest engine serving the
  * model gets the job, and its engine reports the error.
  */
 export function sampleEngine(baseModel: string, agents: AgentRecord[], loraRank: number | null, needs: readonly SampleFeature[] = []): string {
-  const all = agents.flatMap((a) => a.models.filter((m) => m.name === baseModel).map((m) => ({ engine: a.engine, m })));
+  const all = agents.flatMap((a) => a.models.filter((m) => m.name === baseModel).map((m) => ({ engine: a.engine, lacks: a.sample_lacks ?? [], m })));
   if (all.length === 0) throw new BrokerError('NOT_FOUND', `base model '${baseModel}' is not served here (no live agent serves it)`);
   const serving = all.filter((s) => !TRAIN_ONLY_ENGINES.includes(s.engine));
   if (serving.length === 0)
     throw new BrokerError('UNAVAILABLE', `base model '${baseModel}' is served here only by engines that do not sample (${[...new Set(all.map((s) => s.engine))].join(', ')}); start a vLLM or torch agent for it`);
-  const able = serving.filter((s) => !needs.some((f) => engineLacks(s.engine, f)));
+  const able = serving.filter((s) => !needs.some((f) => engineLacks(s.engine, f) || s.lacks.includes(f)));
   const candidates = able.length ? able : serving;
   const fits = candidates.filter(({ m }) => loraRank === null || m.lora_max_rank >= loraRank);
   const pool = (fits.length ? fits : candidates).map((s) => s.engine);

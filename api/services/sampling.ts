@@ -139,6 +139,7 @@ export async function sample(ctx: ApiContext, req: Request, body: Body): Promise
   const needs: SampleFeature[] = [];
   if (body.prompt_alt_tokens_k > 0) needs.push('prompt_alt_tokens_k');
   if (targets) needs.push('target_prompt_logprobs');
+  if (version?.lora.train_unembed && (body.prompt_logprobs || body.topk_prompt_logprobs > 0)) needs.push('lm_head_prompt_logprobs');
   const queue = ctx.names.sampleQueue(session.base_model, sampleEngine(session.base_model, agents, version?.lora.rank ?? null, needs));
   // A seq_id JSON cannot carry exactly (past 2^53) cannot de-duplicate: such a request gets a fresh job.
   const seqId = body.seq_id != null && Number.isSafeInteger(body.seq_id) ? body.seq_id : null;

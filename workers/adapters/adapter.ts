@@ -8,7 +8,7 @@ import type {
   SampleResult,
   SaveSamplerJob,
 } from '../../queues/schemas.js';
-import type { BaseModelSpec } from '../../queues/config.js';
+import type { BaseModelSpec, SampleFeature } from '../../queues/config.js';
 
 /**
  * What an agent needs from an engine: one method per Tinker operation. Each engine
@@ -19,6 +19,8 @@ export interface EngineAdapter {
   readonly device: string;
   /** Whether the engine serves sample jobs. @defaultValue true (verl trains only) */
   readonly samples?: boolean;
+  /** Sample-request features this engine cannot answer on its device (published in the agent's record for routing). */
+  readonly sampleLacks?: readonly SampleFeature[];
   start(): Promise<void>;
   stop(): Promise<void>;
   loadBase(spec: BaseModelSpec): Promise<ServedModel>;

