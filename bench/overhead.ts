@@ -3,9 +3,10 @@ import { fileURLToPath } from 'node:url';
 import { Job, Queue } from 'bullmq';
 import { Redis } from 'ioredis';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
-import { E2EServer, E2E_KEY } from '../test/e2e/server.js';
+import { E2EServer } from '../test/e2e/server.js';
 import { REDIS_URL } from '../test/helpers/stack.js';
-import { encodeForwardBackward, type TestDatum } from '../test/helpers/wire.js';
+import { encodeForwardBackward } from '../test/helpers/wire.js';
+import { BENCH_ADAM, benchBatch, post, result } from './client.js';
 
 /**
  * Broker overhead per training op, against the server as a user starts it (`tinker-broker start`:
@@ -40,32 +41,11 @@ const ops64 = Number(args[1] ?? 8);
 const sdkSteps = Number(args[2] ?? 100);
 
 const seqLen = 32;
-const batch: TestDatum[] = Array.from({ length: 2 }, (_, b) => {
-  const toks = Array.from({ length: seqLen + 1 }, (_, i) => (b * 31 + i * 7) % 1000);
-  return { tokens: toks.slice(0, -1), targets: toks.slice(1), weights: Array(seqLen).fill(1) };
-});
-const adam = { learning_rate: 1e-4, beta1: 0.9, beta2: 0.95, eps: 1e-12, weight_decay: 0, grad_clip_norm: 0 };
+const batch = benchBatch(seqLen);
+const adam = BENCH_ADAM;
 
 const now = () => performance.timeOrigin + performance.now();
 
-async function post(base: string, route: string, body: unknown, raw?: Buffer): Promise<any> {
-  const headers: Record<string, string> = { 'x-api-key': E2E_KEY, 'content-type': raw ? 'application/x-protobuf' : 'application/json' };
-  const res = await fetch(`${base}/api/v1${route}`, { method: 'POST', headers, body: raw ? new Uint8Array(raw) : JSON.stringify(body) });
-  const text = await res.text();
-  if (res.status !== 200) throw new Error(`${route}: ${res.status} ${text}`);
-  return JSON.parse(text);
-}
-
-/** Waits for a future as the SDK does (again at once on try_again). */
-async function result(base: string, requestId: string): Promise<any> {
-  for (;;) {
-    const r = await post(base, '/retrieve_future', { request_id: requestId, allow_metadata_only: false });
-    if (r.type !== 'try_again') {
-      if (r.error) throw new Error(`${requestId}: ${r.error}`);
-      return r;
-    }
-  }
-}
 
 type Op = { requestId: string; start: number; end: number; engine?: [number, number]; job?: { added: number; processed: number; finished: number } };
 

@@ -2,9 +2,10 @@ import { rmSync } from 'node:fs';
 import { performance } from 'node:perf_hooks';
 import { Redis } from 'ioredis';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
-import { E2EServer, E2E_KEY } from '../test/e2e/server.js';
+import { E2EServer } from '../test/e2e/server.js';
 import { OwnRedis } from '../test/helpers/procs.js';
-import { encodeForwardBackward, type TestDatum } from '../test/helpers/wire.js';
+import { encodeForwardBackward } from '../test/helpers/wire.js';
+import { BENCH_ADAM, benchBatch, post, result } from './client.js';
 
 /**
  * Redis memory under a long run (issue 13): the stack as a user starts it (`tinker-broker start`
@@ -27,29 +28,9 @@ const steps = 6;
 const saveEvery = 2;
 const samples = 2;
 
-const batch: TestDatum[] = Array.from({ length: 2 }, (_, b) => {
-  const toks = Array.from({ length: 17 }, (_, i) => (b * 31 + i * 7) % 1000);
-  return { tokens: toks.slice(0, -1), targets: toks.slice(1), weights: Array(16).fill(1) };
-});
-const adam = { learning_rate: 1e-4, beta1: 0.9, beta2: 0.95, eps: 1e-12, weight_decay: 0, grad_clip_norm: 0 };
+const batch = benchBatch(16);
+const adam = BENCH_ADAM;
 
-async function post(base: string, route: string, body: unknown, raw?: Buffer): Promise<any> {
-  const headers: Record<string, string> = { 'x-api-key': E2E_KEY, 'content-type': raw ? 'application/x-protobuf' : 'application/json' };
-  const res = await fetch(`${base}/api/v1${route}`, { method: 'POST', headers, body: raw ? new Uint8Array(raw) : JSON.stringify(body) });
-  const text = await res.text();
-  if (res.status !== 200) throw new Error(`${route}: ${res.status} ${text}`);
-  return JSON.parse(text);
-}
-
-/** A future's answer (polled as the SDK does); throws when it failed. */
-async function result(base: string, requestId: string): Promise<any> {
-  for (;;) {
-    const r = await post(base, '/retrieve_future', { request_id: requestId, allow_metadata_only: false });
-    if (r.type === 'try_again') continue;
-    if (r.error) throw new Error(`${requestId}: ${r.error}`);
-    return r;
-  }
-}
 
 const counts = { runs: 0, steps: 0, saves: 0, samples: 0 };
 
@@ -83,11 +64,7 @@ async function clientRun(base: string): Promise<void> {
     );
   }
   await result(base, (await post(base, '/unload_model', { model_id: model })).request_id);
-  await fetch(`${base}/api/v1/sessions/${session}/finish`, {
-    method: 'POST',
-    headers: { 'x-api-key': E2E_KEY, 'content-type': 'application/json' },
-    body: JSON.stringify({ reason: { type: 'success' } }),
-  });
+  await post(base, `/sessions/${session}/finish`, { reason: { type: 'success' } });
   counts.runs++;
 }
 

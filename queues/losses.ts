@@ -36,6 +36,12 @@ export function lossEntry(lossFn: string): LossEntry {
   return entry;
 }
 
+/** The loss_fn_inputs a client may send for the loss, or the user error naming the supported losses. */
+export function lossInputs(lossFn: string): { required: string[]; optional: string[] } {
+  lossEntry(lossFn);
+  return LOSS_INPUTS[lossFn]!;
+}
+
 /**
  * Checks `loss_fn_config` against the loss before the job is queued: known keys, finite numbers,
  * required keys present (the engine applies the defaults and checks again, with the same messages).

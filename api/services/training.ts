@@ -1,6 +1,6 @@
 import type { Request } from 'express';
 import { invalid } from '../../queues/errors.js';
-import { checkLossConfig, LOSS_INPUTS, lossEntry } from '../../queues/losses.js';
+import { checkLossConfig, lossInputs } from '../../queues/losses.js';
 import { jobIds } from '../../queues/names.js';
 import type { ModelRecord } from '../../queues/registry.js';
 import type { Datum, ForwardBackwardJob } from '../../queues/schemas.js';
@@ -28,8 +28,7 @@ async function contextLength(ctx: ApiContext, model: ModelRecord): Promise<numbe
 
 /** Checks a batch against the loss and the model before it is queued; the engine re-checks. */
 export function validateBatch(lossFn: string, data: Datum[], vocabSize: number): void {
-  lossEntry(lossFn);
-  const spec = LOSS_INPUTS[lossFn]!;
+  const spec = lossInputs(lossFn);
   if (data.length === 0) throw invalid('forward_backward needs at least one datum');
   data.forEach((d, i) => {
     const n = d.tokens.length;

@@ -29,6 +29,12 @@ const steps = (run: Run, n: number): Row[] => {
   return rows;
 };
 const mean = (xs: number[]) => xs.reduce((a, b) => a + b, 0) / xs.length;
+/** An SFT run of `n` steps from the random model: its NLL starts about uniform over the vocabulary and its last `tail` steps average below `below`. */
+const sftFromRandom = (run: Run, n: number, tail: number, below: number) => {
+  const nll = steps(run, n).map((r) => num(r, 'train_mean_nll'));
+  expect(nll[0]).to.be.closeTo(Math.log(1029), 0.5);
+  expect(mean(nll.slice(-tail))).to.be.below(below);
+};
 
 describe('Tinker Cookbook recipes, unchanged, against the server', function () {
   this.timeout(600_000);
@@ -99,9 +105,7 @@ describe('Tinker Cookbook recipes, unchanged, against the server', function () {
   it('SFT on rl_loop\'s prompts (the boxed answer or "No idea."): the NLL falls', function () {
     this.timeout(1_200_000); // 48 steps of 16 prompts of ~250 tokens: 3-4 minutes on 2 busy cores
     rlLoopSft = cookbook('rl_loop_sft');
-    const nll = steps(rlLoopSft, 48).map((r) => num(r, 'train_mean_nll'));
-    expect(nll[0]).to.be.closeTo(Math.log(1029), 0.5);
-    expect(mean(nll.slice(-4))).to.be.below(0.5);
+    sftFromRandom(rlLoopSft, 48, 4, 0.5);
   });
 
   for (const lossFn of ['', 'gspo']) {
@@ -205,9 +209,7 @@ describe('Tinker Cookbook recipes, unchanged, against the server', function () {
   let sft: Run;
   it('SFT on the arithmetic environment\'s prompts (concise or verbose answers): the NLL falls', () => {
     sft = cookbook('arithmetic_sft');
-    const nll = steps(sft, 64).map((r) => num(r, 'train_mean_nll'));
-    expect(nll[0]).to.be.closeTo(Math.log(1029), 0.5);
-    expect(mean(nll.slice(-8))).to.be.below(2);
+    sftFromRandom(sft, 64, 8, 2);
   });
 
   for (const lossFn of ['', 'gspo']) {
