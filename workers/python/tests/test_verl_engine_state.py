@@ -71,6 +71,13 @@ def test_load_base_reports_what_the_torch_engine_does(engine: Any, verl: tuple[V
         ve.load_base({"name": BASE, "path": "/elsewhere"})
 
 
+def test_memory_op_answers_as_the_torch_engine(engine: Any, verl: tuple[VerlEngine, VerlModel]) -> None:
+    ve, _ = verl
+    ours, theirs = ve.call("memory", {"reset_peak": True}), engine.call("memory", {"reset_peak": True})
+    assert sorted(ours) == sorted(theirs) == ["allocated_bytes", "device", "max_allocated_bytes", "reserved_bytes"]
+    assert ours["device"] == theirs["device"] == "cpu"
+
+
 def test_seeded_init_and_sampler_adapter_equal_the_torch_engine(engine: Any, verl: tuple[VerlEngine, VerlModel],
                                                                 tmp_path: Path) -> None:
     ve, _ = verl

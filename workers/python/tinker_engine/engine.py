@@ -30,6 +30,18 @@ Steps = Generator[None, None, dict[str, Any]]
 SteppedOp = Callable[[dict[str, Any]], Steps]
 
 
+
+def device_memory(device: torch.device, name: str, reset_peak: bool) -> dict[str, Any]:
+    """The ``memory`` op: device memory in bytes (CUDA; zeros on the CPU); ``reset_peak`` restarts the peak count."""
+    if device.type != "cuda":
+        return {"device": name, "allocated_bytes": 0, "reserved_bytes": 0, "max_allocated_bytes": 0}
+    result = {"device": name, "allocated_bytes": torch.cuda.memory_allocated(device),
+              "reserved_bytes": torch.cuda.memory_reserved(device),
+              "max_allocated_bytes": torch.cuda.max_memory_allocated(device)}
+    if reset_peak:
+        torch.cuda.reset_peak_memory_stats(device)
+    return result
+
 class Task:
     """One request in progress: ``step()`` advances it and returns its reply once it is done.
 
@@ -106,17 +118,7 @@ class Engine:
         return {"model_id": model.model_id, "lora_rank": model.lora.rank}
 
     def memory(self, args: dict[str, Any]) -> dict[str, Any]:
-        """Device memory in bytes (CUDA; zeros on the CPU); ``reset_peak`` restarts the peak count."""
-        device = self.placement.device
-        if device.type != "cuda":
-            return {"device": self.placement.device_name, "allocated_bytes": 0, "reserved_bytes": 0,
-                    "max_allocated_bytes": 0}
-        result = {"device": self.placement.device_name, "allocated_bytes": torch.cuda.memory_allocated(device),
-                  "reserved_bytes": torch.cuda.memory_reserved(device),
-                  "max_allocated_bytes": torch.cuda.max_memory_allocated(device)}
-        if args.get("reset_peak"):
-            torch.cuda.reset_peak_memory_stats(device)
-        return result
+        return device_memory(self.placement.device, self.placement.device_name, bool(args.get("reset_peak")))
 
     def unload_model(self, args: dict[str, Any]) -> dict[str, Any]:
         model_id = get_str(args, "model_id")

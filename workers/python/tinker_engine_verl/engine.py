@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from tinker_engine import PROTOCOL_VERSION
+from tinker_engine.engine import device_memory
 from tinker_engine.errors import UserError
 from tinker_engine.models import ADAPTER_FILES, LoraSpec, seeded_lora_values
 from tinker_engine.params import get_bool, get_obj, get_str
@@ -134,7 +135,7 @@ class VerlEngine:
             "hello": self.hello, "load_base": self.load_base, "create_model": self.create_model,
             "forward_backward": self.forward_backward, "optim_step": self.optim_step,
             "save_sampler": self.save_sampler, "save_state": self.save_state, "load_state": self.load_state,
-            "unload_model": self.unload_model, "sample": self.sample,
+            "unload_model": self.unload_model, "sample": self.sample, "memory": self.memory,
         }
 
     def call(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -185,6 +186,11 @@ class VerlEngine:
         if model is None:
             raise UserError(f"unknown model_id '{model_id}'")
         return model
+
+    def memory(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The torch engine's ``memory`` op for this rank's GPU (rank 0's figures reach the channel)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return device_memory(device, str(device), bool(args.get("reset_peak")))
 
     def sample(self, args: dict[str, Any]) -> dict[str, Any]:
         raise UserError("the verl engine trains only: sample through a vLLM or torch agent serving this base model")
