@@ -23,14 +23,15 @@ if [ "$MODE" = gpu ]; then
   printf '#!/bin/sh\nPYTHONPATH=%s/engsite:%s/verlsite${PYTHONPATH:+:$PYTHONPATH} exec python3 "$@"\n' $TB $TB > $TB/bin/pyverl
   chmod +x $TB/bin/pyverl
   pyverl -c "import verl, tensordict; print('verl', verl.__version__, 'tensordict', tensordict.__version__)"
-  MODEL=models/h200-qwen3-0.6b
+  MODEL=models/h200-qwen3-0.6b; COPY=$MODEL-copy
   PRESET=presets/gpu/h200_verl.yaml; VERL_PY=$TB/bin/pyverl
   VERL=h200-qwen3-0.6b-verl; TORCH=h200-qwen3-0.6b-torch
   AGENTS=(h200-verl h200-torch h200-vllm)
 else
   cpu_stack_setup
-  MODEL=models/tiny-qwen3
-  PRESET=$OUT/preset.yaml; VERL_PY=${TB_PYTHON:-}
+  # The copy outside models/: the launcher (re)generates tiny-* directories there (another seed than tiny-qwen3's).
+  MODEL=models/tiny-qwen3; COPY=$OUT/tiny-qwen3-copy
+  PRESET=$OUT/preset.yaml; VERL_PY=${TB_PYTHON:-$REPO/.venv/bin/python}
   VERL=tiny-verl-twin; TORCH=tiny-torch
   AGENTS=(cpu-twin cpu-torch cpu-vllm)
   # presets/gpu/h200_verl.yaml's layout on the CPU, a torch engine in verl's place.
@@ -43,14 +44,14 @@ models:
   - { name: $VERL, path: $REPO/models/tiny-qwen3, role: actor, engine: torch, lora_max_rank: 16 }
   - { name: tiny-rollout, path: $REPO/models/tiny-qwen3, role: rollout, engine: vllm, lora_max_rank: 16, topk_max: 20 }
   - { name: tiny-ref, path: $REPO/models/tiny-qwen3, role: reference, engine: torch, lora_max_rank: 16, topk_max: 20 }
-  - { name: $TORCH, path: $REPO/models/tiny-qwen3-copy, role: actor, engine: torch, lora_max_rank: 16 }
+  - { name: $TORCH, path: $COPY, role: actor, engine: torch, lora_max_rank: 16 }
 agents:
   - { id: cpu-twin, device: cpu, models: [$VERL] }
   - { id: cpu-torch, device: cpu, models: [tiny-ref, $TORCH] }
   - { id: cpu-vllm, device: cpu, models: [tiny-rollout], sample_concurrency: 64 }
 YAML
 fi
-rm -rf "$MODEL-copy" && cp -r "$MODEL" "$MODEL-copy"
+rm -rf "$COPY" && cp -r "$MODEL" "$COPY"
 export TB_PORT=$PORT TB_LOG_LEVEL=${TB_LOG_LEVEL:-info} HF_HUB_OFFLINE=1
 URL=http://127.0.0.1:$PORT
 # get_server_capabilities names each base model by its directory.
@@ -58,10 +59,10 @@ served() { http_has $URL/api/v1/get_server_capabilities "\"$1\""; }
 
 stamp "starting the API and the verl agent ($PRESET --agent ${AGENTS[0]})"
 TB_PYTHON=$VERL_PY start_stack "$OUT/api-verl.log" --preset $PRESET --agent ${AGENTS[0]}
-wait_for "the verl agent serves its model" 300 "served $REPO/$MODEL" ${PIDS[0]} || { tail -60 "$OUT/api-verl.log"; exit 1; }
+wait_for "the verl agent serves its model" 300 "served $(realpath $MODEL)" ${PIDS[0]} || { tail -60 "$OUT/api-verl.log"; exit 1; }
 stamp "starting the torch agent (--agent ${AGENTS[1]})"
 start_stack "$OUT/torch-agent.log" --preset $PRESET --agent ${AGENTS[1]} --agents-only
-wait_for "the torch agent serves its models" 300 "served $REPO/$MODEL-copy" ${PIDS[1]} || { tail -60 "$OUT/torch-agent.log"; exit 1; }
+wait_for "the torch agent serves its models" 300 "served $(realpath $COPY)" ${PIDS[1]} || { tail -60 "$OUT/torch-agent.log"; exit 1; }
 [ "$MODE" = gpu ] && nvidia-smi --query-gpu=memory.used --format=csv
 stamp "starting the vLLM agent (--agent ${AGENTS[2]}; TB_VLLM_EXTRA_ARGS=${TB_VLLM_EXTRA_ARGS:-})"
 start_stack "$OUT/vllm-agent.log" --preset $PRESET --agent ${AGENTS[2]} --agents-only
