@@ -8,7 +8,8 @@ import { logger } from '../queues/logger.js';
 import { Names } from '../queues/names.js';
 import { QueueSet } from '../queues/queues.js';
 import { connect } from '../queues/redis.js';
-import { Registry } from '../queues/registry.js';
+import { Registry } from '../queues/registry/index.js';
+import { pruneListings } from '../queues/registry/listings.js';
 import { apiKeyAuth } from './auth.js';
 import type { ApiContext } from './context.js';
 import { errorHandler, notFoundHandler, redisUnavailable } from './errors.js';
@@ -167,8 +168,7 @@ export function buildApp(config: ApiConfig): BuiltApp {
   const pruneTimer = setInterval(() => {
     if (pruning) return;
     pruning = true;
-    registry
-      .pruneListings()
+    pruneListings(redis, names)
       .catch((e) => logger.debug('listing sweep failed (Redis unreachable?)', { error: String(e) }))
       .finally(() => (pruning = false));
   }, listingSweepMs(config.retentionS));

@@ -58,7 +58,7 @@ export function fileDownloadHandler(ctx: ApiContext): RequestHandler {
     const t = Token.safeParse(JSON.parse(Buffer.from(payload!, 'base64url').toString('utf8')));
     if (!t.success) throw invalid('malformed download URL');
     if (t.data.e < Date.now()) throw new BrokerError('GONE', 'this download URL has expired; ask for new ones');
-    const ckpt = await ctx.registry.getCheckpoint(t.data.p);
+    const ckpt = await ctx.registry.checkpoints.get(t.data.p);
     if (!ckpt) throw new BrokerError('NOT_FOUND', `checkpoint ${t.data.p} no longer exists`);
     const file = path.resolve(ckpt.dir, t.data.f);
     if (!file.startsWith(path.resolve(ckpt.dir) + path.sep)) throw invalid('file outside the checkpoint');

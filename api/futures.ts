@@ -8,7 +8,8 @@ import { logger } from '../queues/logger.js';
 import { Outcome, Outcomes } from '../queues/outcomes.js';
 import type { Names } from '../queues/names.js';
 import type { QueueSet } from '../queues/queues.js';
-import { FailedFuture, type Registry } from '../queues/registry.js';
+import { FailedFuture } from '../queues/registry/futures.js';
+import type { Registry } from '../queues/registry/index.js';
 import { runScript } from '../queues/scripts.js';
 import type { JobOp } from '../queues/schemas.js';
 
@@ -49,7 +50,7 @@ export class FutureResolver {
     private readonly ttlAfterReadS = 300,
   ) {
     this.outcomes = new Outcomes(redis, names, retentionS);
-    this.liveness = new Liveness(redis, names, registry, this.outcomes);
+    this.liveness = new Liveness(redis, names, registry.models, this.outcomes);
     this.completions = new Completions(redis, blockingConnection, names);
   }
 
@@ -120,7 +121,7 @@ export class FutureResolver {
     if (held) {
       // Held behind a gap: the release fails it once the gap has timed out.
       await this.gate.release(held);
-      const failedNow = await this.registry.getFailedFuture(ref.jobId);
+      const failedNow = await this.registry.futures.getFailed(ref.jobId);
       if (failedNow) return { kind: 'failed', op: failedNow.op, ...recordedFailure(failedNow) };
       return pending(held);
     }
@@ -143,7 +144,7 @@ export class FutureResolver {
   private async sampleState(ref: FutureRef): Promise<FutureState> {
     const job = await this.queues.view(ref.queue, ref.jobId);
     if (!job) {
-      const failed = await this.registry.getFailedFuture(ref.jobId);
+      const failed = await this.registry.futures.getFailed(ref.jobId);
       return failed ? { kind: 'failed', op: failed.op, ...recordedFailure(failed) } : { kind: 'unknown' };
     }
     if (!job.finished) return { kind: 'pending', queueState: 'active' };

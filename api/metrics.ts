@@ -72,7 +72,7 @@ export function metricsHandler(ctx: ApiContext): RequestHandler {
       const [m, counts, live, stats] = await Promise.all([
         readMetrics(ctx.redis, ctx.names),
         queueCounts(ctx.redis, ctx.names),
-        ctx.registry.liveAgents(),
+        ctx.registry.agents.live(),
         readAgentStats(ctx.redis, ctx.names),
       ]);
       snapshot = m;

@@ -1,5 +1,5 @@
 import { invalid } from '../queues/errors.js';
-import type { ModelRecord } from '../queues/registry.js';
+import type { ModelRecord } from '../queues/registry/models.js';
 import type { Datum } from '../queues/schemas.js';
 import { useStabilityRecords, type StabilityRecord } from '../queues/stability.js';
 import type { ApiContext } from './context.js';

@@ -1,7 +1,9 @@
 import type { Request } from 'express';
 import { checkpointMissing } from '../queues/checkpoints.js';
 import { BrokerError } from '../queues/errors.js';
-import type { CheckpointRecord, ModelRecord, SamplingSessionRecord } from '../queues/registry.js';
+import type { CheckpointRecord } from '../queues/registry/checkpoints.js';
+import type { ModelRecord } from '../queues/registry/models.js';
+import type { SamplingSessionRecord } from '../queues/registry/samplers.js';
 import { tenantOf } from './auth.js';
 import type { ApiContext } from './context.js';
 
@@ -24,23 +26,23 @@ function owns(req: Request, owner: string | null | undefined): boolean {
 export const unknownSession = (sessionId: string) => notFound(`unknown session '${sessionId}': call create_session first`);
 
 export async function requireSession(ctx: ApiContext, req: Request, sessionId: string): Promise<void> {
-  if (!owns(req, await ctx.registry.sessionTenant(sessionId))) throw unknownSession(sessionId);
+  if (!owns(req, await ctx.registry.sessions.tenantOf(sessionId))) throw unknownSession(sessionId);
 }
 
 export async function requireModel(ctx: ApiContext, req: Request, modelId: string): Promise<ModelRecord> {
-  const m = await ctx.registry.getModel(modelId);
+  const m = await ctx.registry.models.get(modelId);
   if (!m || !owns(req, m.tenant)) throw notFound(`unknown model_id '${modelId}': create it with create_model first`);
   return m;
 }
 
 /** Whether the model exists and belongs to the caller (no error). */
 export async function ownsModel(ctx: ApiContext, req: Request, modelId: string): Promise<boolean> {
-  const m = await ctx.registry.getModel(modelId);
+  const m = await ctx.registry.models.get(modelId);
   return !!m && owns(req, m.tenant);
 }
 
 export async function requireSamplingSession(ctx: ApiContext, req: Request, id: string): Promise<SamplingSessionRecord> {
-  const s = await ctx.registry.getSamplingSession(id);
+  const s = await ctx.registry.samplers.get(id);
   if (!s || !owns(req, s.tenant)) throw notFound(`unknown sampling_session_id '${id}'`);
   return s;
 }
@@ -56,7 +58,7 @@ export async function requireCheckpoint(
   access: 'read' | 'write',
   what = 'checkpoint',
 ): Promise<CheckpointRecord> {
-  const c = await ctx.registry.getCheckpoint(tinkerPath);
+  const c = await ctx.registry.checkpoints.get(tinkerPath);
   if (!c || !(owns(req, c.tenant) || (access === 'read' && c.public)))
     throw checkpointMissing(tinkerPath, what);
   return c;
@@ -64,12 +66,12 @@ export async function requireCheckpoint(
 
 /** A future (request_id) issued to the caller. */
 export async function requireFuture(ctx: ApiContext, req: Request, requestId: string): Promise<void> {
-  if (!owns(req, await ctx.registry.futureOwner(requestId))) throw notFound(`unknown or expired future '${requestId}'`);
+  if (!owns(req, await ctx.registry.futures.owner(requestId))) throw notFound(`unknown or expired future '${requestId}'`);
 }
 
 /** Records the caller as the owner of a future it is handed; returns the request_id. */
 export async function issueFuture(ctx: ApiContext, req: Request, requestId: string): Promise<string> {
   // Owner records outlive the job (kept for the retention after it finishes).
-  await ctx.registry.setFutureOwner(requestId, tenantOf(req), ctx.config.retentionS * 2);
+  await ctx.registry.futures.setOwner(requestId, tenantOf(req), ctx.config.retentionS * 2);
   return requestId;
 }

@@ -102,7 +102,7 @@ export function forwardBackwardBody(ctx: ApiContext): RequestHandler {
 /** The largest context and loss input any served model accepts (no agent: no early refusal). */
 async function servedLimits(ctx: ApiContext): Promise<ScanLimits> {
   let maxTokens = 0;
-  for (const { model } of (await ctx.registry.servedModels()).values()) maxTokens = Math.max(maxTokens, model.max_context_length);
+  for (const { model } of (await ctx.registry.agents.servedModels()).values()) maxTokens = Math.max(maxTokens, model.max_context_length);
   if (maxTokens === 0) return { maxTokens: Infinity, maxTensorBytes: Infinity };
   return { maxTokens, maxTensorBytes: maxTokens * MAX_TARGET_K * MAX_ELEMENT_BYTES };
 }

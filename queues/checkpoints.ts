@@ -1,5 +1,5 @@
 import { BrokerError, invalid } from './errors.js';
-import type { CheckpointRecord, Registry } from './registry.js';
+import type { CheckpointRecord, CheckpointRegistry } from './registry/checkpoints.js';
 
 /**
  * The rules of saving and loading checkpoints, with their messages, in one place: the API checks
@@ -13,8 +13,8 @@ export function checkpointMissing(tinkerPath: string, what = 'checkpoint'): Brok
 }
 
 /** The checkpoint an op loads from, or NOT_FOUND. */
-export async function requireCheckpointRecord(registry: Registry, tinkerPath: string): Promise<CheckpointRecord> {
-  const c = await registry.getCheckpoint(tinkerPath);
+export async function requireCheckpointRecord(checkpoints: CheckpointRegistry, tinkerPath: string): Promise<CheckpointRecord> {
+  const c = await checkpoints.get(tinkerPath);
   if (!c) throw checkpointMissing(tinkerPath);
   return c;
 }
@@ -24,10 +24,10 @@ export async function requireCheckpointRecord(registry: Registry, tinkerPath: st
  * named sampler versions and external weights never (they are immutable: clients may hold them).
  */
 export async function assertSaveAllowed(
-  registry: Registry,
+  checkpoints: CheckpointRegistry,
   save: { type: CheckpointRecord['checkpoint_type']; tinker_path: string; overwrite?: boolean },
 ): Promise<void> {
-  if (!(await registry.getCheckpoint(save.tinker_path))) return;
+  if (!(await checkpoints.get(save.tinker_path))) return;
   const p = save.tinker_path;
   if (save.type === 'training' && !save.overwrite) throw invalid(`checkpoint ${p} already exists; pass overwrite=True to replace it`);
   if (save.type === 'sampler') throw invalid(`sampler weights ${p} already exist; save under a new name`);

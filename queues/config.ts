@@ -12,7 +12,7 @@ import { z } from 'zod';
 
 /**
  * Sample-request fields some sampling engine cannot answer: the API sends a request using one to an
- * engine that can (queues/registry.ts sampleEngine), and an engine that cannot refuses it clearly.
+ * engine that can (queues/registry/agents.ts sampleEngine), and an engine that cannot refuses it clearly.
  * `lm_head_prompt_logprobs`: prompt logprobs of a sampler version with a LoRA on lm_head
  * (train_unembed), which vLLM on a GPU computes without that LoRA (docs/engines/vllm.md); what an
  * engine kind lacks everywhere is in ENGINES, what one agent lacks on its device in its record.

@@ -5,7 +5,8 @@ import type { Logger } from './logger.js';
 import { removeAgentStats } from './metrics.js';
 import type { Names } from './names.js';
 import { Outcomes } from './outcomes.js';
-import { AgentRecord, type Registry } from './registry.js';
+import { AgentRecord } from './registry/agents.js';
+import type { ModelRegistry } from './registry/models.js';
 import { runScript } from './scripts.js';
 
 /**
@@ -41,7 +42,7 @@ export class Liveness {
   constructor(
     private readonly redis: Redis,
     private readonly names: Names,
-    private readonly registry: Registry,
+    private readonly models: ModelRegistry,
     private readonly outcomes: Outcomes,
   ) {}
 
@@ -150,7 +151,7 @@ export class Liveness {
     await this.redis.set(this.names.agentReaped(agentId), `${rec.incarnation ?? '?'} ${why}`, 'EX', 7 * 86_400);
     await this.redis.hdel(this.names.agents(), agentId);
     await removeAgentStats(this.redis, this.names, agentId);
-    const lost = await this.registry.markModelsLost(agentId, `${why}; load it from a saved checkpoint`);
+    const lost = await this.models.markLostOnAgent(agentId, `${why}; load it from a saved checkpoint`);
     const queue = new Queue(rec.train_queue, { connection: this.redis, prefix: this.names.bull });
     let failed = 0;
     try {

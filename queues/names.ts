@@ -10,8 +10,8 @@ export function shortHash(s: string, n = 16): string {
  * deployments (and tests) that share one Redis. "The retention" is `TB_FUTURE_RETENTION_S`
  * (the preset's `storage.retention_hours`, 24 h by default). Nothing grows with the history of a
  * deployment: a record lives while it is in use and one retention after that, and a listing's entry
- * leaves with the record it names (the API's listing sweep, `Registry.pruneListings`, within a
- * quarter of the retention, at most a minute). What stays without a TTL is bounded by what is in use
+ * leaves with the record it names (the API's listing sweep, `pruneListings` in
+ * queues/registry/listings.ts, within a quarter of the retention, at most a minute). What stays without a TTL is bounded by what is in use
  * (agents, the models loaded on them) or by what the user chose to keep (named checkpoints, whose
  * files are on disk). `test/lifetimes.test.ts` checks this; `bench/redis-memory.ts` measures it.
  */
@@ -33,7 +33,7 @@ export class Names {
   }
   /**
    * Sample jobs for one base model on one kind of engine, taken by every agent of that engine serving
-   * it. The API picks the engine of each job (`sampleEngine` in queues/registry.ts).
+   * it. The API picks the engine of each job (`sampleEngine` in queues/registry/agents.ts).
    */
   sampleQueue(baseModel: string, engine: string): string {
     return `sample-${shortHash(baseModel, 12)}-${engine}`;
@@ -67,6 +67,18 @@ export class Names {
    */
   session(sessionId: string): string {
     return `${this.prefix}:session:${sessionId}`;
+  }
+  /** The training models a session created (a set; the session's lifetime, `session`). */
+  sessionModels(sessionId: string): string {
+    return `${this.session(sessionId)}:models`;
+  }
+  /** The sampling sessions a session created (a set; the session's lifetime, `session`). */
+  sessionSamplers(sessionId: string): string {
+    return `${this.session(sessionId)}:samplers`;
+  }
+  /** A session's first finish record, from ServiceClient.close (the session's lifetime, `session`). */
+  sessionFinish(sessionId: string): string {
+    return `${this.session(sessionId)}:finish`;
   }
   /**
    * A tenant's listing of its sessions, models (training runs) or checkpoints (sorted sets by time).

@@ -6,7 +6,8 @@ import { queueCounts } from '../queues/inspect.js';
 import { readAgentStats, readMetrics } from '../queues/metrics.js';
 import { Names } from '../queues/names.js';
 import { Outcomes } from '../queues/outcomes.js';
-import { Registry, type ModelRecord } from '../queues/registry.js';
+import { Registry } from '../queues/registry/index.js';
+import type { ModelRecord } from '../queues/registry/models.js';
 import type { ApiConfig } from '../queues/config.js';
 import { planPreset } from '../presets/plan.js';
 import { loadPreset } from '../presets/schema.js';
@@ -78,7 +79,7 @@ const ago = (iso: string | null | undefined) => {
 async function agentRows(t: Target) {
   const all = await t.redis.hgetall(t.names.agents());
   const stats = await readAgentStats(t.redis, t.names);
-  const live = new Set((await t.registry.liveAgents()).map((a) => a.agent_id));
+  const live = new Set((await t.registry.agents.live()).map((a) => a.agent_id));
   return Object.values(all)
     .map((v) => JSON.parse(v) as { agent_id: string; engine: string; device: string; started_at: string; train_queue: string; models: { name: string; aliases: string[]; trainable: boolean }[] })
     .sort((a, b) => a.agent_id.localeCompare(b.agent_id))
@@ -116,7 +117,7 @@ async function newestModels(t: Target, limit: number): Promise<{ models: ModelRe
     for (let i = 0; i < flat.length; i += 2) scored.push([flat[i]!, Number(flat[i + 1])]);
   }
   scored.sort((a, b) => b[1] - a[1]);
-  const models = (await Promise.all(scored.slice(0, limit).map(([id]) => t.registry.getModel(id)))).filter((m): m is ModelRecord => m !== null);
+  const models = (await Promise.all(scored.slice(0, limit).map(([id]) => t.registry.models.get(id)))).filter((m): m is ModelRecord => m !== null);
   return { models, total };
 }
 
@@ -207,11 +208,11 @@ async function agents(p: Parsed): Promise<void> {
 
 async function models(p: Parsed): Promise<void> {
   await withTarget(p, async (t) => {
-    const served = [...(await t.registry.servedModels()).values()];
+    const served = [...(await t.registry.agents.servedModels()).values()];
     const limit = Number(p.values.limit);
     if (!Number.isInteger(limit) || limit <= 0) throw new UsageError(`--limit must be a positive whole number, got '${p.values.limit}'`);
     const { models: trained, total } = await newestModels(t, limit);
-    const last = await t.registry.modelLastRequest(trained.map((m) => m.model_id));
+    const last = await t.registry.models.lastRequests(trained.map((m) => m.model_id));
     if (p.values.json) {
       out(
         JSON.stringify(
@@ -266,7 +267,7 @@ async function futures(p: Parsed): Promise<void> {
       const job = await Job.fromId(q, ref.jobId);
       let info: Record<string, unknown>;
       if (!job) {
-        const failed = await t.registry.getFailedFuture(ref.jobId);
+        const failed = await t.registry.futures.getFailed(ref.jobId);
         const held = await t.redis.hget(`${t.prefix}:gate:held-index`, ref.jobId);
         info = failed
           ? { request_id: id, state: 'failed', op: failed.op, ...errorFields(recordedFailure(failed)), note: 'refused before it reached a queue' }

@@ -34,7 +34,7 @@ describe('worker agent supervision', function () {
     // The agent notices the exit and records why the model is gone.
     let lost: string | null = null;
     for (let i = 0; i < 100 && !lost; i++) {
-      lost = (await s.built.ctx.registry.getModel(a))?.lost_reason ?? null;
+      lost = (await s.built.ctx.registry.models.get(a))?.lost_reason ?? null;
       if (!lost) await new Promise((r) => setTimeout(r, 50));
     }
     expect(lost).to.match(/engine process exited \(code null, signal SIGKILL\)/);

@@ -3,7 +3,7 @@ import { expect } from 'chai';
 import { Worker } from 'bullmq';
 import { Redis } from 'ioredis';
 import { OrderingGate, type GateOptions } from '../queues/gate.js';
-import { Registry } from '../queues/registry.js';
+import { Registry } from '../queues/registry/index.js';
 import { jobIds, Names } from '../queues/names.js';
 import { QueueSet } from '../queues/queues.js';
 import type { TrainJob } from '../queues/schemas.js';
@@ -204,12 +204,12 @@ describe('ordering gate', () => {
     expect(await gate.expireGaps()).to.equal(1);
     expect(await gate.state(modelId)).to.deep.equal({ next: 6, held: 0 });
     expect(await gate.heldModel(jobIds.train(modelId, 3))).to.equal(null);
-    const f3 = await registry.getFailedFuture(jobIds.train(modelId, 3));
+    const f3 = await registry.futures.getFailed(jobIds.train(modelId, 3));
     expect(f3).to.include({ op: 'optim_step', category: 'user' });
     expect(f3!.message).to.match(/^not run: seq_id 2, 4 of model sess:train:0 never reached the server within 0.4 s, so this op \(seq_id 3\)/);
     // A late arrival of a missing seq_id finds its failure; the next ops run.
     expect(await gate.submit(modelId, 2, queue, jobIds.train(modelId, 2), optim(2))).to.equal('duplicate');
-    expect((await registry.getFailedFuture(jobIds.train(modelId, 2)))!.message).to.match(/did not reach the server within/);
+    expect((await registry.futures.getFailed(jobIds.train(modelId, 2)))!.message).to.match(/did not reach the server within/);
     await gate.submit(modelId, 6, queue, jobIds.train(modelId, 6), optim(6));
     expect(await queuedSeqs(qs)).to.deep.equal([1, 6]);
     expect(await gate.gapDeadline(modelId)).to.equal(null);

@@ -2,7 +2,10 @@ import { expect } from 'chai';
 import { randomUUID } from 'node:crypto';
 import { Redis } from 'ioredis';
 import { Names } from '../queues/names.js';
-import { Registry, type CheckpointRecord, type ModelRecord } from '../queues/registry.js';
+import type { CheckpointRecord } from '../queues/registry/checkpoints.js';
+import { Registry } from '../queues/registry/index.js';
+import { pruneListings } from '../queues/registry/listings.js';
+import type { ModelRecord } from '../queues/registry/models.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
 import { awaitFuture, call, deletePrefix, REDIS_URL, startStack, type TestStack } from './helpers/stack.js';
 import { encodeForwardBackward } from './helpers/wire.js';
@@ -73,64 +76,64 @@ describe('lifetimes: the registry (real Redis)', () => {
   });
 
   it('a session and what it lists live as long as its heartbeats, then leave, and the listing sweep drops their entries', async () => {
-    await reg.createSession('s1', tenant, {}, 2);
-    await reg.indexModel(model('s1:train:0', 's1'), 2);
-    await reg.putModelIfAbsent(model('s1:train:0', 's1'), 2);
-    await reg.indexSampler('s1', 's1:sample:0', 2);
-    await reg.putSamplingSession({ sampling_session_id: 's1:sample:0', session_id: 's1', base_model: '/m', model_path: null, adapter_dir: null, tenant }, 2);
-    await reg.finishSession('s1', { reason: {} }, 2);
-    await reg.touchModel('s1:train:0');
+    await reg.sessions.create('s1', tenant, {}, 2);
+    await reg.models.index(model('s1:train:0', 's1'), 2);
+    await reg.models.putIfAbsent(model('s1:train:0', 's1'), 2);
+    await reg.samplers.index('s1', 's1:sample:0', 2);
+    await reg.samplers.put({ sampling_session_id: 's1:sample:0', session_id: 's1', base_model: '/m', model_path: null, adapter_dir: null, tenant }, 2);
+    await reg.sessions.finish('s1', { reason: {} }, 2);
+    await reg.models.touch('s1:train:0');
     for (const k of [names.session('s1'), `${names.session('s1')}:models`, `${names.session('s1')}:samplers`, `${names.session('s1')}:finish`, names.model('s1:train:0'), names.samplingSession('s1:sample:0')])
       expect(await redis.ttl(k), k).to.be.within(1, 2);
     // A heartbeat restarts the session's lifetime and its sets'; a sample through the sampling session restarts its own.
     await sleep(1_200);
-    expect(await reg.touchSession('s1', 2)).to.equal(true);
-    await reg.touchSamplingSession('s1:sample:0', 2);
+    expect(await reg.sessions.touch('s1', 2)).to.equal(true);
+    await reg.samplers.touch('s1:sample:0', 2);
     await sleep(1_200);
-    expect(await reg.sessionExists('s1')).to.equal(true);
+    expect(await reg.sessions.exists('s1')).to.equal(true);
     // The model expired (nothing used it); the sweep drops it from the session's set, the tenant's listing and the last-request times.
-    expect(await reg.getModel('s1:train:0')).to.equal(null);
-    expect(await reg.sessionMembers('s1')).to.deep.equal({ training_run_ids: ['s1:train:0'], sampler_ids: ['s1:sample:0'] });
-    expect(await reg.pruneListings()).to.equal(2);
-    expect(await reg.sessionMembers('s1')).to.deep.equal({ training_run_ids: [], sampler_ids: ['s1:sample:0'] });
-    expect(await reg.listModels(tenant, 0, 10)).to.deep.equal({ models: [], total: 0 });
+    expect(await reg.models.get('s1:train:0')).to.equal(null);
+    expect(await reg.sessions.members('s1')).to.deep.equal({ training_run_ids: ['s1:train:0'], sampler_ids: ['s1:sample:0'] });
+    expect(await pruneListings(redis, names)).to.equal(2);
+    expect(await reg.sessions.members('s1')).to.deep.equal({ training_run_ids: [], sampler_ids: ['s1:sample:0'] });
+    expect(await reg.models.list(tenant, 0, 10)).to.deep.equal({ models: [], total: 0 });
     expect(await redis.hexists(names.modelLast(), 's1:train:0')).to.equal(0);
     await sleep(2_200);
     // Everything expired; the sweep empties the tenant's listings, and nothing of the session is left.
-    expect(await reg.pruneListings()).to.equal(1);
-    expect(await reg.listSessions(tenant, 0, 10)).to.deep.equal([]);
+    expect(await pruneListings(redis, names)).to.equal(1);
+    expect(await reg.sessions.list(tenant, 0, 10)).to.deep.equal([]);
     expect(await keysOf(redis, names.prefix)).to.deep.equal([names.tenants()]);
   });
 
   it('a model lives on while used, never loses a TTL it was given, and is kept while it has a named checkpoint', async () => {
     const id = 's2:train:0';
-    await reg.putModelIfAbsent(model(id, 's2'), 2);
+    await reg.models.putIfAbsent(model(id, 's2'), 2);
     await redis.set(names.gateNext(id), '1', 'EX', 2);
     // Marking it lost keeps its lifetime (a plain SET would have made it permanent).
-    await reg.markModelLost(id, 'gone');
+    await reg.models.markLost(id, 'gone');
     expect(await redis.ttl(names.model(id))).to.be.within(1, 2);
-    expect((await reg.markModelsLost('a', 'x')).length).to.equal(0);
-    // keepModels (an agent's heartbeat) extends, never shortens.
-    await reg.keepModels([id], 100);
+    expect((await reg.models.markLostOnAgent('a', 'x')).length).to.equal(0);
+    // models.keep (an agent's heartbeat) extends, never shortens.
+    await reg.models.keep([id], 100);
     expect(await redis.ttl(names.model(id))).to.be.within(99, 100);
     expect(await redis.ttl(names.gateNext(id))).to.be.within(99, 100);
-    await reg.keepModels([id], 5);
+    await reg.models.keep([id], 5);
     expect(await redis.ttl(names.model(id))).to.be.within(99, 100);
     // A named checkpoint keeps the run (and its gate) without a TTL; an unnamed one does not.
-    await reg.putCheckpoint(ckpt(id, 'eph', true));
+    await reg.checkpoints.put(ckpt(id, 'eph', true));
     expect(await redis.ttl(names.model(id))).to.be.above(0);
-    await reg.putCheckpoint(ckpt(id, 'w1'));
-    await reg.putCheckpoint(ckpt(id, 'w2'));
+    await reg.checkpoints.put(ckpt(id, 'w1'));
+    await reg.checkpoints.put(ckpt(id, 'w2'));
     expect(await redis.ttl(names.model(id))).to.equal(-1);
     expect(await redis.ttl(names.gateNext(id))).to.equal(-1);
-    await reg.keepModels([id], 5);
+    await reg.models.keep([id], 5);
     expect(await redis.ttl(names.model(id))).to.equal(-1);
     // Deleting one named checkpoint leaves it kept; deleting the last gives it the lifetime back.
-    await reg.deleteCheckpointRecord(ckpt(id, 'w1'), 3);
+    await reg.checkpoints.deleteRecord(ckpt(id, 'w1'), 3);
     expect(await redis.ttl(names.model(id))).to.equal(-1);
-    await reg.deleteCheckpointRecord(ckpt(id, 'eph', true), 3);
+    await reg.checkpoints.deleteRecord(ckpt(id, 'eph', true), 3);
     expect(await redis.ttl(names.model(id))).to.equal(-1);
-    await reg.deleteCheckpointRecord(ckpt(id, 'w2'), 3);
+    await reg.checkpoints.deleteRecord(ckpt(id, 'w2'), 3);
     expect(await redis.ttl(names.model(id))).to.be.within(2, 3);
     expect(await redis.ttl(names.gateNext(id))).to.be.within(2, 3);
     expect(await redis.exists(names.modelCheckpoints(id))).to.equal(0);

@@ -102,7 +102,7 @@ describe('reliability: worker agents, outcomes and liveness (real processes, own
     agents.push(a);
     await waitFor(`agent ${id} registered`, async () => {
       if (a.child.exitCode !== null) throw new Error(`agent exited: ${a.log()}`);
-      return (await api.built.ctx.registry.liveAgents()).some((r) => r.agent_id === id && r.models.length > 0);
+      return (await api.built.ctx.registry.agents.live()).some((r) => r.agent_id === id && r.models.length > 0);
     }, 120_000);
     return a;
   };
@@ -188,7 +188,7 @@ describe('reliability: worker agents, outcomes and liveness (real processes, own
     figure('agent SIGKILL -> all futures failed (s), timeout 3 s', took);
     for (const r of replies) expectUnknownOutcome(r, /stopped answering \(no heartbeat for over 3 s\)/);
     expect(took).to.be.below(3 + 3 + 2 + 2); // timeout + reaper grace + sweep interval + slack
-    const rec = await api.built.ctx.registry.getModel(m);
+    const rec = await api.built.ctx.registry.models.get(m);
     expect(rec?.lost_reason).to.match(/stopped answering/);
     // The agent comes back under a new id: the model stays unavailable, said clearly; new models train.
     await agent(`b-${st.prefix}`);
@@ -209,7 +209,7 @@ describe('reliability: worker agents, outcomes and liveness (real processes, own
     const r = await client.result(await client.submitFb(m));
     figure('hung engine -> future failed (s), limit 3 s', (Date.now() - t0) / 1000);
     expectUnknownOutcome(r, /forward_backward ran past its time limit of 3 s/);
-    const lost = await waitFor('the model marked lost', async () => (await api.built.ctx.registry.getModel(m))?.lost_reason);
+    const lost = await waitFor('the model marked lost', async () => (await api.built.ctx.registry.models.get(m))?.lost_reason);
     expect(lost).to.match(/ran past its time limit/);
     const fresh = await client.createModel(2);
     expect((await client.train(fresh, 1))[0]).to.be.a('number');
@@ -235,7 +235,7 @@ describe('reliability: worker agents, outcomes and liveness (real processes, own
     const replies = await Promise.all([inFlight, queued].map((f) => client.result(f)));
     figure('agent SIGSTOP -> its futures failed (s), timeout 3 s', (Date.now() - stoppedAt) / 1000);
     for (const r of replies) expectUnknownOutcome(r, /its worker agent 'a-rel-[0-9a-f]+' stopped answering \(no heartbeat for over 3 s\)/);
-    expect((await api.built.ctx.registry.liveAgents()).map((r) => r.agent_id)).to.not.include(id);
+    expect((await api.built.ctx.registry.agents.live()).map((r) => r.agent_id)).to.not.include(id);
     // Its model is reported unavailable, at once.
     const refused = await client.result(await client.submitFb(m), 'application/json', 5_000);
     expect(refused.json, JSON.stringify(refused.json)).to.include({ category: 'server', code: 'UNAVAILABLE' });
@@ -246,7 +246,7 @@ describe('reliability: worker agents, outcomes and liveness (real processes, own
     // SIGCONT: the agent learns at its next heartbeat that it was reaped, drops its models and registers again.
     const contAt = Date.now();
     process.kill(a.child.pid!, 'SIGCONT');
-    await waitFor('the agent registered again', async () => (await api.built.ctx.registry.liveAgents()).some((r) => r.agent_id === id && r.incarnation !== undefined), 30_000);
+    await waitFor('the agent registered again', async () => (await api.built.ctx.registry.agents.live()).some((r) => r.agent_id === id && r.incarnation !== undefined), 30_000);
     figure('SIGCONT -> registered again (s)', (Date.now() - contAt) / 1000);
     await waitFor('the reaped marker cleared', async () => (await api.built.ctx.futures.liveness.reapedWhy(id)) === null, 10_000);
     expect(a.child.exitCode, a.log()).to.equal(null);
@@ -265,7 +265,7 @@ describe('reliability: worker agents, outcomes and liveness (real processes, own
     const after = await client.result(await client.submitOptim(m), 'application/json', 5_000);
     expect(after.json.code, JSON.stringify(after.json)).to.equal('UNAVAILABLE');
     const fresh = await client.createModel(2);
-    expect((await api.built.ctx.registry.getModel(fresh))?.agent_id).to.equal(id);
+    expect((await api.built.ctx.registry.models.get(fresh))?.agent_id).to.equal(id);
     const losses = await client.train(fresh, 2);
     expect(losses.every(Number.isFinite)).to.equal(true);
     expect(await api.built.ctx.futures.liveness.reapedWhy(id)).to.equal(null);
@@ -279,7 +279,7 @@ describe('reliability: worker agents, outcomes and liveness (real processes, own
     expect(await second.exited).to.equal(1);
     expect(second.log()).to.match(/agent id 'a-rel-[0-9a-f]+' is alive elsewhere on this Redis \(prefix 'rel-[0-9a-f]+'\) by .* pid \d+/);
     await sleep(1_500);
-    const live = await api.built.ctx.registry.liveAgents();
+    const live = await api.built.ctx.registry.agents.live();
     expect(live.map((r) => r.agent_id)).to.deep.equal([id]);
     expect(live[0]!.pid).to.equal(first.child.pid);
     expect((await client.train(await client.createModel(0), 1))[0]).to.be.a('number');
@@ -410,7 +410,7 @@ describe('reliability: worker agents, outcomes and liveness (real processes, own
     expect((await client.result(sw.json.request_id)).json.path).to.equal(`tinker://${m}/sampler_weights/s1`);
     const list = async () => (await call(api.baseUrl, 'GET', `/training_runs/${m}/checkpoints`)).json.checkpoints.map((c: { checkpoint_id: string }) => c.checkpoint_id).sort();
     expect(await list()).to.deep.equal(['sampler_weights/s1', 'weights/w1']);
-    const before = await api.built.ctx.registry.getCheckpoint(`tinker://${m}/weights/w1`);
+    const before = await api.built.ctx.registry.checkpoints.get(`tinker://${m}/weights/w1`);
     // Lose the records (not the files), then restart the agent.
     const r = api.built.ctx.redis;
     const keys = await r.keys(`${st.prefix}:ckpt*`);
@@ -420,7 +420,7 @@ describe('reliability: worker agents, outcomes and liveness (real processes, own
     expect(await a.exited).to.equal(0);
     const b = await agent(id);
     expect(await list(), b.log()).to.deep.equal(['sampler_weights/s1', 'weights/w1']);
-    const after = await api.built.ctx.registry.getCheckpoint(`tinker://${m}/weights/w1`);
+    const after = await api.built.ctx.registry.checkpoints.get(`tinker://${m}/weights/w1`);
     expect(after).to.deep.include({ checkpoint_type: 'training', has_optimizer: true, dir: before!.dir, size_bytes: before!.size_bytes, tenant: before!.tenant, public: false, expires_at: null });
   });
 });

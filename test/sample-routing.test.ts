@@ -1,9 +1,9 @@
 import { expect } from 'chai';
 import { Names } from '../queues/names.js';
-import { sampleEngine, type AgentRecord, type ServedModel } from '../queues/registry.js';
+import { sampleEngine, type AgentRecord, type ServedModel } from '../queues/registry/agents.js';
 
 /**
- * Which engine's agents take a sample job (queues/registry.ts `sampleEngine`): the API routes every
+ * Which engine's agents take a sample job (queues/registry/agents.ts `sampleEngine`): the API routes every
  * job at submit time to the sample queue of one engine kind. The real stack with both engines runs in
  * test/e2e/vllm.test.ts; here the rule itself, over registry records.
  */

@@ -15,7 +15,8 @@ import { publishAgentStats, recordJob, recordTokens, removeAgentStats, type JobS
 import { Names } from '../queues/names.js';
 import { Outcomes, type Outcome } from '../queues/outcomes.js';
 import { connect } from '../queues/redis.js';
-import { Registry, type AgentRecord, type ServedModel } from '../queues/registry.js';
+import type { AgentRecord, ServedModel } from '../queues/registry/agents.js';
+import { Registry } from '../queues/registry/index.js';
 import { writeStabilityRecords } from '../queues/stability.js';
 import { SampleJob, TrainJob, type SampleResult, type AnyJob } from '../queues/schemas.js';
 import type { EngineAdapter } from './adapters/adapter.js';
@@ -109,7 +110,7 @@ export class Agent {
     this.registry = new Registry(this.redis, this.names);
     this.checkpoints = new CheckpointJobs(this.registry, this.adapter, this.config.retentionS);
     this.outcomes = new Outcomes(this.redis, this.names, this.config.retentionS);
-    this.liveness = new Liveness(this.redis, this.names, this.registry, this.outcomes);
+    this.liveness = new Liveness(this.redis, this.names, this.registry.models, this.outcomes);
     this.record = {
       agent_id: this.config.agentId,
       train_queue: this.trainQueue,
@@ -136,7 +137,7 @@ export class Agent {
     await this.startEngine();
     // A new engine holds no adapters: models placed on this agent id before are gone, except those a drain saved.
     const restored = await this.restoreDrained();
-    const lost = await this.registry.markModelsLost(this.config.agentId, 'its worker agent restarted; load it from a saved checkpoint', restored);
+    const lost = await this.registry.models.markLostOnAgent(this.config.agentId, 'its worker agent restarted; load it from a saved checkpoint', restored);
     if (lost.length) this.log.warn('models from a previous run of this agent are unavailable', { models: lost });
     await rebuildCheckpoints(this.registry, this.config.storageDir, this.log, this.config.retentionS).catch((e) => this.log.error('rebuilding checkpoint records failed', { error: String(e) }));
 
@@ -180,7 +181,7 @@ export class Agent {
     if (raw === null) return restored;
     const drained = JSON.parse(raw) as { models: { model_id: string; dir: string }[] };
     for (const d of drained.models) {
-      const rec = await this.registry.getModel(d.model_id);
+      const rec = await this.registry.models.get(d.model_id);
       if (!rec || rec.agent_id !== this.config.agentId || rec.lost_reason !== null) continue;
       try {
         await this.adapter.createModel({ op: 'create_model', model_id: rec.model_id, base_model: rec.base_model, lora: rec.lora });
@@ -260,7 +261,7 @@ export class Agent {
       }
       // The models loaded here are in use: their records never expire while this agent lives (queues/names.ts),
       // at least five heartbeats ahead however short the retention.
-      if (r === 'ok') await this.registry.keepModels(this.loaded, Math.max(this.config.retentionS, this.timeoutS));
+      if (r === 'ok') await this.registry.models.keep(this.loaded, Math.max(this.config.retentionS, this.timeoutS));
       if (r === 'ok' && (await this.redis.getdel(this.names.agentDrainRequest(this.config.agentId))) !== null) {
         this.log.info('drain requested (tinker-broker drain)');
         void this.drain();
@@ -288,7 +289,7 @@ export class Agent {
     // Set synchronously, so a job taken from now on waits for the new engine.
     this.restarting = (async () => {
       try {
-        await this.registry.markModelsLost(this.config.agentId, `${reason}; load it from a saved checkpoint`);
+        await this.registry.models.markLostOnAgent(this.config.agentId, `${reason}; load it from a saved checkpoint`);
         if (models.length) this.log.warn('models lost with the engine', { models });
         if (!this.config.engineRestart) throw new Error('engine restart is disabled (TB_ENGINE_RESTART=false)');
         await this.startEngine();
@@ -309,7 +310,7 @@ export class Agent {
 
   private async requireLoaded(modelId: string): Promise<void> {
     if (this.loaded.has(modelId)) return;
-    const rec = await this.registry.getModel(modelId);
+    const rec = await this.registry.models.get(modelId);
     const why = rec?.lost_reason ?? 'it is not loaded on this agent';
     throw new BrokerError('UNAVAILABLE', modelUnavailable(modelId, why));
   }
@@ -423,7 +424,7 @@ export class Agent {
           return this.checkpoints.saveState(data);
         case 'load_weights': {
           await this.requireLoaded(data.model_id);
-          await requireCheckpointRecord(this.registry, data.tinker_path);
+          await requireCheckpointRecord(this.registry.checkpoints, data.tinker_path);
           await this.adapter.loadState(data.model_id, data.dir, data.optimizer);
           return { path: data.tinker_path, model_id: data.model_id };
         }
@@ -433,7 +434,7 @@ export class Agent {
         case 'unload_model':
           if (this.loaded.has(data.model_id)) await this.adapter.unloadModel(data.model_id);
           this.loaded.delete(data.model_id);
-          await this.registry.markModelLost(data.model_id, 'it was unloaded (unload_model)');
+          await this.registry.models.markLost(data.model_id, 'it was unloaded (unload_model)');
           return { model_id: data.model_id };
       }
     }
@@ -508,7 +509,7 @@ export class Agent {
       }
       const keepS = this.config.drainKeepS ?? 3_600;
       // No heartbeat keeps the saved models' records while the agent is away: they outlast the drain record.
-      await this.registry.keepModels(saved.map((s) => s.model_id), keepS + this.config.retentionS);
+      await this.registry.models.keep(saved.map((s) => s.model_id), keepS + this.config.retentionS);
       await this.redis.set(this.names.agentDrained(this.config.agentId), JSON.stringify({ models: saved, at: new Date().toISOString(), incarnation: this.incarnation }), 'EX', keepS);
       this.log.info('drained', { models: saved.map((s) => s.model_id), ms: Date.now() - t0 });
       await this.stop();

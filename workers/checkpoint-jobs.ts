@@ -3,7 +3,9 @@ import { readdir, rename, rm, stat } from 'node:fs/promises';
 import path from 'node:path';
 import { encryptFileInPlace } from '../queues/age.js';
 import { assertSaveAllowed } from '../queues/checkpoints.js';
-import type { CheckpointRecord, ModelRecord, Registry } from '../queues/registry.js';
+import type { CheckpointRecord } from '../queues/registry/checkpoints.js';
+import type { Registry } from '../queues/registry/index.js';
+import type { ModelRecord } from '../queues/registry/models.js';
 import type { SaveExternalJob, SaveSamplerJob, SaveStateJob } from '../queues/schemas.js';
 import type { EngineAdapter } from './adapters/adapter.js';
 
@@ -24,7 +26,7 @@ export class CheckpointJobs {
 
   /** The model a checkpoint job saves (it exists: create_model ran before any op of the model). */
   private async modelOf(job: { model_id: string }): Promise<ModelRecord> {
-    return (await this.registry.getModel(job.model_id))!;
+    return (await this.registry.models.get(job.model_id))!;
   }
 
   private checkpointRecord(
@@ -56,16 +58,16 @@ export class CheckpointJobs {
   async saveSampler(job: SaveSamplerJob): Promise<{ path: string; sampling_session_id: string | null }> {
     const ephemeral = job.sampling_session_id !== null;
     // A named sampler version is immutable: a second save under its name is refused.
-    if (!ephemeral) await assertSaveAllowed(this.registry, { type: 'sampler', tinker_path: job.tinker_path });
+    if (!ephemeral) await assertSaveAllowed(this.registry.checkpoints, { type: 'sampler', tinker_path: job.tinker_path });
     if (existsSync(job.dir)) await rm(job.dir, { recursive: true, force: true }); // leftovers of an expired or deleted checkpoint
     const { size_bytes } = await this.adapter.saveSampler(job);
     const model = await this.modelOf(job);
-    await this.registry.putCheckpoint(this.checkpointRecord(model, job, 'sampler', { size_bytes, has_optimizer: false, ephemeral }));
+    await this.registry.checkpoints.put(this.checkpointRecord(model, job, 'sampler', { size_bytes, has_optimizer: false, ephemeral }));
     const inflight = job.kind === 'inflight';
     // The target moves before the save completes: a client created from this save never sees older weights.
-    if (inflight) await this.registry.setInflightTarget(model.model_id, { model_path: job.tinker_path, adapter_dir: job.dir, seq_id: job.seq_id }, this.retentionS);
+    if (inflight) await this.registry.samplers.setInflightTarget(model.model_id, { model_path: job.tinker_path, adapter_dir: job.dir, seq_id: job.seq_id }, this.retentionS);
     if (job.sampling_session_id) {
-      await this.registry.putSamplingSession(
+      await this.registry.samplers.put(
         {
           sampling_session_id: job.sampling_session_id,
           session_id: model.session_id,
@@ -77,13 +79,13 @@ export class CheckpointJobs {
         },
         this.retentionS,
       );
-      await this.registry.indexSampler(model.session_id, job.sampling_session_id, this.retentionS);
+      await this.registry.samplers.index(model.session_id, job.sampling_session_id, this.retentionS);
     }
     return { path: job.tinker_path, sampling_session_id: job.sampling_session_id };
   }
 
   async saveExternal(job: SaveExternalJob): Promise<{ path: string; size_bytes: number }> {
-    await assertSaveAllowed(this.registry, { type: 'external', tinker_path: job.tinker_path });
+    await assertSaveAllowed(this.registry.checkpoints, { type: 'external', tinker_path: job.tinker_path });
     if (existsSync(job.dir)) await rm(job.dir, { recursive: true, force: true });
     await this.adapter.saveSampler({ ...job, op: 'save_weights_for_sampler', sampling_session_id: null, user_metadata: null });
     let size = 0;
@@ -93,21 +95,21 @@ export class CheckpointJobs {
       const out = job.age_recipients.length ? await encryptFileInPlace(p, job.age_recipients) : p;
       size += (await stat(out)).size;
     }
-    await this.registry.putCheckpoint(
+    await this.registry.checkpoints.put(
       this.checkpointRecord(await this.modelOf(job), { ...job, user_metadata: null }, 'external', { size_bytes: size, has_optimizer: false, ephemeral: false }),
     );
     return { path: job.tinker_path, size_bytes: size };
   }
 
   async saveState(job: SaveStateJob): Promise<{ path: string }> {
-    await assertSaveAllowed(this.registry, { type: 'training', tinker_path: job.tinker_path, overwrite: job.overwrite });
+    await assertSaveAllowed(this.registry.checkpoints, { type: 'training', tinker_path: job.tinker_path, overwrite: job.overwrite });
     // Overwrite keeps the old files until the new ones are complete.
     const old = `${job.dir}.old-${Date.now()}`;
     const hadDir = existsSync(job.dir);
     if (hadDir) await rename(job.dir, old);
     try {
       const { size_bytes } = await this.adapter.saveState(job.model_id, job.dir, true);
-      await this.registry.putCheckpoint(this.checkpointRecord(await this.modelOf(job), job, 'training', { size_bytes, has_optimizer: true, ephemeral: false }));
+      await this.registry.checkpoints.put(this.checkpointRecord(await this.modelOf(job), job, 'training', { size_bytes, has_optimizer: true, ephemeral: false }));
     } catch (e) {
       if (hadDir) {
         await rm(job.dir, { recursive: true, force: true });

@@ -1,7 +1,7 @@
 import { loadCommonConfig } from '../queues/config.js';
 import { Names } from '../queues/names.js';
 import { connect } from '../queues/redis.js';
-import { Registry } from '../queues/registry.js';
+import { AgentRegistry } from '../queues/registry/agents.js';
 
 export type DrainResult = { agent_id: string; status: 'drained' | 'not_live' | 'timeout'; models_saved?: number; seconds?: number };
 
@@ -15,8 +15,7 @@ export async function drainAgents(env: NodeJS.ProcessEnv, agentIds: string[], ti
   const redis = connect(config.redisUrl, 'producer');
   try {
     const names = new Names(config.prefix);
-    const registry = new Registry(redis, names);
-    const live = new Map((await registry.liveAgents()).map((a) => [a.agent_id, a]));
+    const live = new Map((await new AgentRegistry(redis, names).live()).map((a) => [a.agent_id, a]));
     const targets = agentIds.length ? agentIds : [...live.keys()];
     const out: DrainResult[] = [];
     await Promise.all(

@@ -2,7 +2,9 @@ import { existsSync } from 'node:fs';
 import { readdir, readFile, stat } from 'node:fs/promises';
 import path from 'node:path';
 import type { Logger } from '../queues/logger.js';
-import type { CheckpointRecord, Registry } from '../queues/registry.js';
+import type { CheckpointRecord } from '../queues/registry/checkpoints.js';
+import type { Registry } from '../queues/registry/index.js';
+import type { ModelRecord } from '../queues/registry/models.js';
 
 const KINDS = { weights: 'training', sampler_weights: 'sampler', external_weights: 'external' } as const;
 
@@ -41,7 +43,7 @@ export async function rebuildCheckpoints(registry: Registry, storageDir: string,
   for (const modelEntry of await readdir(storageDir, { withFileTypes: true })) {
     if (!modelEntry.isDirectory() || modelEntry.name === 'drain') continue;
     const dirName = modelEntry.name;
-    let model: Awaited<ReturnType<Registry['getModel']>> | undefined;
+    let model: ModelRecord | null | undefined;
     for (const [kind, type] of Object.entries(KINDS)) {
       const kindDir = path.join(storageDir, dirName, kind);
       if (!existsSync(kindDir)) continue;
@@ -49,14 +51,14 @@ export async function rebuildCheckpoints(registry: Registry, storageDir: string,
         if (!e.isDirectory() || /\.(tmp|old)-/.test(e.name)) continue;
         if (model === undefined) {
           const id = await modelIdOf(dirName);
-          model = id === null ? null : await registry.getModel(id);
+          model = id === null ? null : await registry.models.get(id);
         }
         if (!model) {
           log.warn('checkpoint files without a model record are left alone', { dir: path.join(kindDir, e.name) });
           break;
         }
         const tinkerPath = `tinker://${model.model_id}/${kind}/${e.name}`;
-        if (await registry.hasCheckpointRecord(tinkerPath)) continue;
+        if (await registry.checkpoints.hasRecord(tinkerPath)) continue;
         const dir = path.join(kindDir, e.name);
         let size = 0;
         for (const f of await readdir(dir, { recursive: true, withFileTypes: true })) if (f.isFile()) size += (await stat(path.join(f.parentPath, f.name))).size;
@@ -88,7 +90,7 @@ export async function rebuildCheckpoints(registry: Registry, storageDir: string,
           user_metadata: null,
           tenant: model.tenant,
         };
-        await registry.putCheckpoint(rec);
+        await registry.checkpoints.put(rec);
         rebuilt.push(tinkerPath);
       }
     }

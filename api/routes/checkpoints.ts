@@ -21,7 +21,7 @@ export function checkpointRoutes(ctx: ApiContext): Router {
 
   r.get('/training_runs/:id/checkpoints', async (req, res) => {
     const m = await requireModel(ctx, req, req.params.id);
-    res.json({ checkpoints: (await ctx.registry.listModelCheckpoints(m.model_id)).map(checkpointView) });
+    res.json({ checkpoints: (await ctx.registry.checkpoints.ofModel(m.model_id)).map(checkpointView) });
   });
 
   r.delete(one, async (req, res) => {
@@ -56,7 +56,7 @@ export function checkpointRoutes(ctx: ApiContext): Router {
 
   r.get('/checkpoints', async (req, res) => {
     const page = parseBody(PageQuery(100), req.query, 'checkpoints');
-    const { checkpoints, total } = await ctx.registry.listAllCheckpoints(tenantOf(req), page.offset, page.limit);
+    const { checkpoints, total } = await ctx.registry.checkpoints.list(tenantOf(req), page.offset, page.limit);
     res.json({ checkpoints: checkpoints.map(checkpointView), cursor: { offset: page.offset, limit: page.limit, total_count: total } });
   });
 
@@ -75,7 +75,7 @@ export function checkpointRoutes(ctx: ApiContext): Router {
 
   // The audit log: checkpoint creations, from the checkpoint registry.
   r.get('/audit', async (req, res) => {
-    const { checkpoints } = await ctx.registry.listAllCheckpoints(tenantOf(req), 0, 1000);
+    const { checkpoints } = await ctx.registry.checkpoints.list(tenantOf(req), 0, 1000);
     res.json({
       entries: checkpoints.map((c) => ({ timestamp: c.time, event: 'checkpoint_created', event_details: { checkpoint_type: c.checkpoint_type }, model_id: c.model_id, tinker_path: c.tinker_path })),
     });
@@ -83,7 +83,7 @@ export function checkpointRoutes(ctx: ApiContext): Router {
 
   // Nothing is billed on your own hardware; storage is measured.
   r.get('/billing/usage/checkpoints/current', async (req, res) => {
-    const { checkpoints } = await ctx.registry.listAllCheckpoints(tenantOf(req), 0, 100_000);
+    const { checkpoints } = await ctx.registry.checkpoints.list(tenantOf(req), 0, 100_000);
     const bytes = checkpoints.reduce((a, c) => a + (c.size_bytes ?? 0), 0);
     res.json({
       effective_rate_usd_per_gigabyte_month: null,

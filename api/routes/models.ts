@@ -37,7 +37,7 @@ export function modelRoutes(ctx: ApiContext): Router {
 
   r.get('/training_runs', async (req, res) => {
     const page = parseBody(PageQuery(), req.query, 'training_runs');
-    const { models, total } = await ctx.registry.listModels(tenantOf(req), page.offset, page.limit);
+    const { models, total } = await ctx.registry.models.list(tenantOf(req), page.offset, page.limit);
     res.json({ training_runs: await trainingRuns(ctx, models), cursor: { offset: page.offset, limit: page.limit, total_count: total } });
   });
 

@@ -42,7 +42,7 @@ export function serviceRoutes(ctx: ApiContext): Router {
   });
 
   r.get('/get_server_capabilities', async (_req, res) => {
-    const served = await ctx.registry.servedModels();
+    const served = await ctx.registry.agents.servedModels();
     res.json({
       supported_models: [...served.values()].map(({ model }) => ({
         model_name: model.name,
@@ -71,7 +71,7 @@ export function serviceRoutes(ctx: ApiContext): Router {
  */
 export function healthHandler(ctx: ApiContext): RequestHandler {
   return async (_req, res) => {
-    const served = await ctx.registry.servedModels();
+    const served = await ctx.registry.agents.servedModels();
     const names = new Set<string>();
     for (const { model } of served.values()) [model.name, ...model.aliases].forEach((n) => names.add(n));
     const missing = ctx.config.requiredModels.filter((m) => !names.has(m));

@@ -27,12 +27,12 @@ export function sessionRoutes(ctx: ApiContext): Router {
 
   r.get('/sessions', async (req, res) => {
     const page = parseBody(PageQuery(), req.query, 'sessions');
-    res.json({ sessions: await ctx.registry.listSessions(tenantOf(req), page.offset, page.limit) });
+    res.json({ sessions: await ctx.registry.sessions.list(tenantOf(req), page.offset, page.limit) });
   });
 
   r.get('/sessions/:id', async (req, res) => {
     await requireSession(ctx, req, req.params.id);
-    res.json(await ctx.registry.sessionMembers(req.params.id));
+    res.json(await ctx.registry.sessions.members(req.params.id));
   });
 
   // ServiceClient.close(): the first finish reason wins; later heartbeats get 410.

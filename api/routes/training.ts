@@ -6,7 +6,7 @@ import { BrokerError, invalid, modelUnavailable } from '../../queues/errors.js';
 import { AgentGone } from '../../queues/gate.js';
 import { encodeRequestId } from '../../queues/futures.js';
 import { jobIds, resourceIds } from '../../queues/names.js';
-import type { ModelRecord } from '../../queues/registry.js';
+import type { ModelRecord } from '../../queues/registry/models.js';
 import type { TrainJob } from '../../queues/schemas.js';
 import type { ApiContext } from '../context.js';
 import {
@@ -77,11 +77,11 @@ async function submitTrainOp(ctx: ApiContext, req: Request, model: ModelRecord, 
         throw e;
       }
       lost = `its worker agent ${model.agent_id} is not running; load it from a saved checkpoint`;
-      await ctx.registry.markModelLost(model.model_id, lost);
+      await ctx.registry.models.markLost(model.model_id, lost);
     }
   }
   if ((await ctx.gate.skip(model.model_id, seqId, jobId)) === 'admitted')
-    await ctx.registry.putFailedFuture(jobId, { op: job.op, category: 'server', code: 'UNAVAILABLE', message: modelUnavailable(model.model_id, lost) }, ctx.config.retentionS);
+    await ctx.registry.futures.putFailed(jobId, { op: job.op, category: 'server', code: 'UNAVAILABLE', message: modelUnavailable(model.model_id, lost) }, ctx.config.retentionS);
   return issueFuture(ctx, req, requestId);
 }
 
@@ -163,7 +163,7 @@ export function trainingRoutes(ctx: ApiContext): Router {
     '/save_weights',
     orderedOp(ctx, json(SaveWeightsBody, 'save_weights'), async (b, model) => {
       const to = savePath(ctx, model, 'weights', b.path);
-      await assertSaveAllowed(ctx.registry, { type: 'training', tinker_path: to.tinker_path, overwrite: b.overwrite });
+      await assertSaveAllowed(ctx.registry.checkpoints, { type: 'training', tinker_path: to.tinker_path, overwrite: b.overwrite });
       return {
         op: 'save_weights',
         model_id: model.model_id,
@@ -205,7 +205,7 @@ export function trainingRoutes(ctx: ApiContext): Router {
       },
       async (b, model) => {
         const to = savePath(ctx, model, 'external_weights', b.path);
-        await assertSaveAllowed(ctx.registry, { type: 'external', tinker_path: to.tinker_path });
+        await assertSaveAllowed(ctx.registry.checkpoints, { type: 'external', tinker_path: to.tinker_path });
         return {
           op: 'save_weights_external',
           model_id: model.model_id,

@@ -3,7 +3,8 @@ import type { Request } from 'express';
 import { BrokerError, invalid } from '../../queues/errors.js';
 import { logger } from '../../queues/logger.js';
 import { resourceIds } from '../../queues/names.js';
-import type { CheckpointRecord, ModelRecord } from '../../queues/registry.js';
+import type { CheckpointRecord } from '../../queues/registry/checkpoints.js';
+import type { ModelRecord } from '../../queues/registry/models.js';
 import type { LoraConfig } from '../../queues/schemas.js';
 import { tenantOf } from '../auth.js';
 import type { ApiContext } from '../context.js';
@@ -61,13 +62,13 @@ export async function loadableCheckpoint(
 }
 
 export async function setCheckpointTtl(ctx: ApiContext, c: CheckpointRecord, ttlS: number | null): Promise<void> {
-  await ctx.registry.putCheckpoint({ ...c, expires_at: expiry(ttlS) });
+  await ctx.registry.checkpoints.put({ ...c, expires_at: expiry(ttlS) });
 }
 
 /** Publishes (or unpublishes) a checkpoint; doing it twice is a CONFLICT. */
 export async function setCheckpointPublic(ctx: ApiContext, c: CheckpointRecord, value: boolean): Promise<void> {
   if (c.public === value) throw new BrokerError('CONFLICT', `checkpoint ${c.tinker_path} is already ${value ? 'public' : 'private'}`);
-  await ctx.registry.putCheckpoint({ ...c, public: value });
+  await ctx.registry.checkpoints.put({ ...c, public: value });
 }
 
 /** The sampler weights a sampling session pins: `path` must name a sampler version the caller may read. */
@@ -82,7 +83,7 @@ async function holdCopiedWeights(
   ctx: ApiContext,
   h: { sessionId: string; modelSeqId: number; from: CheckpointRecord; tenant: string },
 ): Promise<ModelRecord> {
-  const holder = await ctx.registry.putModelIfAbsent({
+  const holder = await ctx.registry.models.putIfAbsent({
     model_id: resourceIds.model(h.sessionId, h.modelSeqId),
     session_id: h.sessionId,
     base_model: h.from.base_model,
@@ -96,7 +97,7 @@ async function holdCopiedWeights(
     tenant: h.tenant,
     max_context_length: null,
   }, ctx.config.retentionS);
-  await ctx.registry.indexModel(holder, ctx.config.retentionS);
+  await ctx.registry.models.index(holder, ctx.config.retentionS);
   return holder;
 }
 
@@ -127,7 +128,7 @@ export async function copyCheckpoint(
   await cp(c.dir, dir, { recursive: true, force: true });
   const now = Date.now();
   const tinkerPath = formatTinkerPath(tp);
-  await ctx.registry.putCheckpoint({
+  await ctx.registry.checkpoints.put({
     ...c,
     tinker_path: tinkerPath,
     model_id: holder.model_id,
@@ -143,13 +144,13 @@ export async function copyCheckpoint(
 }
 
 export async function deleteCheckpoint(ctx: ApiContext, c: CheckpointRecord): Promise<void> {
-  await ctx.registry.deleteCheckpointRecord(c, ctx.config.retentionS);
+  await ctx.registry.checkpoints.deleteRecord(c, ctx.config.retentionS);
   await rm(c.dir, { recursive: true, force: true });
 }
 
 export async function sweepExpiredCheckpoints(ctx: ApiContext): Promise<number> {
   let n = 0;
-  for (const c of await ctx.registry.expiredCheckpoints()) {
+  for (const c of await ctx.registry.checkpoints.expired()) {
     const lock = ctx.names.checkpointSweepLock(c.tinker_path);
     if ((await ctx.redis.set(lock, '1', 'PX', 60_000, 'NX')) !== 'OK') continue;
     await deleteCheckpoint(ctx, c);

@@ -2,7 +2,8 @@ import type { Request } from 'express';
 import { invalid } from '../../queues/errors.js';
 import { encodeRequestId } from '../../queues/futures.js';
 import { jobIds, resourceIds, shortHash } from '../../queues/names.js';
-import type { CheckpointRecord, ModelRecord } from '../../queues/registry.js';
+import type { CheckpointRecord } from '../../queues/registry/checkpoints.js';
+import type { ModelRecord } from '../../queues/registry/models.js';
 import type { CreateModelJob, LoraConfig, TrainJob } from '../../queues/schemas.js';
 import { tenantOf } from '../auth.js';
 import type { ApiContext } from '../context.js';
@@ -31,12 +32,12 @@ export async function placeModel(
   ctx: ApiContext,
   m: { modelId: string; sessionId: string; baseModel: string; lora: LoraConfig; tenant: string },
 ): Promise<ModelRecord> {
-  const { model, trainers } = await ctx.registry.resolveBaseModel(m.baseModel);
+  const { model, trainers } = await ctx.registry.agents.resolveBaseModel(m.baseModel);
   // Only agents that train this model (an actor), never a sampling-only one (vLLM, frozen roles).
   if (trainers.length === 0) throw frozen(m.baseModel);
   const sorted = [...trainers].sort((a, b) => a.agent_id.localeCompare(b.agent_id));
   const agent = sorted[parseInt(shortHash(m.modelId, 8), 16) % sorted.length]!;
-  const rec = await ctx.registry.putModelIfAbsent({
+  const rec = await ctx.registry.models.putIfAbsent({
     model_id: m.modelId,
     session_id: m.sessionId,
     base_model: model.name,
@@ -50,7 +51,7 @@ export async function placeModel(
     tenant: m.tenant,
     max_context_length: model.max_context_length,
   }, ctx.config.retentionS);
-  await ctx.registry.indexModel(rec, ctx.config.retentionS);
+  await ctx.registry.models.index(rec, ctx.config.retentionS);
   await ctx.gate.open(m.modelId);
   return rec;
 }
@@ -72,7 +73,7 @@ export async function createModel(
 ): Promise<{ request_id: string; model_id: string }> {
   assertAdamW(body.optimizer_config);
   await requireSession(ctx, req, body.session_id);
-  const { model } = await ctx.registry.resolveBaseModel(body.base_model);
+  const { model } = await ctx.registry.agents.resolveBaseModel(body.base_model);
   if (!model.trainable) throw frozen(body.base_model);
   if (body.lora.rank > model.lora_max_rank)
     throw invalid(`LoRA rank ${body.lora.rank} exceeds the largest rank served for '${body.base_model}' (${model.lora_max_rank})`);
@@ -96,7 +97,7 @@ export async function createModelFromCheckpoint(
   assertAdamW(body.optimizer_config);
   const c = await loadableCheckpoint(ctx, req, body.path);
   if (body.base_model) {
-    const { model } = await ctx.registry.resolveBaseModel(body.base_model);
+    const { model } = await ctx.registry.agents.resolveBaseModel(body.base_model);
     if (model.name !== c.base_model) throw invalid(`checkpoint ${body.path} is of base model ${c.base_model}, not ${body.base_model}`);
   }
   const modelId = resourceIds.model(body.session_id, body.model_seq_id);
@@ -115,7 +116,7 @@ export async function unloadModel(ctx: ApiContext, req: Request, model: ModelRec
 /** The REST view of training runs (models), with their newest checkpoints: a fixed number of round trips. */
 export async function trainingRuns(ctx: ApiContext, models: ModelRecord[]) {
   const ids = models.map((m) => m.model_id);
-  const [last, ckpts] = await Promise.all([ctx.registry.modelLastRequest(ids), ctx.registry.checkpointsOfModels(ids)]);
+  const [last, ckpts] = await Promise.all([ctx.registry.models.lastRequests(ids), ctx.registry.checkpoints.ofModels(ids)]);
   return models.map((m, i) => {
     const newest = (t: CheckpointRecord['checkpoint_type']) => ckpts[i]!.find((c) => c.checkpoint_type === t);
     const training = newest('training');

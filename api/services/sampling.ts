@@ -5,7 +5,8 @@ import { BrokerError, invalid } from '../../queues/errors.js';
 import { encodeRequestId } from '../../queues/futures.js';
 import type { SampleFeature } from '../../queues/config.js';
 import { jobIds, resourceIds } from '../../queues/names.js';
-import { sampleEngine, type SamplingSessionRecord } from '../../queues/registry.js';
+import { sampleEngine } from '../../queues/registry/agents.js';
+import type { SamplingSessionRecord } from '../../queues/registry/samplers.js';
 import type { SampleJob, SamplingParams } from '../../queues/schemas.js';
 import { tenantOf } from '../auth.js';
 import type { ApiContext } from '../context.js';
@@ -26,7 +27,7 @@ async function resolveTarget(ctx: ApiContext, req: Request, baseModel: string | 
     const v = await samplerWeights(ctx, req, modelPath);
     return { base_model: v.base_model, model_path: modelPath, adapter_dir: v.dir };
   }
-  const { model } = await ctx.registry.resolveBaseModel(baseModel!);
+  const { model } = await ctx.registry.agents.resolveBaseModel(baseModel!);
   return { base_model: model.name, model_path: null, adapter_dir: null };
 }
 
@@ -35,8 +36,8 @@ export async function createSamplingSession(ctx: ApiContext, req: Request, body:
   await requireSession(ctx, req, body.session_id);
   const target = await resolveTarget(ctx, req, body.base_model, body.model_path);
   const id = resourceIds.samplingSession(body.session_id, body.sampling_session_seq_id);
-  await ctx.registry.putSamplingSession({ sampling_session_id: id, session_id: body.session_id, ...target, tenant: tenantOf(req) }, ctx.config.retentionS);
-  await ctx.registry.indexSampler(body.session_id, id, ctx.config.retentionS);
+  await ctx.registry.samplers.put({ sampling_session_id: id, session_id: body.session_id, ...target, tenant: tenantOf(req) }, ctx.config.retentionS);
+  await ctx.registry.samplers.index(body.session_id, id, ctx.config.retentionS);
   return id;
 }
 
@@ -88,9 +89,9 @@ async function sampleTarget(ctx: ApiContext, req: Request, body: Body): Promise<
   if (body.sampling_session_id) {
     const s = await requireSamplingSession(ctx, req, body.sampling_session_id);
     // A sampling client in use does not expire (a teacher's may sample for days).
-    await ctx.registry.touchSamplingSession(s.sampling_session_id, ctx.config.retentionS);
+    await ctx.registry.samplers.touch(s.sampling_session_id, ctx.config.retentionS);
     // Inflight: the model's newest inflight save, which only moves forward from the one this session was created with.
-    const t = s.inflight_model_id ? await ctx.registry.inflightTarget(s.inflight_model_id) : null;
+    const t = s.inflight_model_id ? await ctx.registry.samplers.inflightTarget(s.inflight_model_id) : null;
     const target = t ? { base_model: s.base_model, model_path: t.model_path, adapter_dir: t.adapter_dir } : s;
     // The client's session owns the stability records of this request's sequences.
     return { target, sessionId: s.sampling_session_id, ownerSession: s.session_id };
@@ -112,7 +113,7 @@ export async function sample(ctx: ApiContext, req: Request, body: Body): Promise
     for (const t of c.tokens as number[]) tokens.push(t);
   }
   if (tokens.length === 0) throw invalid('prompt is empty');
-  const { model, agents } = await ctx.registry.resolveBaseModel(session.base_model);
+  const { model, agents } = await ctx.registry.agents.resolveBaseModel(session.base_model);
   if (body.topk_prompt_logprobs > model.topk_max)
     throw invalid(`topk_prompt_logprobs ${body.topk_prompt_logprobs} exceeds the bound for this model (${model.topk_max})`);
   for (const t of tokens) if (t < 0 || t >= model.vocab_size) throw invalid(`prompt token id ${t} is outside the vocabulary [0, ${model.vocab_size})`);
@@ -135,7 +136,7 @@ export async function sample(ctx: ApiContext, req: Request, body: Body): Promise
     throw invalid(`prompt (${tokens.length} tokens) + max_tokens (${params.max_tokens}) exceeds the model's context of ${model.max_context_length}`);
 
   // The sampler version (null: the base model); its LoRA rank decides which agents can serve it.
-  const version = session.model_path ? await ctx.registry.getCheckpoint(session.model_path) : null;
+  const version = session.model_path ? await ctx.registry.checkpoints.get(session.model_path) : null;
   const needs: SampleFeature[] = [];
   if (body.prompt_alt_tokens_k > 0) needs.push('prompt_alt_tokens_k');
   if (targets) needs.push('target_prompt_logprobs');
@@ -153,7 +154,7 @@ export async function sample(ctx: ApiContext, req: Request, body: Body): Promise
   // A session is pinned to one sampler version; never sample silently from other weights.
   if (session.model_path && !version) {
     const message = `sampling session ${sessionId} is pinned to sampler weights ${session.model_path}, which no longer exist (deleted or expired); save new sampler weights and create a new sampling client`;
-    await ctx.registry.putFailedFuture(jobId, { op: 'sample', category: 'user', code: 'STALE_SAMPLER', message }, ctx.config.retentionS);
+    await ctx.registry.futures.putFailed(jobId, { op: 'sample', category: 'user', code: 'STALE_SAMPLER', message }, ctx.config.retentionS);
     return reply();
   }
   if ((await ctx.queues.get(queue).getWaitingCount()) >= ctx.config.maxQueuedSamples)

@@ -17,21 +17,21 @@ export async function createSession(
   info: { tags: string[]; user_metadata?: Record<string, unknown>; sdk_version?: string | null; project_id?: string | null },
 ): Promise<string> {
   const sessionId = randomUUID();
-  await ctx.registry.createSession(sessionId, tenantOf(req), info, ctx.config.retentionS);
+  await ctx.registry.sessions.create(sessionId, tenantOf(req), info, ctx.config.retentionS);
   return sessionId;
 }
 
 /** Keeps a session for another retention period; a finished session answers GONE (410 stops the SDK's heartbeat loop). */
 export async function heartbeat(ctx: ApiContext, req: Request, sessionId: string): Promise<void> {
   await requireSession(ctx, req, sessionId);
-  if (!(await ctx.registry.touchSession(sessionId, ctx.config.retentionS))) throw unknownSession(sessionId);
-  if (await ctx.registry.sessionFinished(sessionId)) throw new BrokerError('GONE', `session '${sessionId}' has finished`);
+  if (!(await ctx.registry.sessions.touch(sessionId, ctx.config.retentionS))) throw unknownSession(sessionId);
+  if (await ctx.registry.sessions.finished(sessionId)) throw new BrokerError('GONE', `session '${sessionId}' has finished`);
 }
 
 /** ServiceClient.close(): the first finish reason wins. */
 export async function finishSession(ctx: ApiContext, req: Request, sessionId: string, reason: Record<string, unknown>, detail: string | null) {
   await requireSession(ctx, req, sessionId);
-  return ctx.registry.finishSession(sessionId, { reason, detail, finished_at: new Date().toISOString() }, ctx.config.retentionS);
+  return ctx.registry.sessions.finish(sessionId, { reason, detail, finished_at: new Date().toISOString() }, ctx.config.retentionS);
 }
 
 type SessionSearch = {
@@ -47,9 +47,9 @@ type SessionSearch = {
  * however many sessions the tenant has.
  */
 export async function searchSessions(ctx: ApiContext, req: Request, q: SessionSearch) {
-  const all = await ctx.registry.listSessions(tenantOf(req), 0, 10_000);
+  const all = await ctx.registry.sessions.list(tenantOf(req), 0, 10_000);
   const ids = q.session_id ? all.filter((id) => id === q.session_id) : all;
-  const [infos, finishes] = await Promise.all([ctx.registry.sessionInfos(ids), ctx.registry.sessionFinishes(ids)]);
+  const [infos, finishes] = await Promise.all([ctx.registry.sessions.infos(ids), ctx.registry.sessions.finishes(ids)]);
   const statuses = q.statuses?.map((s) => s.type);
   const hits = ids
     .map((id, i) => ({ id, info: infos[i], finished: finishes[i] }))
@@ -60,7 +60,7 @@ export async function searchSessions(ctx: ApiContext, req: Request, q: SessionSe
       return !statuses || statuses.includes(finished ? 'client_finished' : 'active');
     })
     .slice(0, q.limit);
-  const counts = await ctx.registry.sessionCheckpointCounts(hits.map((h) => h.id));
+  const counts = await ctx.registry.sessions.checkpointCounts(hits.map((h) => h.id));
   return hits.map(({ id, info, finished }, i) => ({
     session_id: id,
     created_at: String(info!.created_at),

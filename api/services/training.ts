@@ -2,7 +2,7 @@ import type { Request } from 'express';
 import { invalid } from '../../queues/errors.js';
 import { checkLossConfig, lossInputs } from '../../queues/losses.js';
 import { jobIds } from '../../queues/names.js';
-import type { ModelRecord } from '../../queues/registry.js';
+import type { ModelRecord } from '../../queues/registry/models.js';
 import type { Datum, ForwardBackwardJob } from '../../queues/schemas.js';
 import type { ApiContext } from '../context.js';
 import { ownsModel } from '../tenants.js';
@@ -23,7 +23,7 @@ export const MAX_TARGET_K = 128;
 /** A model's context length (records placed before it was stored: from the agents' registry). */
 async function contextLength(ctx: ApiContext, model: ModelRecord): Promise<number> {
   if (model.max_context_length !== null) return model.max_context_length;
-  return (await ctx.registry.resolveBaseModel(model.base_model)).model.max_context_length;
+  return (await ctx.registry.agents.resolveBaseModel(model.base_model)).model.max_context_length;
 }
 
 /** Checks a batch against the loss and the model before it is queued; the engine re-checks. */

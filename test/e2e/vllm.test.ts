@@ -8,7 +8,7 @@ import { Queue } from 'bullmq';
 import { expect } from 'chai';
 import { Redis } from 'ioredis';
 import { Names } from '../../queues/names.js';
-import { Registry } from '../../queues/registry.js';
+import { Registry } from '../../queues/registry/index.js';
 import { deletePrefix, REDIS_URL } from '../helpers/stack.js';
 import { E2E_KEY, freePort, PYTHON } from './server.js';
 
@@ -18,7 +18,7 @@ import { E2E_KEY, freePort, PYTHON } from './server.js';
  * and the vLLM rollout agent, serving the same model directory, samples that sampler version from
  * the shared storage. The torch actor then scores vLLM's tokens (compute_logprobs).
  *
- * The API sends each sample job to the fastest engine serving the model (queues/registry.ts
+ * The API sends each sample job to the fastest engine serving the model (queues/registry/agents.ts
  * `sampleEngine`): while the vLLM agent runs, every sample goes to it although the actor serves the
  * same model directory.
  *   A  API + actor:         train, save the sampler version
@@ -209,7 +209,7 @@ class Proc {
         await new Promise((r) => setTimeout(r, 250));
       }
     };
-    const agents = async () => (await registry.liveAgents()).map((a) => `${a.agent_id}:${a.engine}`).sort();
+    const agents = async () => (await registry.agents.live()).map((a) => `${a.agent_id}:${a.engine}`).sort();
     /** Sample jobs each engine's queue of the model has run (completed or failed). */
     const sampleJobsRun = async () => {
       const names = new Names(prefix);
@@ -277,7 +277,7 @@ class Proc {
       await until('vllm agent registered', async () => (await agents()).includes('cpu-vllm:vllm'), 600_000, [rollout]);
       // An agent registers its id first and its models once their engine serves them (workers/agent.ts):
       // the SDK's first request names the rollout model, so wait until the registry resolves that name.
-      await until('vllm agent serves the rollout model', async () => !!(await registry.resolveBaseModel('tiny-qwen3-rollout')), 600_000, [rollout]);
+      await until('vllm agent serves the rollout model', async () => !!(await registry.agents.resolveBaseModel('tiny-qwen3-rollout')), 600_000, [rollout]);
       expect(await agents()).to.deep.equal(['cpu-actor:torch', 'cpu-vllm:vllm']);
       const ran0 = await sampleJobsRun();
       py.stdin!.write('go\n');

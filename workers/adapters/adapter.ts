@@ -1,4 +1,4 @@
-import type { ServedModel } from '../../queues/registry.js';
+import type { ServedModel } from '../../queues/registry/agents.js';
 import type {
   CreateModelJob,
   ForwardBackwardJob,

@@ -1,7 +1,7 @@
 import type { z } from 'zod';
 import type { BaseModelSpec } from '../../queues/config.js';
 import type { Logger } from '../../queues/logger.js';
-import type { ServedModel } from '../../queues/registry.js';
+import type { ServedModel } from '../../queues/registry/agents.js';
 import {
   ForwardBackwardResult,
   OptimStepResult,

@@ -2,7 +2,7 @@ import { existsSync } from 'node:fs';
 import path from 'node:path';
 import type { BaseModelSpec, SampleFeature } from '../../../queues/config.js';
 import type { Logger } from '../../../queues/logger.js';
-import type { ServedModel } from '../../../queues/registry.js';
+import type { ServedModel } from '../../../queues/registry/agents.js';
 import type { CreateModelJob, ForwardBackwardJob, OptimStepJob, SampleJob, SampleResult, SaveSamplerJob } from '../../../queues/schemas.js';
 import { EngineError } from '../../engine.js';
 import type { EngineAdapter } from '../adapter.js';
@@ -154,7 +154,7 @@ export class VllmAdapter implements EngineAdapter {
   async sample(job: SampleJob): Promise<SampleResult> {
     const m = this.models.get(job.base_model);
     if (!m) throw new EngineError('server', `base model ${job.base_model} is not served by this vLLM agent`);
-    // The API sends requests using these to a torch agent when one serves the model (queues/registry.ts sampleEngine).
+    // The API sends requests using these to a torch agent when one serves the model (queues/registry/agents.ts sampleEngine).
     const lacks = `is not supported by the vLLM engine, and no torch agent serves ${job.base_model} with this sampler version; start one (a torch actor) to use it`;
     if (job.prompt_alt_tokens_k) throw new EngineError('user', `prompt_alt_tokens_k ${lacks}`);
     if (job.target_prompt_logprobs) throw new EngineError('user', `target_prompt_logprobs ${lacks}`);

@@ -1,0 +1,101 @@
+import { z } from 'zod';
+import { LoraConfig } from '../schemas.js';
+import { RedisRegistry } from './store.js';
+
+/**
+ * Training models (training runs): where each is placed, its LoRA config and vocabulary, and
+ * `lost_reason` once its weights are gone; their lifetimes (queues/names.ts `model`) and their
+ * listings (per tenant, per session, and each model's last request).
+ */
+
+export const ModelRecord = z.object({
+  model_id: z.string(),
+  session_id: z.string(),
+  base_model: z.string(),
+  arch: z.string(),
+  vocab_size: z.number().int(),
+  lora: LoraConfig,
+  agent_id: z.string(),
+  train_queue: z.string(),
+  created_at: z.string(),
+  /** Set when the model's weights were lost (engine restart); training on it then fails. */
+  lost_reason: z.string().nullable().default(null),
+  /** The tenant (API key) that owns the model; `''` (records older than tenants) belongs to none. */
+  tenant: z.string().default(''),
+  /** The base model's context length when the model was placed; null for records older than this field. */
+  max_context_length: z.number().int().nullable().default(null),
+});
+export type ModelRecord = z.infer<typeof ModelRecord>;
+
+export class ModelRegistry extends RedisRegistry {
+  /** Stores the record (for `ttlS`) unless one exists; returns the stored one (create_model is idempotent). */
+  async putIfAbsent(rec: ModelRecord, ttlS: number): Promise<ModelRecord> {
+    return this.putJsonIfAbsent(this.names.model(rec.model_id), rec, ttlS, ModelRecord);
+  }
+  async get(modelId: string): Promise<ModelRecord | null> {
+    return this.getJson(this.names.model(modelId), ModelRecord);
+  }
+  async markLost(modelId: string, reason: string): Promise<void> {
+    const m = await this.get(modelId);
+    if (m && m.lost_reason === null) await this.redis.set(this.names.model(modelId), JSON.stringify({ ...m, lost_reason: reason }), 'KEEPTTL', 'XX');
+  }
+  /** Marks every model placed on `agentId` lost (but those in `except`); returns the ids it marked. */
+  async markLostOnAgent(agentId: string, reason: string, except: ReadonlySet<string> = new Set()): Promise<string[]> {
+    const lost: string[] = [];
+    let cursor = '0';
+    do {
+      const [next, keys] = await this.redis.scan(cursor, 'MATCH', this.names.model('*'), 'COUNT', 200);
+      cursor = next;
+      for (const key of keys) {
+        const raw = await this.redis.get(key);
+        if (!raw) continue;
+        const m = ModelRecord.parse(JSON.parse(raw));
+        if (m.agent_id === agentId && m.lost_reason === null && !except.has(m.model_id)) {
+          await this.redis.set(key, JSON.stringify({ ...m, lost_reason: reason }), 'KEEPTTL', 'XX');
+          lost.push(m.model_id);
+        }
+      }
+    } while (cursor !== '0');
+    return lost;
+  }
+  /**
+   * The models stay at least `ttlS` more (never less than they had; a model kept without a TTL
+   * stays so): what an agent's heartbeat does for the models loaded on it, so a model in use never
+   * expires. The record and the gate's next seq_id share one lifetime.
+   */
+  async keep(modelIds: Iterable<string>, ttlS: number): Promise<void> {
+    const p = this.redis.pipeline();
+    for (const id of modelIds) p.expire(this.names.model(id), ttlS, 'GT').expire(this.names.gateNext(id), ttlS, 'GT');
+    if (p.length) await p.exec();
+  }
+
+  // ---- listings ----
+  /** Lists a model under its tenant and its session (whose set lives `ttlS`, as the session does). */
+  async index(rec: ModelRecord, ttlS: number): Promise<void> {
+    const set = this.names.sessionModels(rec.session_id);
+    await this.redis
+      .multi()
+      .zadd(this.names.tenantIndex(rec.tenant, 'models'), Date.parse(rec.created_at), rec.model_id)
+      .sadd(this.names.tenants(), rec.tenant)
+      .sadd(set, rec.model_id)
+      .expire(set, ttlS)
+      .exec();
+  }
+  /** Records a request to the model now (the gate's submit script records each training op's itself). */
+  async touch(modelId: string): Promise<void> {
+    await this.redis.hset(this.names.modelLast(), modelId, new Date().toISOString());
+  }
+  /** Each model's last training request (ISO time), null where none is recorded. */
+  async lastRequests(modelIds: string[]): Promise<(string | null)[]> {
+    if (modelIds.length === 0) return [];
+    return this.redis.hmget(this.names.modelLast(), ...modelIds);
+  }
+  /** One tenant's models (training runs), newest first, one page. */
+  async list(tenant: string, offset: number, limit: number): Promise<{ models: ModelRecord[]; total: number }> {
+    const key = this.names.tenantIndex(tenant, 'models');
+    const [ids, total] = await Promise.all([this.redis.zrevrange(key, offset, offset + limit - 1), this.redis.zcard(key)]);
+    const raws = ids.length ? await this.redis.mget(ids.map((id) => this.names.model(id))) : [];
+    const models = raws.flatMap((raw) => (raw === null ? [] : [ModelRecord.parse(JSON.parse(raw))]));
+    return { models, total };
+  }
+}

@@ -1,0 +1,50 @@
+import { z } from 'zod';
+import { RedisRegistry } from './store.js';
+
+/**
+ * Sampling sessions (pinned to a base model, to one sampler version, or to a training model's
+ * inflight target) and each training model's inflight target. Sampler versions themselves are
+ * checkpoint records (queues/registry/checkpoints.ts, `sampler_weights/<name>`).
+ */
+
+export const SamplingSessionRecord = z.object({
+  sampling_session_id: z.string(),
+  session_id: z.string(),
+  base_model: z.string(),
+  model_path: z.string().nullable(),
+  adapter_dir: z.string().nullable(),
+  /** An inflight session samples its model's current inflight target (SamplerRegistry.inflightTarget). */
+  inflight_model_id: z.string().nullish(),
+  /** The owning tenant, as for models. */
+  tenant: z.string().default(''),
+});
+export type SamplingSessionRecord = z.infer<typeof SamplingSessionRecord>;
+
+export const InflightTarget = z.object({ model_path: z.string(), adapter_dir: z.string(), seq_id: z.number().int() });
+export type InflightTarget = z.infer<typeof InflightTarget>;
+
+export class SamplerRegistry extends RedisRegistry {
+  /** Stores the record (for `ttlS`) unless one exists; returns the stored one (a retried create names the same session). */
+  async put(rec: SamplingSessionRecord, ttlS: number): Promise<SamplingSessionRecord> {
+    return this.putJsonIfAbsent(this.names.samplingSession(rec.sampling_session_id), rec, ttlS, SamplingSessionRecord);
+  }
+  async get(id: string): Promise<SamplingSessionRecord | null> {
+    return this.getJson(this.names.samplingSession(id), SamplingSessionRecord);
+  }
+  /** A sample request through the session: it lives another `ttlS`. */
+  async touch(id: string, ttlS: number): Promise<void> {
+    await this.redis.expire(this.names.samplingSession(id), ttlS);
+  }
+  /** Lists a sampling session under the session that created it (whose set lives `ttlS`, as the session does). */
+  async index(sessionId: string, samplerId: string, ttlS: number): Promise<void> {
+    const set = this.names.sessionSamplers(sessionId);
+    await this.redis.multi().sadd(set, samplerId).expire(set, ttlS).exec();
+  }
+  /** The model's inflight sampler target: its newest `kind: inflight` save (saves of a model run in order). */
+  async setInflightTarget(modelId: string, target: InflightTarget, ttlS: number): Promise<void> {
+    await this.redis.set(this.names.inflight(modelId), JSON.stringify(target), 'EX', ttlS);
+  }
+  async inflightTarget(modelId: string): Promise<InflightTarget | null> {
+    return this.getJson(this.names.inflight(modelId), InflightTarget);
+  }
+}
