@@ -40,8 +40,8 @@ export const ModelSpec = z
         data: z.number().int().positive().optional(),
         /** vllm: 1 (off), or the tensor size to run the experts expert-parallel over those GPUs (`--enable-expert-parallel`). @defaultValue 1 */
         expert: z.number().int().positive().default(1),
-        /** verl: the training strategy. @defaultValue `fsdp2` */
-        strategy: z.enum(['fsdp', 'fsdp2'], { error: 'verl strategies available in this version: fsdp2, fsdp (megatron and veomni are not)' }).optional(),
+        /** verl: the training strategy (verl's FSDP2 or FSDP engine, or its VeOmni engine). @defaultValue `fsdp2` */
+        strategy: z.enum(['fsdp', 'fsdp2', 'veomni'], { error: 'verl strategies available in this version: fsdp2, fsdp, veomni (megatron is not)' }).optional(),
       })
       .strict()
       .default({ tensor: 1, pipeline: 1, expert: 1 }),

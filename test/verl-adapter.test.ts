@@ -1,7 +1,9 @@
 import { expect } from 'chai';
 import { Agent } from '../workers/agent.js';
 import { TorchAdapter } from '../workers/adapters/torch.js';
-import { gpusOf, VerlAdapter, verlLaunch } from '../workers/adapters/verl.js';
+import { readFileSync } from 'node:fs';
+import { gpusOf, VERL_STRATEGIES, VerlAdapter, verlLaunch } from '../workers/adapters/verl.js';
+import { ModelSpec } from '../presets/schema.js';
 import { logger } from '../queues/logger.js';
 import type { BaseModelSpec } from '../queues/config.js';
 import { defaultPython, ensureTinyModel, TINY_MODEL_DIR } from '../scripts/stack.js';
@@ -37,6 +39,16 @@ describe('verl adapter', () => {
     expect(() => verlLaunch('cpu', [spec()])).to.throw(/runs on GPUs: device 'cpu'/);
     expect(() => verlLaunch('cuda', [spec({ strategy: 'megatron' })])).to.throw(/strategy 'megatron' is not available/);
     expect(() => verlLaunch('cuda', [spec({ strategy: 'fsdp' }), spec({ strategy: 'fsdp2' })])).to.throw(/one strategy/);
+    expect(verlLaunch('cuda:1', [spec({ strategy: 'veomni' })]).env).to.include({ TB_VERL_STRATEGY: 'veomni' });
+  });
+
+  it('knows the strategies the Python engine runs, and the preset schema accepts exactly those', () => {
+    const py = /^STRATEGIES = \(([^)]*)\)/m.exec(readFileSync('workers/python/tinker_engine_verl/engine.py', 'utf8'));
+    expect(py, 'STRATEGIES in tinker_engine_verl/engine.py').to.not.equal(null);
+    expect([...py![1]!.matchAll(/"(\w+)"/g)].map((m) => m[1])).to.deep.equal([...VERL_STRATEGIES]);
+    const model = (strategy: string) => ModelSpec.safeParse({ name: 'a', path: '/m/a', role: 'actor', engine: 'verl', parallelism: { strategy } }).success;
+    for (const s of VERL_STRATEGIES) expect(model(s), s).to.equal(true);
+    expect(model('megatron')).to.equal(false);
   });
 
   it('is the adapter of verl agents; it trains only', async () => {

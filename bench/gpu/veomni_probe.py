@@ -35,9 +35,9 @@ What it does, printing ``[stage] OK …`` or ``[stage] FAIL`` with the full trac
             same rows (the loss must move), the gradient norm and peak GPU memory.
 
 Variants: ``stock`` = verl's VeOmniEngine as shipped (LoRA settings ignored → full fine-tune);
-``peft`` = the same engine with ``_build_model_optimizer`` replaced by a copy that wraps the meta model
-with ``peft.get_peft_model`` before VeOmni parallelizes it and passes ``is_peft_model=True`` (what
-VeOmni's own trainer does in ``veomni/trainer/base.py::_setup_lora``): the closest thing to a LoRA
+``peft`` = the same engine with the two VeOmni builders it calls wrapped (``install_peft_patch``): the
+built model gets ``peft.get_peft_model`` before VeOmni parallelizes it with ``is_peft_model=True`` (what
+VeOmni's own trainer does for LoRA): the closest thing to a LoRA
 VeOmni strategy, i.e. what a patch of verl would need. ``both`` runs stock then peft in one process
 (VeOmni's parallel state is global and is reused by the second engine).
 
@@ -219,50 +219,28 @@ def describe_config(cfg: Any) -> dict[str, Any]:
 
 # --- the peft variant -----------------------------------------------------------------------------
 
-def install_peft_patch(lora_rank: int) -> str:
-    """Replace VeOmniEngine._build_model_optimizer with a copy that applies PEFT LoRA (VeOmni's way)."""
+def install_peft_patch(args: argparse.Namespace) -> str:
+    """LoRA for verl's VeOmni engine without changing its code: the two VeOmni builders its
+    ``_build_model_optimizer`` calls (names in verl's module) are wrapped. The model VeOmni builds
+    gets PEFT LoRA adapters (this probe's rank, alpha = rank, TARGETS), and the parallelizer is told
+    so (``is_peft_model=True``, as VeOmni's own trainer passes for LoRA)."""
     import verl.workers.engine.veomni.transformer_impl as ti
-    from veomni.arguments import MixedPrecisionConfig
-    from veomni.models.auto import build_foundation_model
+    from peft import LoraConfig, TaskType, get_peft_model
 
-    def _build_model_optimizer(self) -> None:
-        from peft import LoraConfig, TaskType, get_peft_model
+    build_model, parallelize = ti.build_foundation_model, ti.build_parallelize_model
 
-        ops_implementation = ti._build_ops_implementation_config(self.engine_config)
-        mp = MixedPrecisionConfig(enable=self.engine_config.mixed_precision)
-        module = build_foundation_model(
-            config_path=self._get_model_config_path(), weights_path=self.model_config.local_path,
-            torch_dtype="float32" if mp.enable else "bfloat16", attn_implementation=self.engine_config.attn_implementation,
-            ops_implementation=ops_implementation, init_device=self.engine_config.init_device)
-        is_peft = self.model_config.lora_rank > 0
-        if is_peft:
-            if self.model_config.enable_gradient_checkpointing:
-                module.enable_input_require_grads()
-            module = get_peft_model(module, LoraConfig(
-                task_type=TaskType.CAUSAL_LM, r=self.model_config.lora_rank, lora_alpha=self.model_config.lora_alpha,
-                target_modules=list(self.model_config.target_modules), bias="none"))
-        self._maybe_apply_async_activation_offload(module)
-        basic = set(getattr(module, "_no_split_modules", None) or [])
-        inner = getattr(getattr(module, "base_model", None), "model", None)
-        basic |= set(getattr(inner, "_no_split_modules", None) or [])
-        module = ti.build_parallelize_model(
-            module, init_device=self.engine_config.init_device, weights_path=self.model_config.local_path,
-            enable_full_shard=self.engine_config.enable_full_shard, mixed_precision=mp,
-            enable_gradient_checkpointing=self.model_config.enable_gradient_checkpointing,
-            enable_fsdp_offload=self.engine_config.enable_fsdp_offload,
-            basic_modules=list(basic | set(self.engine_config.basic_modules)),
-            enable_reentrant=self.engine_config.enable_reentrant,
-            enable_forward_prefetch=self.engine_config.forward_prefetch, broadcast_model_weights_from_rank0=True,
-            fqn_to_index_mapping=ti.load_safetensors_index(self.model_config.local_path), is_peft_model=is_peft)
-        if not self.engine_config.forward_only:
-            self.optimizer = self._build_optimizer(module)
-            self.lr_scheduler = self._build_lr_scheduler(self.optimizer)
-        else:
-            self.optimizer = self.lr_scheduler = None
-        self.module = module
+    def with_lora(*a: Any, **kw: Any) -> Any:
+        module = build_model(*a, **kw)
+        if args.grad_ckpt:
+            module.enable_input_require_grads()
+        return get_peft_model(module, LoraConfig(task_type=TaskType.CAUSAL_LM, r=args.lora_rank, lora_alpha=args.lora_rank,
+                                                 target_modules=list(TARGETS), bias="none"))
 
-    ti.VeOmniEngine._build_model_optimizer = _build_model_optimizer
-    return f"VeOmniEngine._build_model_optimizer patched: get_peft_model(r={lora_rank}) + is_peft_model=True"
+    def parallelize_peft(module: Any, **kw: Any) -> Any:
+        return parallelize(module, **{**kw, "is_peft_model": True})
+
+    ti.build_foundation_model, ti.build_parallelize_model = with_lora, parallelize_peft
+    return f"verl's VeOmni builders wrapped: get_peft_model(r={args.lora_rank}) + is_peft_model=True"
 
 
 # --- training -------------------------------------------------------------------------------------
@@ -329,7 +307,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> bool:
 
     say(f"\n===== variant {variant} =====")
     if variant == "peft":
-        ok, _ = stage("patch", lambda: install_peft_patch(args.lora_rank), variant)
+        ok, _ = stage("patch", lambda: install_peft_patch(args), variant)
         if not ok:
             return False
     ok, cfg = stage("config", lambda: build_config(args), variant)

@@ -6,7 +6,8 @@
 #   bash bench/gpu/verl_check.sh [verl_check.py options]
 # It installs the kit into /tmp/site, checks verl imports, then runs the comparison (Qwen3-0.6B
 # dimensions, random weights) and writes summary.json, verl_fixtures.json, log.txt and both
-# engines' logs into $OUT. Here, without a GPU, `bash bench/gpu/verl_check.sh --cpu` checks the
+# engines' logs into $OUT. TB_VERL_STRATEGY=veomni runs verl's VeOmni engine (the VeOmni kit of
+# bench/gpu/build_veomni_carry.sh carried as .veomnicarry). Here, without a GPU, `bash bench/gpu/verl_check.sh --cpu` checks the
 # driver with the tiny model and a second torch engine in the verl engine's place (no kit needed).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,7 +19,10 @@ PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 if [[ " $* " != *" --cpu "* ]]; then
   t=$(date +%s)
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$KIT"/*.whl \
+  # The VeOmni kit (bench/gpu/build_veomni_carry.sh) too when it was carried: TB_VERL_STRATEGY=veomni needs it.
+  VEOMNI_KIT="${VEOMNI_KIT:-.veomnicarry}"
+  EXTRA_WHEELS=(); compgen -G "$VEOMNI_KIT/*.whl" > /dev/null && EXTRA_WHEELS=("$VEOMNI_KIT"/*.whl)
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$KIT"/*.whl "${EXTRA_WHEELS[@]}" \
     || { echo "[kit] pip install failed"; exit 1; }
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   echo "[kit] $(ls "$KIT"/*.whl | wc -l) wheels installed in $(( $(date +%s) - t ))s"
@@ -26,8 +30,11 @@ if [[ " $* " != *" --cpu "* ]]; then
 import importlib, time
 t = time.time()
 import torch, transformers, peft
-import verl, tensordict
+import os, verl, tensordict
 from verl.workers.engine_workers_tinker import TinkerTrainingWorker  # noqa: F401
+if os.environ.get("TB_VERL_STRATEGY") == "veomni":
+    import veomni
+    print(f"[kit] veomni {veomni.__version__}")
 print(f"[kit] torch {torch.__version__} cuda {torch.cuda.is_available()} ({torch.cuda.device_count()} GPUs) "
       f"transformers {transformers.__version__} peft {peft.__version__} verl {verl.__version__} "
       f"tensordict {tensordict.__version__}; imports {time.time() - t:.1f}s")

@@ -10,12 +10,16 @@ export function gpusOf(device: string | undefined): number[] | null {
   return gpus.length ? gpus : null;
 }
 
+/** The strategies the verl engine runs (workers/python/tinker_engine_verl: STRATEGIES). */
+export const VERL_STRATEGIES: readonly string[] = ['fsdp2', 'fsdp', 'veomni'];
+
 export type VerlLaunch = { args: string[]; env: NodeJS.ProcessEnv; nproc: number };
 
 /**
  * How the agent starts the verl engine: one process per GPU of the agent's device under torchrun,
  * `CUDA_VISIBLE_DEVICES` set to those GPUs; rank 0 speaks the engine channel (workers/python/tinker_engine_verl).
- * The preset's strategy (fsdp2 by default; fsdp) and offload of the agent's models become
+ * The preset's strategy (fsdp2 by default; fsdp; veomni: verl's VeOmni engine, which needs the veomni
+ * package beside verl, docs/engines/verl.md) and offload of the agent's models become
  * `TB_VERL_STRATEGY` / `TB_VERL_OFFLOAD`.
  */
 export function verlLaunch(device: string | undefined, models: BaseModelSpec[]): VerlLaunch {
@@ -24,8 +28,8 @@ export function verlLaunch(device: string | undefined, models: BaseModelSpec[]):
   const strategies = [...new Set(models.map((m) => m.strategy ?? 'fsdp2'))];
   if (strategies.length > 1) throw new Error(`one verl engine runs one strategy; the agent's models ask for ${strategies.join(', ')}`);
   const strategy = strategies[0] ?? 'fsdp2';
-  if (strategy !== 'fsdp2' && strategy !== 'fsdp')
-    throw new Error(`verl strategy '${strategy}' is not available in this version (fsdp2 and fsdp are)`);
+  if (!VERL_STRATEGIES.includes(strategy))
+    throw new Error(`verl strategy '${strategy}' is not available in this version (${VERL_STRATEGIES.join(', ')} are)`);
   const nproc = gpus.length;
   return {
     nproc,

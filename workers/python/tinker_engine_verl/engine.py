@@ -10,8 +10,8 @@ builds AdamW. What the engine adds on top of verl: the seeded LoRA init of the t
 losses (``tinker_engine.losses`` via ``translate.make_loss_fn``), per-step AdamParams and grad
 clipping, and checkpoints / sampler adapters in the torch engine's exact format.
 
-Environment: ``TB_VERL_STRATEGY`` (fsdp2 | fsdp; default fsdp2), ``TB_VERL_OFFLOAD`` (1: parameters
-and optimizer state offloaded to CPU between ops, verl's ``param_offload``/``optimizer_offload``),
+Environment: ``TB_VERL_STRATEGY`` (fsdp2 | fsdp | veomni, see veomni.py; default fsdp2),
+``TB_VERL_OFFLOAD`` (1: parameters and optimizer state offloaded to CPU between ops, verl's ``param_offload``/``optimizer_offload``),
 ``TB_VERL_GRAD_CKPT`` (1, default: gradient checkpointing), ``TB_VERL_ATTN`` (default sdpa),
 ``TB_ENGINE_MAX_BATCH_TOKENS`` (verl's ``max_token_len_per_gpu``, default 16384),
 ``TB_VERL_RECORD`` (a directory: each forward_backward of at most ``TB_VERL_RECORD_MAX_TOKENS`` (512)
@@ -21,6 +21,7 @@ test_verl_translate.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -45,9 +46,20 @@ from tinker_engine.state import (MOMENTS, OPTIMIZER_META, OPTIMIZER_TENSORS, STA
 from tinker_engine.tensors import tensor_to_json
 from tinker_engine.train import AdamParams, max_batch_tokens, parse_forward_backward
 
-from . import translate
+from . import translate, veomni
 
 log = logging.getLogger("tinker_engine_verl")
+
+
+STRATEGIES = ("fsdp2", "fsdp", "veomni")
+
+
+def strategy() -> str:
+    """``TB_VERL_STRATEGY``: verl's FSDP2 (default) or FSDP engine, or its VeOmni engine (veomni.py)."""
+    value = os.environ.get("TB_VERL_STRATEGY", "fsdp2")
+    if value not in STRATEGIES:
+        raise ValueError(f"TB_VERL_STRATEGY={value!r}: one of {', '.join(STRATEGIES)}")
+    return value
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -218,13 +230,17 @@ class VerlEngine:
             path=base.path, lora_rank=lora.rank, lora_alpha=lora.rank, target_modules=lora.target_modules(),
             use_remove_padding=False, enable_gradient_checkpointing=_env_flag("TB_VERL_GRAD_CKPT", True),
             override_config={"attn_implementation": os.environ.get("TB_VERL_ATTN", "sdpa")})
-        engine_config = FSDPEngineConfig(
-            strategy=os.environ.get("TB_VERL_STRATEGY", "fsdp2"), forward_only=False, use_dynamic_bsz=True,
-            max_token_len_per_gpu=max_batch_tokens(), use_remove_padding=False, use_torch_compile=False,
-            param_offload=offload, optimizer_offload=offload)
-        optimizer_config = FSDPOptimizerConfig(
-            lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, clip_grad=math.inf, total_training_steps=1,
-            lr_warmup_steps=0, override_optimizer_config={"eps": 1e-12})
+        if strategy() == "veomni":
+            engine_config = veomni.engine_config(self.world_size, offload, max_batch_tokens())
+            optimizer_config = veomni.optimizer_config()
+        else:
+            engine_config = FSDPEngineConfig(
+                strategy=strategy(), forward_only=False, use_dynamic_bsz=True,
+                max_token_len_per_gpu=max_batch_tokens(), use_remove_padding=False, use_torch_compile=False,
+                param_offload=offload, optimizer_offload=offload)
+            optimizer_config = FSDPOptimizerConfig(
+                lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, clip_grad=math.inf, total_training_steps=1,
+                lr_warmup_steps=0, override_optimizer_config={"eps": 1e-12})
         return TrainingWorkerConfig(model_type="language_model", model_config=model_config,
                                     engine_config=engine_config, optimizer_config=optimizer_config,
                                     checkpoint_config=CheckpointConfig())
@@ -241,7 +257,10 @@ class VerlEngine:
                 return {"model_id": model_id, "lora_rank": lora.rank}
             raise UserError(f"model_id '{model_id}' already exists with a different configuration")
         worker = TinkerTrainingWorker(self._worker_config(base, lora))
-        worker.reset()
+        # verl's VeOmni engine applies no LoRA itself: its builders get this model's (veomni.py).
+        with (veomni.lora_build(lora, base.path, _env_flag("TB_VERL_GRAD_CKPT", True)) if strategy() == "veomni"
+              else contextlib.nullcontext()):
+            worker.reset()
         model = VerlModel(model_id=model_id, base=base, lora=lora, worker=worker)
         with model.engine.train_mode(zero_grad_on_exit=False):
             params = model.lora_params()

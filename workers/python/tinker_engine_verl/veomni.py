@@ -1,0 +1,88 @@
+"""VeOmni as the verl engine's second strategy (``TB_VERL_STRATEGY=veomni``, the preset's
+``parallelism.strategy: veomni``).
+
+verl 0.9.1 ships a VeOmni engine (``verl.workers.engine.veomni``, a subclass of its FSDP engine, so
+the rest of this engine — train/eval modes, the optimizer step, DTensor LoRA parameters — is the
+same), but it applies no LoRA: it reads ``lora_rank`` and builds the plain model (its source says
+"TODO: support VeOmni LoRA"), so a LoRA model would silently be trained in full. ``lora_build``
+closes that gap without changing verl's code: while a model is created it wraps the two VeOmni
+builders verl's engine calls — the model VeOmni builds gets this model's PEFT LoRA adapters (the
+torch engine's ``LoraSpec.peft_config``), and VeOmni's parallelizer is told it wraps a PEFT model
+(``is_peft_model=True``, as VeOmni's own trainer passes for LoRA).
+
+What else VeOmni needs here (measured with bench/gpu/veomni_probe.py: verl 0.9.1, veomni 0.1.12,
+torch 2.11, transformers 5.17; docs/engines/verl.md): veomni 0.1.12 (0.1.11, verl's pin, fails
+under transformers 5.17 with ``create_causal_mask() got an unexpected keyword argument
+'cache_position'``); attention ``sdpa`` (its default rewrites to a flash-attn implementation),
+eager ops, no torch.compile; ``init_device`` ``meta`` only when it shards (more than one rank),
+else ``cuda`` (VeOmni refuses meta on one rank: "Only FSDP training supports init_device=meta").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from tinker_engine.models import LoraSpec
+
+# The LoRA of the model being created (create_model runs one at a time on every rank).
+_building: dict[str, Any] = {}
+_installed = False
+
+
+def _install() -> None:
+    """Wraps verl's VeOmni builders once; outside ``lora_build`` they behave as verl's."""
+    global _installed
+    if _installed:
+        return
+    import verl.workers.engine.veomni.transformer_impl as impl
+
+    build_model, parallelize = impl.build_foundation_model, impl.build_parallelize_model
+
+    def build_with_lora(*args: Any, **kwargs: Any) -> Any:
+        module = build_model(*args, **kwargs)
+        if not _building:
+            return module
+        from peft import get_peft_model
+
+        if _building["grad_ckpt"]:
+            module.enable_input_require_grads()
+        return get_peft_model(module, _building["lora"].peft_config(_building["path"]))
+
+    def parallelize_peft(module: Any, **kwargs: Any) -> Any:
+        return parallelize(module, **({**kwargs, "is_peft_model": True} if _building else kwargs))
+
+    impl.build_foundation_model, impl.build_parallelize_model = build_with_lora, parallelize_peft
+    _installed = True
+
+
+@contextlib.contextmanager
+def lora_build(lora: LoraSpec, path: str, grad_ckpt: bool) -> Iterator[None]:
+    """Models VeOmni builds inside the block get ``lora``'s adapters."""
+    _install()
+    _building.update(lora=lora, path=path, grad_ckpt=grad_ckpt)
+    try:
+        yield
+    finally:
+        _building.clear()
+
+
+def engine_config(world_size: int, offload: bool, max_tokens: int) -> Any:
+    from verl.workers.config import VeOmniEngineConfig
+
+    return VeOmniEngineConfig(
+        strategy="veomni", forward_only=False, use_dynamic_bsz=True, max_token_len_per_gpu=max_tokens,
+        use_remove_padding=False, use_torch_compile=False,
+        attn_implementation=os.environ.get("TB_VERL_ATTN", "sdpa"), moe_implementation="eager",
+        mixed_precision=True, init_device="meta" if world_size > 1 else "cuda", enable_full_shard=True,
+        param_offload=offload, optimizer_offload=offload)
+
+
+def optimizer_config() -> Any:
+    from verl.workers.config import VeOmniOptimizerConfig
+
+    # The per-step AdamParams replace lr, betas, eps and weight decay (optim_step); no clipping by default.
+    return VeOmniOptimizerConfig(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, clip_grad=float("inf"),
+                                 total_training_steps=1, lr_warmup_steps=0, lr_scheduler_type="constant")
