@@ -10,7 +10,8 @@ between ops) and the peak since the last reading. Losses must agree between the 
 offload.json into --out.
 
   python3 bench/gpu/verl_offload.py --model DIR [--steps 3] [--batch 8] [--max-len 1024]
-  (on the H200, after bench/gpu/verl_check.sh installed the verl kit: PYTHONPATH=/tmp/site)
+  (on the H200 with the verl kit on PYTHONPATH: bench/gpu/verl_sdk_check.sh gpu runs it last;
+  here `--twin --model models/tiny-qwen3` checks the driver with a torch engine in verl's place)
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def run(offload: bool, args: argparse.Namespace, out: Path, vocab: int) -> dict[
            "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TB_VERL_OFFLOAD": "1" if offload else "0"}
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "tinker_engine_verl"]
+    if args.twin:  # the driver itself, here: the torch engine on the CPU in verl's place (offload does nothing)
+        argv, env["TB_ENGINE_DEVICE"] = [sys.executable, "-m", "tinker_engine"], "cpu"
     eng = EngineClient(f"verl offload={int(offload)}", argv, env, out / f"verl_offload{int(offload)}.log")
     rows: list[dict[str, Any]] = []
     try:
@@ -73,6 +76,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--twin", action="store_true", help="check the driver on the CPU: a torch engine in verl's place")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
