@@ -8,8 +8,26 @@ import { BrokerError } from '../queues/errors.js';
  * records the tenant that made it (see tenants.ts).
  */
 
-/** The well-known default key of a local install; refused on a public interface (api/main.ts). */
+/** The well-known default key of a local install; refused on a public interface (assertSafeKeys). */
 export const DEFAULT_API_KEY = 'tml-local';
+
+const LOOPBACK = new Set(['127.0.0.1', '::1', 'localhost', '::ffff:127.0.0.1']);
+
+/**
+ * The API refuses to listen beyond loopback with the well-known default key unless the operator
+ * chose the keys (TB_API_KEYS): anyone who can reach the port would otherwise be a tenant.
+ */
+export class StartRefused extends Error {
+  override readonly name = 'StartRefused';
+}
+
+export function assertSafeKeys(config: { host: string; apiKeys: readonly string[] }, env: NodeJS.ProcessEnv): void {
+  const loopback = LOOPBACK.has(config.host) || /^127\./.test(config.host);
+  if (!loopback && config.apiKeys.includes(DEFAULT_API_KEY) && !env.TB_API_KEYS)
+    throw new StartRefused(
+      `refusing to listen on ${config.host} with the well-known default API key '${DEFAULT_API_KEY}': set TB_API_KEYS to your own keys (comma separated), or listen on 127.0.0.1`,
+    );
+}
 
 const digest = (s: string) => createHash('sha256').update(s, 'utf8').digest();
 

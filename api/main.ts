@@ -2,25 +2,7 @@ import type { Server } from 'node:http';
 import { loadApiConfig, type ApiConfig } from '../queues/config.js';
 import { logger } from '../queues/logger.js';
 import { buildApp } from './app.js';
-import { DEFAULT_API_KEY } from './auth.js';
-
-const LOOPBACK = new Set(['127.0.0.1', '::1', 'localhost', '::ffff:127.0.0.1']);
-
-/**
- * The API refuses to listen beyond loopback with the well-known default key unless the operator
- * chose the keys (TB_API_KEYS): anyone who can reach the port would otherwise be a tenant.
- */
-export class StartRefused extends Error {
-  override readonly name = 'StartRefused';
-}
-
-export function assertSafeKeys(config: Pick<ApiConfig, 'host' | 'apiKeys'>, env: NodeJS.ProcessEnv): void {
-  const loopback = LOOPBACK.has(config.host) || /^127\./.test(config.host);
-  if (!loopback && config.apiKeys.includes(DEFAULT_API_KEY) && !env.TB_API_KEYS)
-    throw new StartRefused(
-      `refusing to listen on ${config.host} with the well-known default API key '${DEFAULT_API_KEY}': set TB_API_KEYS to your own keys (comma separated), or listen on 127.0.0.1`,
-    );
-}
+import { assertSafeKeys, StartRefused } from './auth.js';
 
 /** The API process: `tsx api/main.ts`. Configuration from the environment (queues/config.ts) or a preset's plan. */
 export async function startApi(

@@ -1,11 +1,12 @@
 import type { ChildProcess } from 'node:child_process';
 import { pathToFileURL } from 'node:url';
-import { assertSafeKeys, startApi, StartRefused } from '../api/main.js';
+import { assertSafeKeys, StartRefused } from '../api/auth.js';
+import type { startApi } from '../api/main.js';
 import { loadLauncherConfig } from '../queues/config.js';
 import { logger } from '../queues/logger.js';
 import { loadPreset, PresetError } from '../presets/schema.js';
 import { formatPlan, planPreset, planProblems, type Plan } from '../presets/plan.js';
-import { Agent } from '../workers/agent.js';
+import type { Agent } from '../workers/agent.js';
 import { commandUsage, parseCommand, programUsage, UsageError, type Command, type CommandTable, type OptionSpec, type Parsed } from './cli.js';
 import { inspectCommands } from './inspect.js';
 import { assertPortFree, defaultPython, ensureRedis, ensureTinyModel, stopChild, TINY_MODEL_DIR } from './stack.js';
@@ -160,8 +161,12 @@ async function start(p: Parsed): Promise<void> {
     for (const a of pl.agents) for (const m of a.models) if (generated(m.path)) ensureTinyModel(a.python, m.path, m.path === TINY_MODEL_DIR ? 0 : 1);
     if (pl.redis.embedded && (pl.api || pl.agents.length)) redis = await ensureRedis(pl.redis.url, launcher.redisDir);
     if (stopping) return;
-    for (const a of pl.agents) agents.push(new Agent(a));
-    api = pl.api ? await startApi({ config: pl.api }) : null;
+    // A node loads only what it runs: the API's modules when it serves the API, the agent's (and its engines' adapters) when it runs agents.
+    if (pl.agents.length) {
+      const { Agent } = await import('../workers/agent.js');
+      for (const a of pl.agents) agents.push(new Agent(a));
+    }
+    api = pl.api ? await (await import('../api/main.js')).startApi({ config: pl.api }) : null;
     await Promise.all(agents.map((a) => a.start()));
     // Agents drained through Redis (`tinker-broker drain`) end this process once all of them stopped.
     if (agents.length) void Promise.all(agents.map((a) => a.stopped)).then(() => (stopping ? undefined : void shutdown('agents drained')));

@@ -46,6 +46,15 @@ describe('import boundaries', () => {
     });
   }
 
+  it("the launcher loads the API's and the agent's modules only on a node that runs them", () => {
+    // Static value imports of scripts/tinker-broker.ts: the light key check from api/auth.ts only;
+    // api/main.ts and workers/agent.ts are imported when the node serves the API or runs agents.
+    const text = readFileSync(path.join(ROOT, 'scripts/tinker-broker.ts'), 'utf8');
+    const eager = [...text.matchAll(/^import\s+(?!type\s)[^'"]*?from\s*['"](\.\.\/(?:api|workers)\/[^'"]+)['"]/gm)].map((m) => m[1]);
+    expect(eager).to.deep.equal(['../api/auth.js']);
+    expect(text).to.include("await import('../workers/agent.js')").and.to.include("await import('../api/main.js')");
+  });
+
   it('detects a forbidden import (the scanner itself works)', () => {
     // api/main.ts imports queues/: the scanner must see it, or the tests above prove nothing.
     expect(importedFolders('api/main.ts').map((i) => i.folder)).to.include('queues');

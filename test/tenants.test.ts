@@ -1,6 +1,6 @@
 import { spawnSync } from 'node:child_process';
 import { expect } from 'chai';
-import { assertSafeKeys, StartRefused } from '../api/main.js';
+import { assertSafeKeys, StartRefused } from '../api/auth.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
 import { API_KEY, API_KEY_B, awaitFuture, call, startStack, type HttpReply, type TestStack } from './helpers/stack.js';
 import { decodeForwardBackwardOutput, encodeForwardBackward } from './helpers/wire.js';
