@@ -2,7 +2,7 @@ import { readFileSync } from 'node:fs';
 import path from 'node:path';
 import YAML from 'yaml';
 import { z } from 'zod';
-import { deviceGpus, ENGINE_KINDS } from '../queues/config.js';
+import { deviceGpus, ENGINE_KINDS, MODEL_DTYPES } from '../queues/config.js';
 
 /**
  * Launch presets: one YAML file describes a whole setup (models and their roles, engines, the
@@ -52,7 +52,7 @@ export const ModelSpec = z
     /** verl: parameters and optimizer state in CPU memory between steps (verl's param and optimizer offload). @defaultValue false */
     offload: z.boolean().default(false),
     /** Weight dtype on the device. @defaultValue engine's choice (float32 on CPU, bfloat16 on GPU) */
-    dtype: z.enum(['float32', 'bfloat16', 'float16']).optional(),
+    dtype: z.enum(MODEL_DTYPES).optional(),
   })
   .strict();
 export type ModelSpec = z.infer<typeof ModelSpec>;

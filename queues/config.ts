@@ -45,6 +45,10 @@ export function deviceGpus(device: string | undefined): number[] {
   const m = /^cuda(?::(\d+(?:,\d+)*))?$/.exec(device ?? '');
   return m ? (m[1] ?? '0').split(',').map(Number) : [];
 }
+/** The weight dtypes a preset may ask of an engine (`models[].dtype`). */
+export const MODEL_DTYPES = ['float32', 'bfloat16', 'float16'] as const;
+export type ModelDtype = (typeof MODEL_DTYPES)[number];
+
 export const ENGINE_KINDS = Object.keys(ENGINES) as [EngineKind, ...EngineKind[]];
 const csv = z
   .string()
@@ -177,7 +181,7 @@ export type BaseModelSpec = {
   /** Largest K of top-K prompt logprobs. */
   topkMax: number;
   /** Weight dtype, when the preset sets one. */
-  dtype?: string | undefined;
+  dtype?: ModelDtype | undefined;
   /** GPUs the engine splits the model over (the preset's `parallelism.tensor`; vLLM `--tensor-parallel-size`). @defaultValue 1 */
   tensorParallel?: number | undefined;
   /** vLLM engine: expert parallelism over the tensor-parallel GPUs (the preset's `parallelism.expert` > 1; `--enable-expert-parallel`). */

@@ -4,13 +4,9 @@ import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { BrokerError, engineCode, type ErrorCategory } from '../queues/errors.js';
 import type { Logger } from '../queues/logger.js';
+import { decodeFrame, encodeFrame } from './engine-frame.js';
+import { ENGINE_OPS, type EngineArgs, type EngineOp, type EngineResult } from './engine-protocol.js';
 
-/**
- * The engine process and the channel to it (docs/engine-protocol.md): length-prefixed JSON
- * frames over the child's stdin/stdout; its stderr is forwarded to the agent's log.
- * Replies are matched to requests by id (sample replies can overtake: the engine runs other ops
- * between decode steps); one failing request does not end the process.
- */
 /** An engine's error reply (or a failure of the channel) as a broker error: `user` refused input, `server` a failed engine. */
 export class EngineError extends BrokerError {
   override readonly name: string = 'EngineError';
@@ -19,7 +15,12 @@ export class EngineError extends BrokerError {
   }
 }
 
-type Pending = { op: string; resolve: (v: unknown) => void; reject: (e: Error) => void };
+/** An invalid result says which fields were wrong (e.g. a NaN loss, sent as null). */
+function describeIssues(error: { issues: readonly { path: readonly PropertyKey[]; message: string }[] }): string {
+  return error.issues.slice(0, 3).map((i) => `${i.path.map(String).join('.')}: ${i.message}`).join('; ');
+}
+
+type Pending = { op: EngineOp; resolve: (v: unknown) => void; reject: (e: Error) => void };
 
 export type EngineEvents = { exit: [code: number | null, signal: NodeJS.Signals | null] };
 
@@ -35,6 +36,13 @@ export type EngineOptions = {
 
 const PYTHON_DIR = path.join(path.dirname(fileURLToPath(import.meta.url)), 'python');
 
+/**
+ * The engine process and the channel to it (docs/engine-protocol.md, protocol 2): frames of JSON
+ * plus binary tensors over the child's stdin/stdout, each operation's arguments and result typed
+ * and checked by its schema in `workers/engine-protocol.ts`; its stderr is forwarded to the
+ * agent's log. Replies are matched to requests by id (sample replies can overtake: the engine runs
+ * other ops between decode steps); one failing request does not end the process.
+ */
 export class EngineProcess extends EventEmitter<EngineEvents> {
   private child: ChildProcessWithoutNullStreams | null = null;
   private nextId = 1;
@@ -89,34 +97,39 @@ export class EngineProcess extends EventEmitter<EngineEvents> {
     while (this.buf.length >= 4) {
       const n = this.buf.readUInt32BE(0);
       if (this.buf.length < 4 + n) break;
-      const body = this.buf.subarray(4, 4 + n).toString('utf8');
+      const body = this.buf.subarray(4, 4 + n);
       this.buf = this.buf.subarray(4 + n);
       let msg: { id: number; ok: boolean; result?: unknown; error?: { category?: string; message?: string } };
       try {
-        msg = JSON.parse(body);
-      } catch {
-        this.opts.log.error('engine sent a malformed frame', { body: body.slice(0, 200) });
+        msg = decodeFrame(body) as typeof msg;
+      } catch (e) {
+        this.opts.log.error('engine sent a malformed frame', { err: (e as Error).message, body: body.toString('utf8', 0, 200) });
         this.child?.kill('SIGKILL');
         return;
       }
       const p = this.pending.get(msg.id);
       if (!p) continue;
       this.pending.delete(msg.id);
-      if (msg.ok) p.resolve(msg.result);
-      else p.reject(new EngineError(msg.error?.category === 'user' ? 'user' : 'server', msg.error?.message ?? 'engine error'));
+      if (!msg.ok) {
+        p.reject(new EngineError(msg.error?.category === 'user' ? 'user' : 'server', msg.error?.message ?? 'engine error'));
+        continue;
+      }
+      const parsed = ENGINE_OPS[p.op].result.safeParse(msg.result);
+      if (parsed.success) p.resolve(parsed.data);
+      else p.reject(new EngineError('server', `the engine returned an invalid ${p.op} result (non-finite values?): ${describeIssues(parsed.error)}`));
     }
   }
 
-  /** Sends one request; resolves with its result or rejects with an EngineError. */
-  call<T = unknown>(op: string, args: Record<string, unknown>): Promise<T> {
+  /** Sends one request, its arguments checked by the op's schema; resolves with its parsed result or rejects with an EngineError. */
+  call<O extends EngineOp>(op: O, args: EngineArgs<O>): Promise<EngineResult<O>> {
     if (!this.child || this.exited) return Promise.reject(new EngineError('server', `engine process is not running (op ${op})`));
+    const checked = ENGINE_OPS[op].args.safeParse(args);
+    if (!checked.success) return Promise.reject(new EngineError('server', `the agent built invalid ${op} arguments: ${describeIssues(checked.error)}`));
     const id = this.nextId++;
-    const body = Buffer.from(JSON.stringify({ id, op, args }), 'utf8');
-    const head = Buffer.alloc(4);
-    head.writeUInt32BE(body.length);
-    return new Promise<T>((resolve, reject) => {
+    const frame = encodeFrame({ id, op, args: checked.data });
+    return new Promise<EngineResult<O>>((resolve, reject) => {
       this.pending.set(id, { op, resolve: resolve as (v: unknown) => void, reject });
-      this.child!.stdin.write(Buffer.concat([head, body]));
+      this.child!.stdin.write(frame);
     });
   }
 

@@ -1,30 +1,21 @@
-import type { z } from 'zod';
 import type { BaseModelSpec } from '../../queues/config.js';
 import type { Logger } from '../../queues/logger.js';
 import type { ServedModel } from '../../queues/registry/agents.js';
-import {
+import type {
+  CreateModelJob,
+  ForwardBackwardJob,
   ForwardBackwardResult,
-  OptimStepResult,
+  OptimStepJob,
+  SampleJob,
   SampleResult,
-  type CreateModelJob,
-  type ForwardBackwardJob,
-  type OptimStepJob,
-  type SampleJob,
-  type SaveSamplerJob,
+  SaveSamplerJob,
 } from '../../queues/schemas.js';
 import { EngineError, EngineProcess } from '../engine.js';
+import { BinTensor, PROTOCOL_VERSION, type SampleRequest } from '../engine-protocol.js';
 import type { EngineAdapter } from './adapter.js';
 
-/** An engine result that does not fit its schema (e.g. a NaN loss, sent as null) is a server error that says so. */
-function parseResult<S extends z.ZodType>(schema: S, r: unknown, op: string): z.output<S> {
-  const res = schema.safeParse(r);
-  if (res.success) return res.data;
-  const where = res.error.issues.slice(0, 3).map((i) => `${i.path.join('.')}: ${i.message}`).join('; ');
-  throw new EngineError('server', `the engine returned an invalid ${op} result (non-finite values?): ${where}`);
-}
-
 /** The per-request fields of `sample` and of each `sample_batch` request (docs/engine-protocol.md). */
-function sampleRequest(job: SampleJob): Record<string, unknown> {
+function sampleRequest(job: SampleJob): SampleRequest {
   return {
     adapter_dir: job.adapter_dir,
     prompt: job.prompt,
@@ -86,8 +77,9 @@ export class TorchAdapter implements EngineAdapter {
   async start(): Promise<void> {
     this.engine = this.makeEngine();
     this.engine.start();
-    const hello = await this.engine.call<{ protocol: number; engine: string; device: string }>('hello', {});
-    if (hello.protocol !== 1) throw new Error(`engine speaks protocol ${hello.protocol}; this agent speaks 1`);
+    const hello = await this.engine.call('hello', {});
+    if (hello.protocol !== PROTOCOL_VERSION)
+      throw new Error(`engine speaks protocol ${hello.protocol}; this agent speaks ${PROTOCOL_VERSION}`);
     if (hello.engine !== this.kind) throw new Error(`the ${this.kind} adapter started a '${hello.engine}' engine`);
     this.device = hello.device;
   }
@@ -101,7 +93,7 @@ export class TorchAdapter implements EngineAdapter {
   }
 
   async loadBase(spec: BaseModelSpec): Promise<ServedModel> {
-    const r = await this.engine.call<{ vocab_size: number; arch: string; max_context_length: number }>('load_base', {
+    const r = await this.engine.call('load_base', {
       name: spec.name,
       path: spec.path,
       ...(spec.dtype ? { dtype: spec.dtype } : {}),
@@ -124,27 +116,30 @@ export class TorchAdapter implements EngineAdapter {
   }
 
   async forwardBackward(job: ForwardBackwardJob): Promise<ForwardBackwardResult> {
-    const r = await this.engine.call('forward_backward', {
+    return this.engine.call('forward_backward', {
       model_id: job.model_id,
       loss_fn: job.loss_fn,
       loss_fn_config: job.loss_fn_config,
       forward_only: job.forward_only,
-      data: job.data,
+      // Tensors travel as binary, not as JSON number lists.
+      data: job.data.map((d) => ({
+        tokens: BinTensor.ints([d.tokens.length], d.tokens),
+        loss_fn_inputs: Object.fromEntries(Object.entries(d.loss_fn_inputs).map(([k, t]) => [k, BinTensor.from(t)])),
+      })),
     });
-    return parseResult(ForwardBackwardResult, r, 'forward_backward');
   }
 
   async optimStep(job: OptimStepJob): Promise<{ metrics: Record<string, number> }> {
-    return parseResult(OptimStepResult, await this.engine.call('optim_step', { model_id: job.model_id, adam: job.adam }), 'optim_step');
+    return this.engine.call('optim_step', { model_id: job.model_id, adam: job.adam });
   }
 
   async saveSampler(job: SaveSamplerJob): Promise<{ size_bytes: number }> {
-    const r = await this.engine.call<{ size_bytes?: number }>('save_sampler', { model_id: job.model_id, dir: job.dir });
-    return { size_bytes: r.size_bytes ?? 0 };
+    const r = await this.engine.call('save_sampler', { model_id: job.model_id, dir: job.dir });
+    return { size_bytes: r.size_bytes };
   }
 
   async saveState(modelId: string, dir: string, optimizer: boolean, gradients = false): Promise<{ size_bytes: number }> {
-    const r = await this.engine.call<{ size_bytes: number }>('save_state', { model_id: modelId, dir, optimizer, gradients });
+    const r = await this.engine.call('save_state', { model_id: modelId, dir, optimizer, gradients });
     return { size_bytes: r.size_bytes };
   }
 
@@ -156,28 +151,17 @@ export class TorchAdapter implements EngineAdapter {
     await this.engine.call('unload_model', { model_id: modelId });
   }
 
-  async sample(job: SampleJob): Promise<SampleResult> {
-    const r = await this.engine.call('sample', { base_model: job.base_model, ...sampleRequest(job) });
-    return parseResult(SampleResult, r, 'sample');
+  sample(job: SampleJob): Promise<SampleResult> {
+    return this.engine.call('sample', { base_model: job.base_model, ...sampleRequest(job) });
   }
 
   /** One `sample_batch` call for jobs of one base model; a bad job fails alone with its own error. */
   async sampleBatch(jobs: SampleJob[]): Promise<(SampleResult | Error)[]> {
     const base = jobs[0]!.base_model;
     if (jobs.some((j) => j.base_model !== base)) throw new EngineError('server', 'a sample batch must share one base model');
-    const r = await this.engine.call<{ results: { ok: boolean; result?: unknown; error?: { category?: string; message?: string } }[] }>(
-      'sample_batch',
-      { base_model: base, requests: jobs.map(sampleRequest) },
-    );
-    if (!Array.isArray(r?.results) || r.results.length !== jobs.length)
-      throw new EngineError('server', `the engine returned an invalid sample_batch result for ${jobs.length} requests`);
-    return r.results.map((entry) => {
-      if (!entry.ok) return new EngineError(entry.error?.category === 'user' ? 'user' : 'server', entry.error?.message ?? 'engine error');
-      try {
-        return parseResult(SampleResult, entry.result, 'sample');
-      } catch (e) {
-        return e as Error;
-      }
-    });
+    const r = await this.engine.call('sample_batch', { base_model: base, requests: jobs.map(sampleRequest) });
+    if (r.results.length !== jobs.length)
+      throw new EngineError('server', `the engine returned ${r.results.length} sample_batch results for ${jobs.length} requests`);
+    return r.results.map((entry) => (entry.ok ? entry.result : new EngineError(entry.error.category, entry.error.message)));
   }
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,8 @@ import torch
 
 PY_ROOT = Path(__file__).resolve().parents[1]
 REPO_ROOT = PY_ROOT.parents[1]
+# Every op's result is checked against its schema in protocol.json (the protocol both sides follow).
+os.environ["TB_ENGINE_CHECK_RESULTS"] = "1"
 if str(PY_ROOT) not in sys.path:
     sys.path.insert(0, str(PY_ROOT))
 

@@ -57,7 +57,8 @@ def fb(engine: Engine, model_id: str, loss_fn: str, data: list[dict[str, Any]],
 
 def out_logprobs(result: dict[str, Any], i: int) -> torch.Tensor:
     t = result["loss_fn_outputs"][i]["logprobs"]
-    return torch.tensor(t["data"], dtype=torch.float32).reshape(t["shape"])
+    assert isinstance(t, torch.Tensor) and t.dtype == torch.float32  # the channel sends it as binary
+    return t
 
 
 def adam(lr: float = 1e-2, beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8,
@@ -68,9 +69,10 @@ def adam(lr: float = 1e-2, beta1: float = 0.9, beta2: float = 0.95, eps: float =
 
 def sampling(max_tokens: int = 8, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
              seed: int | None = 0, stop_tokens: list[int] | None = None,
-             stop_strings: list[str] | None = None) -> dict[str, Any]:
+             stop_strings: list[str] | None = None, stop_at_eos: bool = True) -> dict[str, Any]:
     return {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
-            "seed": seed, "stop_tokens": stop_tokens or [], "stop_strings": stop_strings or []}
+            "seed": seed, "stop_tokens": stop_tokens or [], "stop_strings": stop_strings or [],
+            "stop_at_eos": stop_at_eos}
 
 
 def sample(engine: Engine, prompt: list[int], params: dict[str, Any], num_samples: int = 1,

@@ -4,6 +4,7 @@ the engine's own prompt logprobs and top-K from the same request."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers import BASE, sampling
 from tinker_engine.engine import Engine
@@ -27,9 +28,9 @@ def test_target_prompt_logprobs_match_prompt_and_topk_logprobs(engine: Engine) -
         ids += [PROMPT[i + 1], top2, -1]
     out = _sample(engine, {"k": 3, "ids": ids})
     got = out["target_prompt_logprobs"]
-    assert got["shape"] == [rows, 3]
+    assert list(got.shape) == [rows, 3] and got.dtype == torch.float32
     for i in range(rows):
-        row = got["data"][3 * i: 3 * i + 3]
+        row = got[i].tolist()
         assert row[0] == pytest.approx(ref["prompt_logprobs"][i + 1], abs=1e-6)
         assert row[1] == pytest.approx(ref["topk_prompt_logprobs"][i + 1][1][1], abs=1e-6)
         assert row[2] == 0.0  # -1 requests nothing
@@ -41,7 +42,7 @@ def test_target_prompt_logprobs_alone(engine: Engine) -> None:
                                  "sampling_params": sampling(max_tokens=2),
                                  "target_prompt_logprobs": {"k": 1, "ids": PROMPT[1:]}})
     assert out["prompt_logprobs"] is None and out["topk_prompt_logprobs"] is None
-    assert out["target_prompt_logprobs"]["data"] == pytest.approx(ref["prompt_logprobs"][1:], abs=1e-6)
+    assert out["target_prompt_logprobs"].flatten().tolist() == pytest.approx(ref["prompt_logprobs"][1:], abs=1e-6)
 
 
 def test_target_prompt_logprobs_checks(engine: Engine) -> None:
@@ -83,11 +84,12 @@ def test_prompt_alt_tokens_greedy_is_the_argmax(engine: Engine) -> None:
     out = _alt(engine, 3, 0.0)
     alt = out["prompt_alt_tokens"]
     rows = len(PROMPT) - 1
-    assert alt["tokens"]["shape"] == [rows, 3] == alt["logprobs"]["shape"]
+    assert list(alt["tokens"].shape) == [rows, 3] == list(alt["logprobs"].shape)
+    assert alt["tokens"].dtype == torch.int64 and alt["logprobs"].dtype == torch.float32
     for i in range(rows):
         top_id, top_lp = out["topk_prompt_logprobs"][i + 1][0]
-        assert alt["tokens"]["data"][3 * i: 3 * i + 3] == [top_id] * 3
-        assert alt["logprobs"]["data"][3 * i: 3 * i + 3] == pytest.approx([top_lp] * 3, abs=1e-6)
+        assert alt["tokens"][i].tolist() == [top_id] * 3
+        assert alt["logprobs"][i].tolist() == pytest.approx([top_lp] * 3, abs=1e-6)
 
 
 def test_prompt_alt_tokens_draws_are_scored_in_their_distribution(engine: Engine) -> None:
@@ -95,16 +97,17 @@ def test_prompt_alt_tokens_draws_are_scored_in_their_distribution(engine: Engine
     temperature = 0.8
     out = _alt(engine, 16, temperature)
     again = _alt(engine, 16, temperature)
-    assert out["prompt_alt_tokens"] == again["prompt_alt_tokens"]  # seeded
+    assert all(torch.equal(out["prompt_alt_tokens"][k], again["prompt_alt_tokens"][k]) for k in ("tokens", "logprobs"))  # seeded
     assert out["sequences"] == _sample_plain(engine, temperature)["sequences"]  # draws leave the sampling stream alone
     base = engine.registry.base(BASE)
     base.activate(None)
     with torch.no_grad():
         logits = base.hf(input_ids=torch.tensor([PROMPT])).logits[0, :-1].float()
     logp = torch.log_softmax(logits / temperature, dim=-1)
-    toks = torch.tensor(out["prompt_alt_tokens"]["tokens"]["data"]).reshape(len(PROMPT) - 1, 16)
+    toks = out["prompt_alt_tokens"]["tokens"]
+    assert list(toks.shape) == [len(PROMPT) - 1, 16]
     ref = logp.gather(-1, toks)
-    got = torch.tensor(out["prompt_alt_tokens"]["logprobs"]["data"]).reshape(ref.shape)
+    got = out["prompt_alt_tokens"]["logprobs"]
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert len(set(toks.flatten().tolist())) > 16  # real draws, not one repeated token
 

@@ -40,7 +40,7 @@ def test_new_adapter_is_deterministic_and_leaves_base_unchanged(engine: Engine) 
                                "num_samples": 1, "prompt_logprobs": True, "topk_prompt_logprobs": 0,
                                "sampling_params": {"max_tokens": 1, "temperature": 0.0}})
     base_lps = torch.tensor(p["prompt_logprobs"][1:])
-    torch.testing.assert_close(torch.tensor(with_adapter["loss_fn_outputs"][0]["logprobs"]["data"]), base_lps,
+    torch.testing.assert_close(with_adapter["loss_fn_outputs"][0]["logprobs"], base_lps,
                                rtol=1e-5, atol=1e-5)
 
 

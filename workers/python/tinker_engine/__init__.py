@@ -1,3 +1,3 @@
-"""tinker-broker's torch engine: protocol v1 of docs/engine-protocol.md over stdin/stdout."""
+"""tinker-broker's torch engine: protocol v2 of docs/engine-protocol.md over stdin/stdout."""
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2

@@ -1,4 +1,10 @@
-"""Framing: a 4-byte unsigned big-endian length, then that many bytes of UTF-8 JSON."""
+"""Framing, protocol 2 (docs/engine-protocol.md): each frame is a 4-byte unsigned big-endian length
+L, then a 4-byte unsigned big-endian length J, J bytes of UTF-8 JSON, and L - 4 - J bytes of tensor
+data. A tensor inside the JSON is ``{"dtype", "shape", "bin": [offset, nbytes]}``: raw little-endian
+bytes at ``offset`` (a multiple of 8) of the data part. Requests' tensors are decoded into CPU
+``torch.Tensor`` values (int32 widened to int64); a ``torch.Tensor`` anywhere in a reply is sent
+the same way, never as a JSON number list.
+"""
 
 from __future__ import annotations
 
@@ -10,17 +16,49 @@ import struct
 import sys
 from typing import Any, BinaryIO
 
+import torch
+
 _HEADER = struct.Struct(">I")
+_HEADERS = struct.Struct(">II")
+_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "int32": torch.int32, "int64": torch.int64}
+_ITEM = {"float32": 4, "int32": 4, "int64": 8}
+
+if sys.byteorder != "little":  # pragma: no cover - every x86 and ARM host is little-endian
+    raise RuntimeError("the engine channel carries little-endian tensors; this host is big-endian")
+
+
+class FrameError(ValueError):
+    """A frame that cannot be decoded."""
+
+
+def _wire_tensor(t: torch.Tensor) -> tuple[str, torch.Tensor]:
+    t = t.detach()
+    if t.is_floating_point():
+        return "float32", t.to(device="cpu", dtype=torch.float32).contiguous()
+    return "int64", t.to(device="cpu", dtype=torch.int64).contiguous()
 
 
 def encode_frame(message: dict[str, Any]) -> bytes:
-    """One frame for ``message``. Non-finite floats (not valid JSON) are sent as null."""
+    """One frame for ``message``; its tensors travel as binary. Non-finite JSON floats are sent as null."""
+    chunks: list[bytes] = []
+
+    def bin_ref(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{type(value).__name__} cannot travel on the engine channel")
+        dtype, t = _wire_tensor(value)
+        data = t.numpy().tobytes()
+        offset = sum(len(c) for c in chunks)
+        chunks.append(data + b"\0" * (-len(data) % 8))
+        return {"dtype": dtype, "shape": list(t.shape), "bin": [offset, len(data)]}
+
     try:
-        body = json.dumps(message, separators=(",", ":"), allow_nan=False)
+        text = json.dumps(message, separators=(",", ":"), allow_nan=False, default=bin_ref)
     except ValueError:
-        body = json.dumps(_finite(message), separators=(",", ":"), allow_nan=False)
-    data = body.encode("utf-8")
-    return _HEADER.pack(len(data)) + data
+        chunks.clear()
+        text = json.dumps(_finite(message), separators=(",", ":"), allow_nan=False, default=bin_ref)
+    body = text.encode("utf-8")
+    size = sum(len(c) for c in chunks)
+    return _HEADERS.pack(4 + len(body) + size, len(body)) + body + b"".join(chunks)
 
 
 def _finite(value: Any) -> Any:
@@ -33,6 +71,52 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def decode_frame(body: bytes | bytearray) -> Any:
+    """The message of one frame body (after its length word), its tensors as CPU ``torch.Tensor`` values."""
+    if len(body) < 4:
+        raise FrameError(f"a frame of {len(body)} bytes has no JSON length")
+    (j,) = _HEADER.unpack_from(body, 0)
+    if 4 + j > len(body):
+        raise FrameError(f"the JSON part ({j} bytes) runs past the frame ({len(body)} bytes)")
+    message = json.loads(bytes(body[4:4 + j]).decode("utf-8"))
+    # Tensors are views of the frame's bytes; torch wants them writable (the channel reads into a bytearray).
+    blob = memoryview(body if isinstance(body, bytearray) else bytearray(body))[4 + j:]
+    return _lower(message, blob)
+
+
+def _lower(value: Any, blob: memoryview) -> Any:
+    if isinstance(value, list):
+        return [_lower(v, blob) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if set(value) == {"dtype", "shape", "bin"} and isinstance(value["dtype"], str):
+        return _read_tensor(value, blob)
+    return {k: _lower(v, blob) for k, v in value.items()}
+
+
+def _read_tensor(ref: dict[str, Any], blob: memoryview) -> torch.Tensor:
+    dtype, shape, where = ref["dtype"], ref["shape"], ref["bin"]
+    if dtype not in _DTYPES:
+        raise FrameError(f"unknown tensor dtype {dtype!r}; known: {sorted(_DTYPES)}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise FrameError(f"tensor shape must be a list of non-negative integers, got {shape!r}")
+    if (not isinstance(where, list) or len(where) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in where)):
+        raise FrameError(f"tensor bin must be [offset, nbytes], got {where!r}")
+    offset, nbytes = where
+    count = math.prod(shape)
+    if count * _ITEM[dtype] != nbytes:
+        raise FrameError(f"tensor of shape {shape} {dtype} needs {count * _ITEM[dtype]} bytes, has {nbytes}")
+    if offset + nbytes > len(blob):
+        raise FrameError(f"tensor bytes [{offset}, +{nbytes}) lie outside the frame's {len(blob)} bytes")
+    if count == 0:
+        t = torch.empty(0, dtype=_DTYPES[dtype])
+    else:
+        t = torch.frombuffer(blob, dtype=_DTYPES[dtype], count=count, offset=offset)
+    t = t.reshape(shape)
+    return t.to(torch.int64) if dtype == "int32" else t
+
+
 class Channel:
     """Reads request frames from ``reader`` and writes reply frames to ``writer``."""
 
@@ -40,25 +124,27 @@ class Channel:
         self._reader = reader
         self._writer = writer
 
-    def _read_exact(self, n: int) -> bytes | None:
-        chunks: list[bytes] = []
-        remaining = n
-        while remaining > 0:
-            chunk = self._reader.read(remaining)
+    def _read_exact(self, n: int) -> bytearray | None:
+        # A bytearray: tensors decoded from the frame are views of it (torch.frombuffer needs it writable).
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            chunk = self._reader.read(n - got)
             if not chunk:
                 return None
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        return b"".join(chunks)
+            view[got:got + len(chunk)] = chunk
+            got += len(chunk)
+        return buf
 
-    def read(self) -> bytes | None:
-        """The next frame's body, or None when the channel is closed (EOF, even mid-frame)."""
+    def read(self) -> bytearray | None:
+        """The next frame's body (after its length word), or None when the channel is closed (EOF, even mid-frame)."""
         header = self._read_exact(_HEADER.size)
         if header is None:
             return None
         (length,) = _HEADER.unpack(header)
         if length == 0:
-            return b""
+            return bytearray()
         return self._read_exact(length)
 
     def write(self, message: dict[str, Any]) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -14,10 +13,12 @@ from typing import Any
 import torch
 
 from . import PROTOCOL_VERSION
+from .channel import decode_frame
 from .device import Placement
 from .errors import UserError
 from .models import LoraSpec, Registry
 from .params import get_obj, get_opt_str, get_str, is_int
+from .protocol import check_args, check_result
 from .sample import Sampler
 from .save import save_sampler
 from .state import load_state, save_state
@@ -68,7 +69,11 @@ class Task:
             next(self._steps)
             return None
         except StopIteration as done:
-            self._reply = ok_reply(self.request_id, self.op, self.subject, self.start, done.value)
+            try:
+                check_result(self.op, done.value)
+                self._reply = ok_reply(self.request_id, self.op, self.subject, self.start, done.value)
+            except Exception as exc:  # noqa: BLE001
+                self._reply = failed_reply(self.request_id, self.op, self.subject, self.start, exc)
         except Exception as exc:  # noqa: BLE001
             self._reply = failed_reply(self.request_id, self.op, self.subject, self.start, exc)
         return self._reply
@@ -132,7 +137,9 @@ class Engine:
         handler = self.ops.get(op)
         if handler is None:
             raise KeyError(f"unknown op '{op}'; known: {', '.join(self.ops)}")
-        return handler(args)
+        result = handler(args)
+        check_result(op, result)
+        return result
 
     @property
     def busy(self) -> bool:
@@ -143,11 +150,11 @@ class Engine:
         """One decode step of every generating batch (failures reach the requests' replies)."""
         self.sampler.advance()
 
-    def reply(self, body: bytes) -> dict[str, Any]:
+    def reply(self, body: bytes | bytearray) -> dict[str, Any]:
         """The reply to one request frame, run to the end; never raises for a bad request or a failing op."""
         return self.start(body, stepped=False).step() or {}
 
-    def start(self, body: bytes, stepped: bool = True) -> Task:
+    def start(self, body: bytes | bytearray, stepped: bool = True) -> Task:
         """Parse one request frame and begin it; ``Task.step`` runs it (never raises)."""
         f = Frame()
         start = time.perf_counter()
@@ -174,9 +181,10 @@ class Frame:
     args: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_frame(body: bytes, f: Frame) -> None:
-    """Fills ``f`` from one request frame ``{"id", "op", "args"}``; raises ValueError for a malformed one."""
-    request = json.loads(body.decode("utf-8"))
+def parse_frame(body: bytes | bytearray, f: Frame) -> None:
+    """Fills ``f`` from one request frame ``{"id", "op", "args"}`` (its tensors decoded); raises ValueError for
+    a malformed frame and ``ProtocolViolation`` (a user error) for args that break the op's schema."""
+    request = decode_frame(body)
     if not isinstance(request, dict):
         raise ValueError("a request must be a JSON object")
     f.id = request.get("id")
@@ -192,6 +200,7 @@ def parse_frame(body: bytes, f: Frame) -> None:
     if not isinstance(args, dict):
         raise ValueError("request args must be an object")
     f.args = args
+    check_args(op, args)
     if args.get("model_id"):
         f.subject = f"model_id={args['model_id']}"
     elif args.get("base_model") or args.get("name"):
@@ -217,7 +226,7 @@ def failed_reply(request_id: Any, op: str, subject: str, start: float, exc: Exce
             "error": {"category": "server", "message": f"{type(exc).__name__}: {message}"}}
 
 
-def reply(call: Callable[[str, dict[str, Any]], dict[str, Any]], body: bytes) -> dict[str, Any]:
+def reply(call: Callable[[str, dict[str, Any]], dict[str, Any]], body: bytes | bytearray) -> dict[str, Any]:
     """The reply to one request frame, running it with ``call(op, args)``; never raises.
 
     Shared by every engine speaking this protocol (torch, verl): a ``UserError`` becomes a

@@ -10,6 +10,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from .errors import UserError
 
 _MISSING = object()
@@ -99,6 +101,14 @@ def get_str_list(obj: Mapping[str, Any], key: str, where: str = "", default: Any
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise UserError(f"'{_field(where, key)}' must be a list of strings")
     return value
+
+
+def check_token_tensor(tokens: torch.Tensor, vocab_size: int, what: str) -> None:
+    """``check_token_ids`` for an int64 tensor, with the same message."""
+    bad = (tokens < 0) | (tokens >= vocab_size)
+    if bool(bad.any()):
+        pos = int(torch.nonzero(bad)[0, 0])
+        raise UserError(f"{what}: token id {int(tokens[pos])} at position {pos} is outside the vocabulary [0, {vocab_size})")
 
 
 def check_token_ids(tokens: list[int], vocab_size: int, what: str) -> None:

@@ -35,16 +35,15 @@ def parse_targets(args: dict[str, Any], prompt_len: int, vocab_size: int) -> tor
     return t
 
 
-def score_targets(prompt_logits: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
+def score_targets(prompt_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``prompt_logits`` (P, V): row i predicts prompt token i + 1; rows 0..P-2 are used."""
     logp = torch.log_softmax(prompt_logits[:-1].float(), dim=-1).cpu()
     wanted = targets >= 0
     values = logp.gather(-1, targets.clamp(min=0))
-    values = torch.where(wanted, values, torch.zeros_like(values))
-    return {"shape": list(targets.shape), "data": values.flatten().tolist()}
+    return torch.where(wanted, values, torch.zeros_like(values))
 
 
-def alt_tokens(prompt_logits: torch.Tensor, k: int, temperature: float, seed: int | None) -> dict[str, Any]:
+def alt_tokens(prompt_logits: torch.Tensor, k: int, temperature: float, seed: int | None) -> dict[str, torch.Tensor]:
     """``prompt_alt_tokens_k``: ``k`` independent draws, with replacement, from the next-token
     distribution at every prompt position after the first (rows 0..P-2 of ``prompt_logits``), at
     the request's temperature, with the logprob of each draw in the distribution it was drawn from
@@ -63,7 +62,4 @@ def alt_tokens(prompt_logits: torch.Tensor, k: int, temperature: float, seed: in
         else:
             gen.manual_seed(seed + 1)
         tokens = torch.multinomial(logp.exp(), k, replacement=True, generator=gen)
-    values = logp.gather(-1, tokens)
-    shape = list(tokens.shape)
-    return {"tokens": {"shape": shape, "data": tokens.flatten().tolist()},
-            "logprobs": {"shape": shape, "data": values.flatten().tolist()}}
+    return {"tokens": tokens.contiguous(), "logprobs": logp.gather(-1, tokens)}

@@ -46,7 +46,7 @@ def serve(channel: Channel, engine: Engine) -> int:
                 if item is _EOF:
                     log.info("stdin closed; exiting")
                     return 0
-                assert isinstance(item, bytes)
+                assert isinstance(item, (bytes, bytearray))
                 task = engine.start(item)
                 reply = task.step()
                 if reply is None:

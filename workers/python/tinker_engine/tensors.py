@@ -1,4 +1,6 @@
-"""JSON tensors ``{"dtype", "shape", "data"}`` (row-major) to torch and back."""
+"""Request tensors to torch: binary ones arrive decoded (channel.py); inline JSON tensors
+``{"dtype", "shape", "data"}`` (row-major) are still accepted. Replies carry ``torch.Tensor`` values,
+which the channel sends as binary."""
 
 from __future__ import annotations
 
@@ -15,7 +17,12 @@ _NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 
 def tensor_from_json(obj: Any, what: str) -> torch.Tensor:
-    """Decode a JSON tensor (on CPU). ``what`` names it in error messages."""
+    """A request tensor (on CPU): decoded from the frame's binary part already, or an inline JSON one.
+    ``what`` names it in error messages."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dtype not in _NAMES:
+            raise UserError(f"{what}: dtype must be one of {sorted(DTYPES)}, got {obj.dtype}")
+        return obj
     if not isinstance(obj, dict):
         raise UserError(f"{what}: a tensor must be an object with dtype, shape and data")
     dtype_name = obj.get("dtype")
@@ -39,8 +46,14 @@ def tensor_from_json(obj: Any, what: str) -> torch.Tensor:
     return torch.tensor(data, dtype=dtype).reshape(shape)
 
 
+def wire(t: torch.Tensor) -> torch.Tensor:
+    """A result tensor as it travels: float32 or int64, on the CPU (the channel sends its bytes)."""
+    t = t.detach()
+    return t.to(device="cpu", dtype=torch.float32 if t.is_floating_point() else torch.int64)
+
+
 def tensor_to_json(t: torch.Tensor) -> dict[str, Any]:
-    """Encode a float32 or int64 tensor; float32 values widen to double exactly."""
+    """An inline JSON tensor (for hand-written requests and tests); float32 values widen to double exactly."""
     t = t.detach()
     if t.is_floating_point():
         t = t.to(torch.float32)

@@ -20,9 +20,9 @@ from .errors import UserError
 from .logprobs import target_logprobs
 from .losses import LossSpec, get_loss
 from .models import BaseModel, Registry
-from .params import check_token_ids, get_bool, get_float, get_obj, get_str, is_int
+from .params import check_token_tensor, get_bool, get_float, get_obj, get_str, is_int
 from .rollback import StepUndo, check_grad_max_abs, check_losses, check_norm, grad_max_abs, grads_copy, step_is_finite
-from .tensors import tensor_from_json, tensor_to_json
+from .tensors import tensor_from_json, wire
 
 DEFAULT_MAX_BATCH_TOKENS = 16384
 
@@ -45,13 +45,11 @@ def parse_datum(index: int, raw: Any, base: BaseModel, loss: LossSpec, config: d
     where = f"datum {index}"
     if not isinstance(raw, dict):
         raise UserError(f"{where}: must be an object with tokens and loss_fn_inputs")
-    tokens = raw.get("tokens")
-    if not isinstance(tokens, list) or not tokens or not all(is_int(t) for t in tokens):
-        raise UserError(f"{where}: tokens must be a non-empty list of integers")
-    n = len(tokens)
+    tokens = _datum_tokens(raw.get("tokens"), where)
+    n = int(tokens.shape[0])
     if base.max_context_length and n > base.max_context_length:
         raise UserError(f"{where}: {n} tokens exceed the model's context length {base.max_context_length}")
-    check_token_ids(tokens, base.input_vocab_size, f"{where} tokens")
+    check_token_tensor(tokens, base.input_vocab_size, f"{where} tokens")
 
     raw_inputs = raw.get("loss_fn_inputs")
     if not isinstance(raw_inputs, dict):
@@ -90,7 +88,21 @@ def parse_datum(index: int, raw: Any, base: BaseModel, loss: LossSpec, config: d
         inputs[name] = value
     if loss.check is not None:
         loss.check(inputs, config, where)
-    return Datum(index=index, tokens=torch.tensor(tokens, dtype=torch.int64), targets=targets, inputs=inputs)
+    return Datum(index=index, tokens=tokens, targets=targets, inputs=inputs)
+
+
+def _datum_tokens(raw: Any, where: str) -> torch.Tensor:
+    """A datum's tokens: an int tensor of shape (N,) (binary, or inline JSON) or a JSON list of integers."""
+    if isinstance(raw, dict):
+        raw = tensor_from_json(raw, f"{where} tokens")
+    if isinstance(raw, torch.Tensor):
+        if raw.dtype != torch.int64 or raw.dim() != 1 or raw.shape[0] == 0:
+            raise UserError(f"{where}: tokens must be a non-empty int64 tensor of shape (N,), "
+                            f"got {raw.dtype} {list(raw.shape)}")
+        return raw
+    if not isinstance(raw, list) or not raw or not all(is_int(t) for t in raw):
+        raise UserError(f"{where}: tokens must be a non-empty list of integers")
+    return torch.tensor(raw, dtype=torch.int64)
 
 
 def micro_batches(datums: list[Datum], budget: int) -> Iterator[list[Datum]]:
@@ -223,7 +235,7 @@ def forward_backward(registry: Registry, args: dict[str, Any]) -> dict[str, Any]
                 p.grad = g
         raise
     return {
-        "loss_fn_outputs": [{"logprobs": tensor_to_json(lp)} for lp in outputs],
+        "loss_fn_outputs": [{"logprobs": wire(lp)} for lp in outputs],
         "metrics": {"loss:sum": total},
     }
 

@@ -43,7 +43,7 @@ from tinker_engine.save import _normalise_config
 from tinker_engine.state import (MOMENTS, OPTIMIZER_META, OPTIMIZER_TENSORS, STATE_FILE, STATE_FORMAT, _check_tensor,
                                  _fsync_dir_tree, _fsync_path, _lora_json, _read_tensors, _write_json,
                                  check_state_dir, read_optimizer_files)
-from tinker_engine.tensors import tensor_to_json
+from tinker_engine.tensors import tensor_to_json, wire
 from tinker_engine.train import AdamParams, max_batch_tokens, parse_forward_backward
 
 from . import translate, veomni
@@ -319,7 +319,7 @@ class VerlEngine:
         small = sum(int(d.tokens.shape[0]) for d in datums) <= int(os.environ.get("TB_VERL_RECORD_MAX_TOKENS", "512"))
         if os.environ.get("TB_VERL_RECORD") and self.rank == 0 and small:
             self._record(args, fields, meta, log_probs, outputs, total)
-        return {"loss_fn_outputs": [{"logprobs": tensor_to_json(lp)} for lp in outputs],
+        return {"loss_fn_outputs": [{"logprobs": wire(lp)} for lp in outputs],
                 "metrics": {"loss:sum": total}}
 
     def _record(self, args: dict[str, Any], fields: dict[str, torch.Tensor], meta: dict[str, Any],
@@ -330,7 +330,7 @@ class VerlEngine:
         fixture = {
             "format": 1, "verl_version": _verl_version(), "torch": torch.__version__,
             "world_size": self.world_size, "rank": self.rank,
-            "request": {k: args[k] for k in ("loss_fn", "loss_fn_config", "forward_only", "data") if k in args},
+            "request": _jsonable({k: args[k] for k in ("loss_fn", "loss_fn_config", "forward_only", "data") if k in args}),
             "fields": translate.describe_fields(fields),
             "non_tensor": meta,
             "verl_log_probs": translate.describe_fields({"log_probs": log_probs.detach().to("cpu")})["log_probs"],
@@ -498,6 +498,17 @@ class _FullShape:
 
 def _comm_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _jsonable(value: Any) -> Any:
+    """A request as JSON for a recorded fixture: its binary tensors as inline JSON tensors."""
+    if isinstance(value, torch.Tensor):
+        return tensor_to_json(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    return value
 
 
 def _verl_version() -> str:
