@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import json
 import os
 import queue
 import struct
@@ -41,6 +40,8 @@ ENGINE_DIR = REPO / "workers" / "python"
 sys.path.insert(0, str(ENGINE_DIR))
 
 import torch  # noqa: E402
+
+from tinker_engine.channel import decode_frame, encode_frame  # noqa: E402
 
 MODELS: dict[str, dict[str, Any]] = {
     # Qwen3-1.7B and Qwen3-8B dimensions (config.json of the released checkpoints).
@@ -105,7 +106,7 @@ class EngineChannel:
             if len(head) < 4:
                 return
             (n,) = struct.unpack(">I", head)
-            msg = json.loads(self.proc.stdout.read(n))
+            msg = decode_frame(bytearray(self.proc.stdout.read(n)))
             with self.lock:
                 box = self.replies.pop(msg["id"])
             box.put(msg)
@@ -115,9 +116,8 @@ class EngineChannel:
         box: queue.Queue[dict[str, Any]] = queue.Queue()
         with self.lock:
             self.replies[self.next_id] = box
-        body = json.dumps({"id": self.next_id, "op": op, "args": args}).encode()
         assert self.proc.stdin is not None
-        self.proc.stdin.write(struct.pack(">I", len(body)) + body)
+        self.proc.stdin.write(encode_frame({"id": self.next_id, "op": op, "args": args}))
         self.proc.stdin.flush()
         return box
 
@@ -146,14 +146,19 @@ def training_data(n: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def engine_datums(inputs: torch.Tensor, targets: torch.Tensor) -> list[dict[str, Any]]:
-    return [{"tokens": x.tolist(), "loss_fn_inputs": {
-        "target_tokens": {"dtype": "int64", "shape": [len(y)], "data": y.tolist()},
-        "weights": {"dtype": "float32", "shape": [len(y)], "data": [1.0] * len(y)}}} for x, y in zip(inputs, targets)]
+    """As the agent sends them (protocol 2): binary tensors, token ids as int32."""
+    return [{"tokens": x.to(torch.int32), "loss_fn_inputs": {
+        "target_tokens": y.to(torch.int32), "weights": torch.ones(len(y), dtype=torch.float32)}}
+        for x, y in zip(inputs, targets)]
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n, length), generator=gen).tolist()
+
+
+# The sample request fields the agent always sends (protocol.json), asking for nothing.
+NO_SCORES = {"target_prompt_logprobs": None, "topk_sample_logprobs": 0, "prompt_alt_tokens_k": 0}
 
 
 def sampling_params(max_tokens: int, seed: int) -> dict[str, Any]:
@@ -187,7 +192,8 @@ def run_engine(args: argparse.Namespace, path: Path, w: dict[str, Any], out: dic
                                            "train_unembed": True}})
         inputs, targets = training_data(w["batch"], w["seq"], w["vocab"])
         data = engine_datums(inputs, targets)
-        adam = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+        adam = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0,
+                "grad_clip_norm": 0.0}
         fb_args = {"model_id": "bench", "loss_fn": "cross_entropy", "loss_fn_config": {}, "forward_only": False,
                    "data": data}
         losses, times = [], []
@@ -206,7 +212,7 @@ def run_engine(args: argparse.Namespace, path: Path, w: dict[str, Any], out: dic
         sample_out: dict[str, float] = {}
         distinct = prompts(w["n"], w["prompt"], w["vocab"], seed=2)
         reqs = [{"adapter_dir": None, "prompt": p, "num_samples": 1, "sampling_params": sampling_params(w["new"], i),
-                 "prompt_logprobs": False, "topk_prompt_logprobs": 0} for i, p in enumerate(distinct)]
+                 "prompt_logprobs": False, "topk_prompt_logprobs": 0, **NO_SCORES} for i, p in enumerate(distinct)]
         for rep in range(2):  # the first round warms up
             t = time.perf_counter()
             res = eng.call("sample_batch", {"base_model": "bench", "requests": reqs})
@@ -221,7 +227,7 @@ def run_engine(args: argparse.Namespace, path: Path, w: dict[str, Any], out: dic
             t = time.perf_counter()
             res = eng.call("sample", {"base_model": "bench", "adapter_dir": None, "prompt": one, "num_samples": w["n"],
                                       "sampling_params": sampling_params(w["new"], 7), "prompt_logprobs": False,
-                                      "topk_prompt_logprobs": 0})
+                                      "topk_prompt_logprobs": 0, **NO_SCORES})
             sample_out["one_prompt"] = sum(len(s["tokens"]) for s in res["sequences"]) / (time.perf_counter() - t)
         out["engine_sample"] = sample_out
     finally:

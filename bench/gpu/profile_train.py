@@ -17,7 +17,6 @@ the GPU's busy fraction and the ops with the most CPU self time.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import engine_vs_plain as evp  # noqa: E402  (sets up the engine's import path too)
 
+from tinker_engine.channel import decode_frame, encode_frame  # noqa: E402
 from tinker_engine.device import Placement  # noqa: E402
 from tinker_engine.engine import Engine  # noqa: E402
 
@@ -59,15 +59,16 @@ def main() -> int:
             "rank": w["rank"], "seed": 0, "train_attn": True, "train_mlp": True, "train_unembed": True}})
         inputs, targets = evp.training_data(w["batch"], w["seq"], w["vocab"])
         data = evp.engine_datums(inputs, targets)
-        wire = json.dumps(data)
+        wire = encode_frame({"id": 1, "op": "forward_backward", "args": {"data": data}})[4:]
         fb_args = {"model_id": "m", "loss_fn": "cross_entropy", "loss_fn_config": {}, "forward_only": False}
-        adam = {"model_id": "m", "adam": {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}}
+        adam = {"model_id": "m", "adam": {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
+                                                  "weight_decay": 0.0, "grad_clip_norm": 0.0}}
         times: dict[str, list[float]] = {}
 
         def step() -> None:
-            parsed = timed("json decode of the request", lambda: json.loads(wire), times)
+            parsed = timed("frame decode of the request", lambda: decode_frame(bytearray(wire))["args"]["data"], times)
             r = timed("forward_backward op", lambda: eng.call("forward_backward", {**fb_args, "data": parsed}), times)
-            timed("json encode of the result", lambda: json.dumps(r), times)
+            timed("frame encode of the result", lambda: encode_frame({"id": 1, "ok": True, "result": r}), times)
             timed("optim_step op", lambda: eng.call("optim_step", adam), times)
 
         for _ in range(2):
@@ -104,7 +105,7 @@ def profile_sampling(eng: Engine, vocab: int, n: int = 32, prompt: int = 128, ne
 
     distinct = evp.prompts(n, prompt, vocab, seed=2)
     reqs = [{"adapter_dir": None, "prompt": p, "num_samples": 1, "sampling_params": evp.sampling_params(new, i),
-             "prompt_logprobs": False, "topk_prompt_logprobs": 0} for i, p in enumerate(distinct)]
+             "prompt_logprobs": False, "topk_prompt_logprobs": 0, **evp.NO_SCORES} for i, p in enumerate(distinct)]
     base = eng.registry.bases["b"]
 
     def engine_run() -> None:

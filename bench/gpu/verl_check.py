@@ -38,8 +38,10 @@ REPO = Path(__file__).resolve().parents[2]
 PY_DIR = REPO / "workers" / "python"
 sys.path.insert(0, str(PY_DIR))
 
+from tinker_engine.channel import decode_frame, encode_frame  # noqa: E402
 
-# --- a protocol v1 client ------------------------------------------------------------------------
+
+# --- a protocol v2 client ------------------------------------------------------------------------
 
 
 class EngineClient:
@@ -52,16 +54,16 @@ class EngineClient:
         self.next_id = 1
 
     def call(self, op: str, args: dict[str, Any] | None = None, ok: bool = True) -> dict[str, Any]:
-        body = json.dumps({"id": self.next_id, "op": op, "args": args or {}}).encode()
+        frame = encode_frame({"id": self.next_id, "op": op, "args": args or {}})
         self.next_id += 1
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(struct.pack(">I", len(body)) + body)
+        self.proc.stdin.write(frame)
         self.proc.stdin.flush()
         head = self.proc.stdout.read(4)
         if len(head) < 4:
             raise RuntimeError(f"{self.name}: engine exited during {op}; log tail:\n{self.tail()}")
         (n,) = struct.unpack(">I", head)
-        reply = json.loads(self.proc.stdout.read(n))
+        reply = decode_frame(bytearray(self.proc.stdout.read(n)))
         if ok and not reply.get("ok"):
             raise RuntimeError(f"{self.name}: {op} failed: {reply.get('error')}\nlog tail:\n{self.tail()}")
         return reply["result"] if reply.get("ok") else reply
@@ -133,8 +135,8 @@ def make_data(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list
 def ce_datum(seq: list[int]) -> dict[str, Any]:
     n = len(seq) - 1
     weights = [0.0] * (n // 3) + [1.0] * (n - n // 3)  # a prompt part with weight 0, then the completion
-    return {"tokens": seq[:-1], "loss_fn_inputs": {"target_tokens": tensor(seq[1:], "int64"),
-                                                   "weights": tensor(weights)}}
+    return {"tokens": tensor(seq[:-1], "int64"), "loss_fn_inputs": {"target_tokens": tensor(seq[1:], "int64"),
+                                                                    "weights": tensor(weights)}}
 
 
 def rl_datum(seq: list[int], q: list[float], seed: int) -> dict[str, Any]:
@@ -142,12 +144,12 @@ def rl_datum(seq: list[int], q: list[float], seed: int) -> dict[str, Any]:
     n = len(seq) - 1
     adv = (torch.randn(n, generator=gen)).tolist()
     q_noisy = (torch.tensor(q) + 0.05 * torch.randn(n, generator=gen)).tolist()
-    return {"tokens": seq[:-1], "loss_fn_inputs": {"target_tokens": tensor(seq[1:], "int64"),
-                                                   "logprobs": tensor(q_noisy), "advantages": tensor(adv)}}
+    return {"tokens": tensor(seq[:-1], "int64"), "loss_fn_inputs": {"target_tokens": tensor(seq[1:], "int64"),
+                                                                    "logprobs": tensor(q_noisy), "advantages": tensor(adv)}}
 
 
 def logprobs_of(result: dict[str, Any]) -> list[torch.Tensor]:
-    return [torch.tensor(o["logprobs"]["data"]) for o in result["loss_fn_outputs"]]
+    return [o["logprobs"] for o in result["loss_fn_outputs"]]
 
 
 def max_abs(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -292,7 +294,7 @@ def main() -> int:
 
         # prompt logprobs: the torch engine from verl's checkpoint vs its own model
         prompts = [s[: min(len(s), 128)] for s in make_data(4, 32, 128, vocab, seed=9)]
-        pdata = [{"tokens": p[:-1], "loss_fn_inputs": {"target_tokens": tensor(p[1:], "int64")}} for p in prompts]
+        pdata = [{"tokens": tensor(p[:-1], "int64"), "loss_fn_inputs": {"target_tokens": tensor(p[1:], "int64")}} for p in prompts]
         ck_v, ck_t = work / "ckpt_verl", work / "ckpt_torch"
         ve.call("save_state", {"model_id": "m", "dir": str(ck_v), "optimizer": True})
         te.call("save_state", {"model_id": "m", "dir": str(ck_t), "optimizer": True})
@@ -346,8 +348,10 @@ def main() -> int:
         # the torch engine's sample op on verl's adapter (prompt logprobs); transformers 5.17 may refuse
         r = te.call("sample", {"base_model": "base", "adapter_dir": str(sam_v), "prompt": prompts[0], "num_samples": 1,
                                "sampling_params": {"max_tokens": 1, "temperature": 1.0, "top_k": -1, "top_p": 1.0,
-                                                   "seed": 0, "stop_tokens": [], "stop_strings": []},
-                               "prompt_logprobs": True, "topk_prompt_logprobs": 0}, ok=False)
+                                                   "seed": 0, "stop_tokens": [], "stop_strings": [],
+                                                   "stop_at_eos": True},
+                               "prompt_logprobs": True, "topk_prompt_logprobs": 0, "target_prompt_logprobs": None,
+                               "topk_sample_logprobs": 0, "prompt_alt_tokens_k": 0}, ok=False)
         if isinstance(r, dict) and r.get("ok") is False:
             summary["checks"]["torch_sample_from_verl_adapter"] = f"failed: {r['error']}"
         else:
@@ -358,7 +362,7 @@ def main() -> int:
               flush=True)
 
         # errors stay errors: non-next-token targets and sample on the verl engine
-        bad = {"tokens": [1, 2, 3], "loss_fn_inputs": {"target_tokens": tensor([2, 9, 4], "int64")}}
+        bad = {"tokens": tensor([1, 2, 3], "int64"), "loss_fn_inputs": {"target_tokens": tensor([2, 9, 4], "int64")}}
         e1 = ve.call("forward_backward", {"model_id": "m", "loss_fn": "cross_entropy", "loss_fn_config": {},
                                           "forward_only": True, "data": [bad]}, ok=False)
         summary["checks"]["verl_rejects_non_next_token_targets"] = e1 if not args.cpu else "n/a (twin)"
