@@ -108,13 +108,13 @@ def gspo_mask(inputs: Inputs) -> torch.Tensor:
 
 
 def gspo(lp: torch.Tensor, inputs: Inputs, config: Config) -> torch.Tensor:
-    in_ratio = gspo_mask(inputs)
-    if not bool(in_ratio.any()):
-        # Only possible without an explicit mask and with every advantage 0: the loss is 0.
-        return (lp * 0.0).sum()
-    log_ratio = (lp.detach() - inputs["logprobs"])[in_ratio].mean()
+    # Without a host sync (the mean as a masked sum over the count, the empty case by where).
+    in_ratio = gspo_mask(inputs).to(torch.float32)
+    count = in_ratio.sum()
+    log_ratio = ((lp.detach() - inputs["logprobs"]) * in_ratio).sum() / count.clamp(min=1.0)
     ratio = torch.exp(log_ratio + lp - lp.detach())
-    return _ppo_objective(ratio, inputs, config)
+    # No token in the ratio (only possible without an explicit mask and with every advantage 0): the loss is 0.
+    return torch.where(count > 0, _ppo_objective(ratio, inputs, config), (lp * 0.0).sum())
 
 
 def stable_reinforce(lp: torch.Tensor, inputs: Inputs, config: Config) -> torch.Tensor:

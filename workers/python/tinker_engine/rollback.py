@@ -40,13 +40,6 @@ def _max_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.nn.utils.get_total_norm(tensors, norm_type=float("inf"))
 
 
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every element of every tensor is finite, with one host sync."""
-    if not tensors:
-        return True
-    return bool(torch.isfinite(_max_abs(tensors)))
-
-
 def grad_max_abs(params: list[torch.nn.Parameter]) -> torch.Tensor:
     """The accumulated gradient's max-abs, left on the device (0 when no parameter has a gradient)."""
     grads = [p.grad for p in params if p.grad is not None]
@@ -106,12 +99,14 @@ class StepUndo:
                 optimizer.state.pop(p, None)
 
 
-def step_is_finite(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> bool:
+def step_max_abs(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """The max-abs of the weights and AdamW moments after a step, left on the device: non-finite
+    exactly when the step made one element non-finite."""
     tensors: list[torch.Tensor] = [p.detach() for p in params]
     for p in params:
         tensors += [v for v in optimizer.state.get(p, {}).values()
                     if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0]
-    return _all_finite(tensors)
+    return _max_abs(tensors)
 
 
 def check_norm(norm: float) -> None:

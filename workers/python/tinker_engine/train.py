@@ -9,6 +9,7 @@ fails midway, the gradients are restored to what they were before the call.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from .logprobs import target_logprobs
 from .losses import LossSpec, get_loss
 from .models import BaseModel, Registry
 from .params import check_token_tensor, get_bool, get_float, get_obj, get_str, is_int
-from .rollback import StepUndo, check_grad_max_abs, check_losses, check_norm, grad_max_abs, grads_copy, step_is_finite
+from .rollback import StepUndo, check_grad_max_abs, check_losses, check_norm, grad_max_abs, grads_copy, step_max_abs
 from .tensors import tensor_from_json, wire
 
 DEFAULT_MAX_BATCH_TOKENS = 16384
@@ -120,31 +121,64 @@ def micro_batches(datums: list[Datum], budget: int) -> Iterator[list[Datum]]:
         yield batch
 
 
-def _run_batch(base: BaseModel, batch: list[Datum], loss: LossSpec, config: dict[str, float],
+@dataclass
+class _Staged:
+    """One micro-batch's inputs on the device: padded ids (B, L), the targets (padded (B, L, *tail)
+    when every datum's targets share a trailing shape, else one tensor per datum) and each datum's
+    float loss inputs."""
+
+    batch: list[Datum]
+    ids: torch.Tensor
+    targets: torch.Tensor | list[torch.Tensor]
+    inputs: list[dict[str, torch.Tensor]]
+
+
+def _stage(batches: list[list[Datum]], device: torch.device) -> list[_Staged]:
+    """Every micro-batch's host -> device copies, made before the op's first kernel.
+
+    A copy from pageable host memory waits for the device's stream to drain; made between the
+    forward and the loss (as the inputs are needed) it would stall the GPU mid-step, made here the
+    stream is idle anyway (the previous op ended with its host copy).
+    """
+    staged: list[_Staged] = []
+    for batch in batches:
+        longest = max(d.tokens.shape[0] for d in batch)
+        ids = torch.zeros((len(batch), longest), dtype=torch.int64)
+        for row, d in enumerate(batch):
+            ids[row, : d.tokens.shape[0]] = d.tokens
+        tails = {tuple(d.targets.shape[1:]) for d in batch}
+        targets: torch.Tensor | list[torch.Tensor]
+        if len(tails) == 1:
+            (tail,) = tails
+            padded = torch.zeros((len(batch), longest, *tail), dtype=torch.int64)
+            for row, d in enumerate(batch):
+                padded[row, : d.tokens.shape[0]] = d.targets
+            targets = padded.to(device)
+        else:
+            targets = [d.targets.to(device) for d in batch]
+        inputs = [{k: v.to(device) for k, v in d.inputs.items()} for d in batch]
+        staged.append(_Staged(batch, ids.to(device), targets, inputs))
+    return staged
+
+
+def _run_batch(base: BaseModel, staged: _Staged, loss: LossSpec, config: dict[str, float],
                params: list[torch.nn.Parameter] | None) -> tuple[list[torch.Tensor], float]:
-    """Forward (and, given the trainable ``params``, backward) of one micro-batch.
+    """Forward (and, given the trainable ``params``, backward) of one staged micro-batch.
 
     The loss, the logprobs and the gradient's finiteness reach the host in one copy after the
     backward, so the GPU runs forward and backward without waiting for the host. A non-finite loss
     or gradient raises a ``UserError`` afterwards; ``forward_backward`` then restores the gradients
     it had before the op, so nothing of the micro-batch stays.
     """
-    device = base.device
-    longest = max(d.tokens.shape[0] for d in batch)
-    ids = torch.zeros((len(batch), longest), dtype=torch.int64)
-    for row, d in enumerate(batch):
-        ids[row, : d.tokens.shape[0]] = d.tokens
+    batch = staged.batch
     with torch.set_grad_enabled(params is not None):
         # Rows are right-padded and attention is causal, so no real token can see a pad: the
         # logits of real positions are the same without a mask, and the model keeps its fastest
         # (mask-free) attention kernel. Pad positions' outputs are discarded below.
-        logits = base.hf(input_ids=ids.to(device), use_cache=False).logits
-        lps = _batch_target_logprobs(logits, batch, device)
+        logits = base.hf(input_ids=staged.ids, use_cache=False).logits
+        lps = _batch_target_logprobs(logits, batch, staged.targets)
         del logits
-        losses: list[torch.Tensor] = []
-        for d, lp in zip(batch, lps):
-            inputs = {k: v.to(device, non_blocking=True) for k, v in d.inputs.items()}
-            losses.append(loss.fn(lp, inputs, config))
+        losses = [loss.fn(lp, inputs, config) for lp, inputs in zip(lps, staged.inputs)]
         stacked = torch.stack(losses)
         total = stacked.sum()
         checks = [total.detach().reshape(1).float(), stacked.detach().float()]
@@ -167,23 +201,18 @@ def _run_batch(base: BaseModel, batch: list[Datum], loss: LossSpec, config: dict
     return outputs, float(host[0])
 
 
-def _batch_target_logprobs(logits: torch.Tensor, batch: list[Datum], device: torch.device) -> list[torch.Tensor]:
+def _batch_target_logprobs(logits: torch.Tensor, batch: list[Datum],
+                           targets: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
     """Each datum's target logprobs from the micro-batch's logits (B, L, V).
 
-    When all datums' targets have the same trailing shape, one chunked pass over the padded
+    With padded targets (every datum's targets of one trailing shape), one chunked pass over the
     (B x L) rows (padding targets 0, their logprobs unused, so their gradient is 0); else per datum.
     """
+    if isinstance(targets, list):
+        return [target_logprobs(logits[row, : d.tokens.shape[0]], t) for row, (d, t) in enumerate(zip(batch, targets))]
     rows, longest = logits.shape[0], logits.shape[1]
-    tails = {tuple(d.targets.shape[1:]) for d in batch}
-    if len(tails) != 1:
-        return [target_logprobs(logits[row, : d.tokens.shape[0]], d.targets.to(device, non_blocking=True))
-                for row, d in enumerate(batch)]
-    (tail,) = tails
-    targets = torch.zeros((rows, longest, *tail), dtype=torch.int64)
-    for row, d in enumerate(batch):
-        targets[row, : d.tokens.shape[0]] = d.targets
-    flat = target_logprobs(logits.reshape(rows * longest, -1),
-                           targets.to(device, non_blocking=True).reshape(rows * longest, *tail))
+    tail = tuple(targets.shape[2:])
+    flat = target_logprobs(logits.reshape(rows * longest, -1), targets.reshape(rows * longest, *tail))
     flat = flat.reshape(rows, longest, *tail)
     return [flat[row, : d.tokens.shape[0]] for row, d in enumerate(batch)]
 
@@ -225,8 +254,8 @@ def forward_backward(registry: Registry, args: dict[str, Any]) -> dict[str, Any]
     outputs: list[torch.Tensor] = []
     total = 0.0
     try:
-        for batch in micro_batches(datums, max_batch_tokens()):
-            batch_outputs, batch_loss = _run_batch(base, batch, loss, config, None if forward_only else params)
+        for staged in _stage(list(micro_batches(datums, max_batch_tokens())), base.device):
+            batch_outputs, batch_loss = _run_batch(base, staged, loss, config, None if forward_only else params)
             outputs.extend(batch_outputs)
             total += batch_loss
     except BaseException:
@@ -294,9 +323,13 @@ def optim_step(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
     else:
         norm = torch.zeros(())
     try:
-        check_norm(float(norm))
         opt.step()
-        if not step_is_finite(params, opt):
+        # One host copy after the step (not one before it and one after): the gradient norm and the
+        # step's max-abs; either non-finite undoes the step.
+        norm_value, step_max = torch.stack([norm.detach().float().reshape(()).to(params[0].device),
+                                            step_max_abs(params, opt).float()]).tolist()
+        check_norm(norm_value)
+        if not math.isfinite(step_max):
             raise UserError("optim_step: the step would make a weight or an AdamW moment non-finite "
                             f"(learning_rate {hp.learning_rate}); nothing was applied")
     except BaseException as exc:
@@ -306,5 +339,5 @@ def optim_step(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
                             "nothing was applied") from exc
         raise
     opt.zero_grad(set_to_none=True)
-    return {"metrics": {"grad_norm": float(norm), "learning_rate": hp.learning_rate}}
+    return {"metrics": {"grad_norm": norm_value, "learning_rate": hp.learning_rate}}
 
