@@ -21,7 +21,12 @@ import type { JobOp } from '../queues/schemas.js';
  *
  * A `retrieve_future` reads the state; if it is pending, registers a waiter for the op's completion
  * signal (queues/completions.ts), reads again, and sleeps on the waiter for at most the long-poll
- * window. No polling loop.
+ * window. No polling loop. A training op's signal carries its final record when it is small: the
+ * waiter answers from it and leaves the read-once expiry for after the answer (no read back).
+ *
+ * Every read is for the asking tenant: a future issued to another tenant (or to none) is unknown
+ * (the route answers 404 as for a future that never existed); for a training op the owner is
+ * checked inside the script that reads its state, in the same round trip.
  */
 export type FutureState =
   | { kind: 'done'; op: JobOp; result: unknown }
@@ -81,19 +86,29 @@ export class FutureResolver {
       this.queues.jobKey(ref.queue, ref.jobId),
       this.names.futureOwner(encodeRequestId(ref)),
       this.ttlAfterReadS * 1000,
-      ref.jobId.startsWith('c-'),
+      this.keepsOutcome(ref),
     );
   }
 
-  async state(ref: FutureRef): Promise<FutureState> {
-    if (!QUEUE_NAME.test(ref.queue) || !JOB_ID.test(ref.jobId)) return { kind: 'unknown' };
-    return ref.queue.startsWith('train-') ? this.trainState(ref) : this.sampleState(ref);
+  /** create_model's outcome stays for the retention once read (its job id makes it idempotent). */
+  private keepsOutcome(ref: FutureRef): boolean {
+    return ref.jobId.startsWith('c-');
   }
 
-  /** A training op's future: its outcome, else what keeps it pending or failed, read in one round trip. */
-  private async trainState(ref: FutureRef): Promise<FutureState> {
+  /** The future's state as `tenant` may see it: unknown unless it was issued to that tenant. */
+  async state(ref: FutureRef, tenant: string): Promise<FutureState> {
+    if (!QUEUE_NAME.test(ref.queue) || !JOB_ID.test(ref.jobId)) return { kind: 'unknown' };
+    if (ref.queue.startsWith('train-')) return this.trainState(ref, tenant);
+    const owner = await this.registry.futures.owner(encodeRequestId(ref));
+    // Records older than tenants (owner '') belong to no tenant.
+    if (!owner || owner !== tenant) return { kind: 'unknown' };
+    return this.sampleState(ref);
+  }
+
+  /** A training op's future: its owner, its outcome, else what keeps it pending or failed, read in one round trip. */
+  private async trainState(ref: FutureRef, tenant: string): Promise<FutureState> {
     const agentId = ref.queue.slice('train-'.length);
-    const [o, failed, held, name, finishedOn, failedReason, reaped] = (await runScript(
+    const read = (await runScript(
       this.redis,
       'future-train',
       [
@@ -104,8 +119,10 @@ export class FutureResolver {
         this.names.gateHeldIndex(),
         this.names.agentReaped(agentId),
       ],
-      [ref.jobId, this.ttlAfterReadS * 1000, ref.jobId.startsWith('c-') ? '1' : '0'],
-    )) as (string | null)[];
+      [ref.jobId, this.ttlAfterReadS * 1000, this.keepsOutcome(ref) ? '1' : '0', tenant],
+    )) as 0 | (string | null)[];
+    if (read === 0) return { kind: 'unknown' };
+    const [o, failed, held, name, finishedOn, failedReason, reaped] = read;
     const outcome = o ? Outcome.parse(JSON.parse(o)) : null;
     if (outcome && outcome.state !== 'running') return this.fromOutcome(outcome);
     if (failed) {
@@ -158,22 +175,41 @@ export class FutureResolver {
     return { kind: 'done', op, result: job.returnvalue };
   }
 
-  private async expireOnceRead(ref: FutureRef): Promise<void> {
+  /** The job and the owner record (and, with `outcome`, the outcome record) leave Redis `ttlAfterReadS` after this read. */
+  private async expireOnceRead(ref: FutureRef, outcome = false): Promise<void> {
     const ms = this.ttlAfterReadS * 1000;
-    await this.redis
+    const m = this.redis
       .multi()
       .call('PEXPIRE', this.queues.jobKey(ref.queue, ref.jobId), ms, 'LT')
-      .call('PEXPIRE', this.names.futureOwner(encodeRequestId(ref)), ms, 'LT')
-      .exec();
+      .call('PEXPIRE', this.names.futureOwner(encodeRequestId(ref)), ms, 'LT');
+    if (outcome) m.call('PEXPIRE', this.outcomes.key(ref.jobId), ms, 'LT');
+    await m.exec();
   }
 
-  /** The future's state, waiting up to `timeoutMs` for it to finish; `signal` ends the wait early. */
-  async retrieve(requestId: string, timeoutMs: number, signal?: AbortSignal): Promise<FutureState> {
+  /**
+   * The answer a training op's completion signal carried (its final outcome record), or null. The
+   * read-once expiry that the state script applies runs once this turn of the event loop is over,
+   * after the answer is on its way.
+   */
+  private signalled(ref: FutureRef, record: string | undefined): FutureState | null {
+    if (record === undefined) return null;
+    const o = Outcome.parse(JSON.parse(record));
+    if (o.state === 'running') return null;
+    if (!this.keepsOutcome(ref))
+      setImmediate(() => this.expireOnceRead(ref, true).catch((e) => logger.debug('read-once expiry not set', { jobId: ref.jobId, error: String(e) })));
+    return this.fromOutcome(o);
+  }
+
+  /**
+   * The future's state as `tenant` sees it (unknown unless issued to that tenant), waiting up to
+   * `timeoutMs` for it to finish; `signal` ends the wait early.
+   */
+  async retrieve(requestId: string, tenant: string, timeoutMs: number, signal?: AbortSignal): Promise<FutureState> {
     const ref = decodeRequestId(requestId);
     if (!ref) return { kind: 'unknown' };
     // A sample queue's listener is made only for a pending job (a finished or unknown one needs none).
     if (!ref.queue.startsWith('train-')) {
-      const first = await this.state(ref);
+      const first = await this.state(ref, tenant);
       if (first.kind !== 'pending') return first;
     }
     // The waiter first, then the read: a completion signalled in between is not missed. Training
@@ -181,7 +217,7 @@ export class FutureResolver {
     const { woken, cancel } = await this.completions.watch(ref);
     let timer: NodeJS.Timeout | undefined;
     try {
-      const second = await this.state(ref);
+      const second = await this.state(ref, tenant);
       if (second.kind !== 'pending') return second;
       // An op held behind a gap wakes at the gap's deadline, when it may have failed.
       let wait = timeoutMs;
@@ -189,10 +225,10 @@ export class FutureResolver {
         const deadline = await this.gate.gapDeadline(second.heldModel);
         if (deadline !== null) wait = Math.max(10, Math.min(timeoutMs, deadline - Date.now() + 50));
       }
-      const timeout = new Promise<void>((resolve) => (timer = setTimeout(resolve, wait)));
-      const aborted = new Promise<void>((resolve) => signal?.addEventListener('abort', () => resolve(), { once: true }));
-      await Promise.race([woken, timeout, aborted]);
-      return await this.state(ref);
+      const timeout = new Promise<undefined>((resolve) => (timer = setTimeout(() => resolve(undefined), wait)));
+      const aborted = new Promise<undefined>((resolve) => signal?.addEventListener('abort', () => resolve(undefined), { once: true }));
+      const record = await Promise.race([woken, timeout, aborted]);
+      return this.signalled(ref, record) ?? (await this.state(ref, tenant));
     } finally {
       clearTimeout(timer);
       cancel();

@@ -12,7 +12,8 @@ import type { ApiContext } from './context.js';
  * future resolves it here: a resource of another tenant answers exactly as a resource that does
  * not exist (404, same message), so no tenant can learn what another holds. The only deliberate
  * exception: a published (`public`) checkpoint can be *read* by any tenant (sampled, loaded,
- * copied, described, downloaded), never changed.
+ * copied, described, downloaded), never changed. A future's owner is checked where its state is
+ * read (api/futures.ts, in the same round trip for a training op), with the same rule.
  */
 
 const notFound = (m: string) => new BrokerError('NOT_FOUND', m);
@@ -62,11 +63,6 @@ export async function requireCheckpoint(
   if (!c || !(owns(req, c.tenant) || (access === 'read' && c.public)))
     throw checkpointMissing(tinkerPath, what);
   return c;
-}
-
-/** A future (request_id) issued to the caller. */
-export async function requireFuture(ctx: ApiContext, req: Request, requestId: string): Promise<void> {
-  if (!owns(req, await ctx.registry.futures.owner(requestId))) throw notFound(`unknown or expired future '${requestId}'`);
 }
 
 /** Records the caller as the owner of a future it is handed; returns the request_id. */

@@ -7,7 +7,8 @@ import type { Names } from './names.js';
  * Completion signals, so a waiting `retrieve_future` answers the moment its op finishes, never by
  * polling:
  * - a training op's outcome becoming final is published by the script that records it
- *   (queues/lua/outcome-finish.lua) on one channel per deployment; each API process holds one
+ *   (queues/lua/outcome-finish.lua) on one channel per deployment, with the final record itself
+ *   when it is small (the waiter answers from it, no read back); each API process holds one
  *   subscriber connection for it;
  * - a sample's end comes from its BullMQ queue's events (one listener per sample queue, created
  *   on first use, reading from the stream's current end).
@@ -17,7 +18,7 @@ import type { Names } from './names.js';
 export class Completions {
   private subscriber: Promise<Redis> | null = null;
   private readonly events = new Map<string, Promise<QueueEvents>>();
-  private readonly waiters = new Map<string, Set<() => void>>();
+  private readonly waiters = new Map<string, Set<(record?: string) => void>>();
 
   constructor(
     private readonly redis: Redis,
@@ -25,16 +26,21 @@ export class Completions {
     private readonly names: Names,
   ) {}
 
-  private notify(jobId: string): void {
+  private notify(jobId: string, record?: string): void {
     const set = this.waiters.get(jobId);
-    if (set) for (const wake of set) wake();
+    if (set) for (const wake of set) wake(record);
   }
 
   private subscribe(): Promise<Redis> {
     if (!this.subscriber) {
       const p = (async () => {
         const c = this.blockingConnection();
-        c.on('message', (_channel: string, jobId: string) => this.notify(jobId));
+        // '<job id>' or '<job id> <final outcome record>' (job ids hold no space).
+        c.on('message', (_channel: string, msg: string) => {
+          const sp = msg.indexOf(' ');
+          if (sp === -1) this.notify(msg);
+          else this.notify(msg.slice(0, sp), msg.slice(sp + 1));
+        });
         await c.subscribe(this.names.outcomesChannel());
         return c;
       })();
@@ -68,14 +74,15 @@ export class Completions {
   }
 
   /**
-   * Registers a waiter for the job's end; `woken` resolves on its signal. Resolves once the signal
-   * can no longer be missed (read the state after this). `cancel` removes the waiter.
+   * Registers a waiter for the job's end; `woken` resolves on its signal, with the training op's
+   * final outcome record (JSON) when the signal carried it. Resolves once the signal can no longer
+   * be missed (read the state after this). `cancel` removes the waiter.
    */
-  async watch(ref: FutureRef): Promise<{ woken: Promise<void>; cancel: () => void }> {
+  async watch(ref: FutureRef): Promise<{ woken: Promise<string | undefined>; cancel: () => void }> {
     if (ref.queue.startsWith('train-')) await this.subscribe();
     else await this.listen(ref.queue);
-    let wake!: () => void;
-    const woken = new Promise<void>((resolve) => (wake = resolve));
+    let wake!: (record?: string) => void;
+    const woken = new Promise<string | undefined>((resolve) => (wake = resolve));
     const set = this.waiters.get(ref.jobId) ?? new Set();
     set.add(wake);
     this.waiters.set(ref.jobId, set);

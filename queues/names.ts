@@ -183,7 +183,7 @@ export class Names {
   outcome(jobId: string): string {
     return `${this.prefix}:outcome:${jobId}`;
   }
-  /** Pub/sub channel: the job id of every training op whose outcome became final (holds nothing). */
+  /** Pub/sub channel: the job id of every training op whose outcome became final, with the record when it is small (holds nothing). */
   outcomesChannel(): string {
     return `${this.prefix}:outcomes`;
   }

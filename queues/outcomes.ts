@@ -32,6 +32,12 @@ export const Outcome = z.object({
 });
 export type Outcome = z.infer<typeof Outcome>;
 
+/**
+ * A final record up to this size travels in its completion signal (queues/lua/outcome-finish.lua),
+ * so a waiting retrieve_future answers without reading it back; a larger one is read from Redis.
+ */
+export const SIGNALLED_RECORD_MAX_BYTES = 64 * 1024;
+
 export class Outcomes {
   constructor(
     private readonly redis: Redis,
@@ -79,6 +85,7 @@ export class Outcomes {
       token,
       this.names.outcomesChannel(),
       jobId,
+      SIGNALLED_RECORD_MAX_BYTES,
     ])) as string | null;
     return prev === null ? rec : Outcome.parse(JSON.parse(prev));
   }

@@ -1,12 +1,14 @@
 --[[
   Records a training op's final outcome unless one is already final (queues/outcomes.ts
-  Outcomes.finish), and signals it: the job id is published on the outcomes channel, which every
-  API process listens to (a waiting retrieve_future answers at once).
+  Outcomes.finish), and signals it on the outcomes channel, which every API process listens to (a
+  waiting retrieve_future answers at once): the message is '<job id> <record>' when the record is at
+  most ARGV[6] bytes (the waiter answers from it, without reading it back), else the job id alone.
 
   KEYS[1] the op's outcome record
   ARGV[1] the final record (JSON)   ARGV[2] ttl s
   ARGV[3] the claim token that may finish; '' = the reaper, which may finish any running or absent record
   ARGV[4] the outcomes channel      ARGV[5] the job id
+  ARGV[6] the largest record sent in the message, in bytes
 
   Returns false when recorded, else the record that stands.
 ]]
@@ -17,5 +19,9 @@ if v then
   if ARGV[3] ~= '' and o.token ~= ARGV[3] then return v end
 end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
-redis.call('PUBLISH', ARGV[4], ARGV[5])
+if #ARGV[1] <= tonumber(ARGV[6]) then
+  redis.call('PUBLISH', ARGV[4], ARGV[5] .. ' ' .. ARGV[1])
+else
+  redis.call('PUBLISH', ARGV[4], ARGV[5])
+end
 return false
