@@ -1,4 +1,4 @@
-import type { Redis } from 'ioredis';
+import type { ChainableCommander, Redis } from 'ioredis';
 import { z } from 'zod';
 import type { Names } from './names.js';
 
@@ -45,9 +45,10 @@ function bucketIndex(ms: number): number {
   return i === -1 ? LATENCY_BUCKETS_S.length : i; // the last index is +Inf
 }
 
-/** One finished job, with its BullMQ timestamps (ms since the epoch). */
-export type JobTiming = { op: string; status: JobStatus; enqueuedAt: number; startedAt: number; finishedAt: number };
+/** One finished job, with its BullMQ timestamps (ms since the epoch), and the tokens it sampled or trained. */
+export type JobTiming = { op: string; status: JobStatus; enqueuedAt: number; startedAt: number; finishedAt: number; tokens?: { kind: TokenKind; n: number } };
 
+/** Records one finished job (and its tokens) in one transaction: one round trip. */
 export async function recordJob(redis: Redis, names: Names, t: JobTiming): Promise<void> {
   const phases: Record<Phase, number> = {
     queue_wait: Math.max(0, t.startedAt - t.enqueuedAt),
@@ -59,18 +60,21 @@ export async function recordJob(redis: Redis, names: Names, t: JobTiming): Promi
     const h = key(names, 'latency', phase);
     m.hincrby(h, `${t.op}|${bucketIndex(phases[phase])}`, 1).hincrbyfloat(h, `${t.op}|sum`, phases[phase]).hincrby(h, `${t.op}|count`, 1);
   }
+  if (t.tokens) addTokens(m, names, t.tokens.kind, t.tokens.n, t.finishedAt);
   await m.exec();
+}
+
+function addTokens(m: ChainableCommander, names: Names, kind: TokenKind, n: number, now: number): void {
+  if (!(n > 0)) return;
+  const sec = key(names, 'tokens', kind, String(Math.floor(now / 1000)));
+  m.hincrby(key(names, 'tokens'), kind, n).incrby(sec, n).expire(sec, RATE_WINDOW_S * 3);
 }
 
 export async function recordTokens(redis: Redis, names: Names, kind: TokenKind, n: number, now = Date.now()): Promise<void> {
   if (!(n > 0)) return;
-  const sec = key(names, 'tokens', kind, String(Math.floor(now / 1000)));
-  await redis
-    .multi()
-    .hincrby(key(names, 'tokens'), kind, n)
-    .incrby(sec, n)
-    .expire(sec, RATE_WINDOW_S * 3)
-    .exec();
+  const m = redis.multi();
+  addTokens(m, names, kind, n, now);
+  await m.exec();
 }
 
 export async function publishAgentStats(redis: Redis, names: Names, s: AgentStats): Promise<void> {

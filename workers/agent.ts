@@ -11,7 +11,7 @@ import { requireCheckpointRecord } from '../queues/checkpoints.js';
 import { BrokerError, encodeJobFailure, failure, failureOf, modelUnavailable, outcomeUnknownMessage, recordedFailure, type Failure } from '../queues/errors.js';
 import { heartbeatMs, Liveness } from '../queues/liveness.js';
 import { logger as rootLogger, type Logger } from '../queues/logger.js';
-import { publishAgentStats, recordJob, recordTokens, removeAgentStats, type JobStatus } from '../queues/metrics.js';
+import { publishAgentStats, recordJob, removeAgentStats, type JobStatus, type TokenKind } from '../queues/metrics.js';
 import { Names } from '../queues/names.js';
 import { Outcomes, type Outcome } from '../queues/outcomes.js';
 import { connect } from '../queues/redis.js';
@@ -216,24 +216,12 @@ export class Agent {
     }
   }
 
-  /** Counts one finished job in the metrics (and its tokens when it succeeded). */
+  /** Counts one finished job in the metrics (and its tokens when it succeeded): one round trip, not awaited. */
   private meter(job: Job<AnyJob>, start: number, status: JobStatus, result?: unknown): void {
-    if (status === 'ok') void this.countTokens(job, result);
-    recordJob(this.redis, this.names, { op: job.name, status, enqueuedAt: job.timestamp, startedAt: start, finishedAt: Date.now() }).catch((e) =>
+    const tokens = status === 'ok' ? tokensOf(job.data, result) : undefined;
+    recordJob(this.redis, this.names, { op: job.name, status, enqueuedAt: job.timestamp, startedAt: start, finishedAt: Date.now(), ...(tokens ? { tokens } : {}) }).catch((e) =>
       this.log.debug('metrics not recorded', { error: String(e) }),
     );
-  }
-
-  /** Sampled tokens (generated sequences) and trained tokens (forward_backward inputs, not forward-only). */
-  private async countTokens(job: Job<AnyJob>, result: unknown): Promise<void> {
-    try {
-      const d = job.data;
-      if (d.op === 'forward_backward' && !d.forward_only) await recordTokens(this.redis, this.names, 'trained', d.data.reduce((s, x) => s + x.tokens.length, 0));
-      const seqs = (result as { sequences?: { tokens: unknown[] }[] } | null)?.sequences;
-      if (d.op === 'sample' && Array.isArray(seqs)) await recordTokens(this.redis, this.names, 'sampled', seqs.reduce((s, x) => s + x.tokens.length, 0));
-    } catch (e) {
-      this.log.debug('token counts not recorded', { error: String(e) });
-    }
   }
 
   private async startEngine(): Promise<void> {
@@ -530,6 +518,14 @@ export class Agent {
     this.log.info('agent stopped');
     this.resolveStopped();
   }
+}
+
+/** Sampled tokens (generated sequences) and trained tokens (forward_backward inputs, not forward-only) of a job that succeeded. */
+function tokensOf(d: AnyJob, result: unknown): { kind: TokenKind; n: number } | undefined {
+  if (d.op === 'forward_backward' && !d.forward_only) return { kind: 'trained', n: d.data.reduce((s, x) => s + x.tokens.length, 0) };
+  const seqs = (result as { sequences?: { tokens: unknown[] }[] } | null)?.sequences;
+  if (d.op === 'sample' && Array.isArray(seqs)) return { kind: 'sampled', n: seqs.reduce((s, x) => s + x.tokens.length, 0) };
+  return undefined;
 }
 
 /**
