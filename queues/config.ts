@@ -109,6 +109,15 @@ const AgentEnv = CommonEnv.extend({
   TB_SAMPLE_BATCH_TOKENS: z.coerce.number().int().positive().default(131072),
   /** Restart the engine process when it dies. @defaultValue true */
   TB_ENGINE_RESTART: bool.default(true),
+  /**
+   * Torch engine on the CPU (device `cpu`): torch's threads in the engine process (its
+   * `OMP_NUM_THREADS`). The engine shares the machine's cores with the agent, the API and Redis,
+   * and threads on every core keep them all busy (they spin between ops): on 2 cores with the tiny
+   * model, 2 threads cost 16–18 ms of CPU per training op and 1 thread 5 ms, for about the same
+   * engine time (docs/benchmarks.md).
+   * @defaultValue on device `cpu` without `OMP_NUM_THREADS` set: one fewer than the machine's cores, at least 1; else torch's own
+   */
+  TB_ENGINE_THREADS: z.coerce.number().int().positive().optional(),
   /** Engine of the models served (`ENGINES`). @defaultValue `torch` */
   TB_ENGINE: z.enum(ENGINE_KINDS).default('torch'),
   /** vLLM engine: attach to running OpenAI-compatible servers (one URL per model, comma separated) instead of starting `vllm serve`. */
@@ -209,6 +218,8 @@ export type AgentConfig = {
   /** Token budget of one sample batch (torch engine). @defaultValue 131072 */
   sampleBatchTokens?: number | undefined;
   engineRestart: boolean;
+  /** Torch engine: its CPU threads (`OMP_NUM_THREADS` of the engine process); undefined: torch's own (TB_ENGINE_THREADS). */
+  engineThreads?: number | undefined;
   /** @defaultValue `torch` */
   engine?: EngineKind | undefined;
   /** vLLM engine: URLs of running servers to attach to, one per model in `models` order (none: the agent starts `vllm serve`). */
@@ -324,6 +335,7 @@ export function loadAgentConfig(env: NodeJS.ProcessEnv = process.env, preset?: {
     sampleGatherMs: e.TB_SAMPLE_GATHER_MS,
     sampleBatchTokens: e.TB_SAMPLE_BATCH_TOKENS,
     engineRestart: e.TB_ENGINE_RESTART,
+    engineThreads: e.TB_ENGINE_THREADS ?? (e.TB_ENGINE_DEVICE === 'cpu' && !env.OMP_NUM_THREADS ? Math.max(1, os.availableParallelism() - 1) : undefined),
     engine: e.TB_ENGINE,
     vllmUrls: e.TB_VLLM_URL?.length ? e.TB_VLLM_URL : undefined,
     vllm: { bin: e.TB_VLLM_BIN, maxAdapters: e.TB_VLLM_MAX_ADAPTERS, startTimeoutMs: e.TB_VLLM_START_TIMEOUT_S * 1000, extraArgs: e.TB_VLLM_EXTRA_ARGS },

@@ -5,6 +5,9 @@ import os from 'node:os';
 import path from 'node:path';
 import { expect } from 'chai';
 import { loadPreset } from '../presets/schema.js';
+import { loadAgentConfig } from '../queues/config.js';
+import { logger } from '../queues/logger.js';
+import { Agent } from '../workers/agent.js';
 
 /** Presets: every shipped preset validates and plans (--dry-run); a bad one stops before anything starts. */
 function cli(...args: string[]) {
@@ -147,6 +150,26 @@ agents:
     const bad = spawnSync(process.execPath, ['--import', 'tsx', 'scripts/tinker-broker.ts', 'start', '--dry-run'], { encoding: 'utf8', env: { ...process.env, TB_PORT: 'eighty', TB_SEQ_WINDOW: '3' } });
     expect(bad.status).to.equal(2);
     expect(bad.stderr).to.match(/TB_PORT: /).and.match(/TB_SEQ_WINDOW: /);
+  });
+
+  it("gives a CPU torch engine one thread fewer than the cores unless told otherwise, and its process that OMP_NUM_THREADS", async function () {
+    const base = { TB_AGENT_MODELS: 'models/tiny-qwen3', TB_AGENT_ID: 'threads-test' };
+    const threads = (env: Record<string, string>) => loadAgentConfig(env).engineThreads;
+    expect(threads({ ...base, TB_ENGINE_DEVICE: 'cpu' })).to.equal(Math.max(1, os.availableParallelism() - 1));
+    expect(threads({ ...base, TB_ENGINE_DEVICE: 'cpu', TB_ENGINE_THREADS: '3' })).to.equal(3);
+    expect(threads({ ...base, TB_ENGINE_DEVICE: 'cpu', OMP_NUM_THREADS: '4' }), "the operator's OMP_NUM_THREADS stays").to.equal(undefined);
+    expect(threads({ ...base, TB_ENGINE_DEVICE: 'cuda' })).to.equal(undefined);
+    expect(threads(base)).to.equal(undefined);
+    expect(() => threads({ ...base, TB_ENGINE_THREADS: '0' })).to.throw(/TB_ENGINE_THREADS/);
+
+    const adapter = Agent.adapterFor(loadAgentConfig({ ...process.env, ...base, TB_ENGINE_DEVICE: 'cpu', TB_ENGINE_THREADS: '1' }), logger);
+    await adapter.start();
+    try {
+      const environ = readFileSync(`/proc/${adapter.enginePids!()[0]}/environ`, 'utf8').split('\0');
+      expect(environ).to.include('OMP_NUM_THREADS=1');
+    } finally {
+      await adapter.stop();
+    }
   });
 
   it('refuses to start a verl agent off the GPUs, before anything starts, in one plain line', () => {
