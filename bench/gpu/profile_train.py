@@ -47,6 +47,9 @@ def main() -> int:
     ap.add_argument("--model", choices=["1.7b", "8b"], default="1.7b")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--sample", action="store_true", help="also profile sample_batch against generate")
+    ap.add_argument("--ab", type=int, default=0, metavar="N",
+                    help="then N alternating rounds, in this process on the same model: the plain PEFT step against "
+                         "the engine's ops, and their parts (see ab_rounds)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     w = dict(batch=8, seq=1024, rank=32, vocab=evp.MODELS[args.model]["vocab_size"])
@@ -95,9 +98,73 @@ def main() -> int:
         syncs = sum(e.count for e in ka if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"))
         d2h = sum(e.count for e in ka if e.key in ("aten::item", "aten::_local_scalar_dense"))
         print(f"host syncs in one step: cuda*Synchronize {syncs}, item/_local_scalar_dense {d2h}")
+        if args.ab:
+            ab_rounds(eng, parsed_data(wire), fb_args, adam, args.ab)
         if args.sample:
             profile_sampling(eng, w["vocab"])
     return 0
+
+
+def parsed_data(wire: bytes) -> list:  # type: ignore[type-arg]
+    return decode_frame(bytearray(wire))["args"]["data"]
+
+
+def ab_rounds(eng: Engine, data: list, fb_args: dict, adam: dict, rounds: int) -> None:  # type: ignore[type-arg]
+    """Alternating, on one model and one host (no machine-to-machine drift): the plain PEFT step
+    (forward, float32 log-softmax, backward, foreach AdamW, one sync) against the engine's
+    forward_backward + optim_step ops, and the parts between them: plain forward/backward with the
+    engine's chunked target logprobs; the engine's forward_backward alone; plain's AdamW step alone
+    against the engine's optim_step alone. Medians in ms; every variant ends with a device sync."""
+    from tinker_engine.logprobs import target_logprobs
+
+    model = eng.registry.model("m")
+    base = model.base
+    params = model.parameters()
+    plain_opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    ids = torch.stack([d["tokens"] for d in data]).cuda()
+    targets = torch.stack([d["loss_fn_inputs"]["target_tokens"] for d in data]).cuda()
+
+    def plain_fb(chunked: bool) -> None:
+        base.activate(model.adapter, trainable=True)
+        logits = base.hf(input_ids=ids, use_cache=False).logits
+        if chunked:
+            logp = target_logprobs(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        else:
+            logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        loss = -logp.sum()
+        loss.backward()
+        float(loss.detach())
+
+    def plain_opt_step() -> None:
+        plain_opt.step()
+        plain_opt.zero_grad(set_to_none=True)
+
+    variants = {
+        "plain step (fwd+bwd+AdamW)": lambda: (plain_fb(False), plain_opt_step()),
+        "engine fb + optim_step ops": lambda: (eng.call("forward_backward", {**fb_args, "data": data}),
+                                               eng.call("optim_step", adam)),
+        "plain fwd+bwd": lambda: (plain_fb(False), model.base.hf.zero_grad(set_to_none=True)),
+        "plain fwd+bwd, chunked logprobs": lambda: (plain_fb(True), model.base.hf.zero_grad(set_to_none=True)),
+        "engine forward_backward op": lambda: (eng.call("forward_backward", {**fb_args, "data": data}),
+                                              model.base.hf.zero_grad(set_to_none=True)),
+        "plain AdamW step (after a fb op)": lambda: (eng.call("forward_backward", {**fb_args, "data": data}),
+                                                     plain_opt_step()),
+        "engine optim_step op (after a fb op)": lambda: (eng.call("forward_backward", {**fb_args, "data": data}),
+                                                         eng.call("optim_step", adam)),
+    }
+    times: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for label, fn in variants.items():
+            timed(label, fn, times)
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    print(f"=== in-process A/B, {rounds} alternating rounds, median ms ===")
+    for k, v in med.items():
+        print(f"  {k:40s} {v:8.1f}")
+    print(f"  engine ops / plain step: {med['engine fb + optim_step ops'] / med['plain step (fwd+bwd+AdamW)']:.3f}x time")
+    fb_only = med["engine forward_backward op"] - med["plain fwd+bwd"]
+    opt_only = (med["engine optim_step op (after a fb op)"] - med["plain AdamW step (after a fb op)"])
+    print(f"  engine extra: forward_backward {fb_only:+.1f} ms, optim_step {opt_only:+.1f} ms; "
+          f"chunked logprobs vs float32 log-softmax {med['plain fwd+bwd, chunked logprobs'] - med['plain fwd+bwd']:+.1f} ms")
 
 
 def profile_sampling(eng: Engine, vocab: int, n: int = 32, prompt: int = 128, new: int = 64) -> None:
