@@ -50,6 +50,8 @@ def main() -> int:
     ap.add_argument("--ab", type=int, default=0, metavar="N",
                     help="then N alternating rounds, in this process on the same model: the plain PEFT step against "
                          "the engine's ops, and their parts (see ab_rounds)")
+    ap.add_argument("--optim-parts", type=int, default=0, metavar="N",
+                    help="then N rounds timing each part of the engine's optim_step (see optim_parts)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     w = dict(batch=8, seq=1024, rank=32, vocab=evp.MODELS[args.model]["vocab_size"])
@@ -100,6 +102,8 @@ def main() -> int:
         print(f"host syncs in one step: cuda*Synchronize {syncs}, item/_local_scalar_dense {d2h}")
         if args.ab:
             ab_rounds(eng, parsed_data(wire), fb_args, adam, args.ab)
+        if args.optim_parts:
+            optim_parts(eng, parsed_data(wire), fb_args, args.optim_parts)
         if args.sample:
             profile_sampling(eng, w["vocab"])
     return 0
@@ -165,6 +169,32 @@ def ab_rounds(eng: Engine, data: list, fb_args: dict, adam: dict, rounds: int) -
     opt_only = (med["engine optim_step op (after a fb op)"] - med["plain AdamW step (after a fb op)"])
     print(f"  engine extra: forward_backward {fb_only:+.1f} ms, optim_step {opt_only:+.1f} ms; "
           f"chunked logprobs vs float32 log-softmax {med['plain fwd+bwd, chunked logprobs'] - med['plain fwd+bwd']:+.1f} ms")
+
+
+def optim_parts(eng: Engine, data: list, fb_args: dict, rounds: int) -> None:  # type: ignore[type-arg]
+    """Each part of the engine's optim_step on its own (synced before and after), after a real
+    forward_backward, against a foreach AdamW step of the same parameters: median ms."""
+    from tinker_engine.rollback import StepUndo, step_max_abs
+
+    model = eng.registry.model("m")
+    params = model.parameters()
+    opt = model.optimizer
+    assert opt is not None
+    foreach = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    times: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        eng.call("forward_backward", {**fb_args, "data": data})
+        grads = [p.grad for p in params if p.grad is not None]
+        timed("undo snapshot (no clipping)", lambda: StepUndo(params, opt, model.undo_buffers, grads_change=False), times)
+        timed("undo snapshot (with gradients)", lambda: StepUndo(params, opt, model.undo_buffers, grads_change=True), times)
+        timed("gradient norm", lambda: torch.nn.utils.get_total_norm(grads), times)
+        timed("fused AdamW step", lambda: opt.step(), times)
+        timed("step max-abs", lambda: step_max_abs(params, opt), times)
+        timed("foreach AdamW step (plain's)", lambda: foreach.step(), times)
+        timed("zero_grad", lambda: opt.zero_grad(set_to_none=True), times)
+    print(f"=== optim_step parts, {rounds} rounds, median ms ===")
+    for k, v in times.items():
+        print(f"  {k:36s} {sorted(v)[len(v) // 2]:8.2f}")
 
 
 def profile_sampling(eng: Engine, vocab: int, n: int = 32, prompt: int = 128, new: int = 64) -> None:

@@ -34,6 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from .device import DTYPES, Placement
 from .errors import UserError
 from .params import get_bool, get_int, get_opt_int
+from .rollback import UndoBuffers
 
 log = logging.getLogger("tinker_engine")
 
@@ -219,6 +220,8 @@ class TrainingModel:
     lora: LoraSpec
     params: list[tuple[str, torch.nn.Parameter]]
     optimizer: torch.optim.AdamW | None = None
+    # optim_step's undo snapshot storage, reused from step to step (rollback.py).
+    undo_buffers: UndoBuffers = field(default_factory=UndoBuffers)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for _, p in self.params]

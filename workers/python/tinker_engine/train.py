@@ -314,7 +314,7 @@ def optim_step(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
         group["betas"] = (hp.beta1, hp.beta2)
         group["eps"] = hp.eps
         group["weight_decay"] = hp.weight_decay
-    undo = StepUndo(params, opt, grads_change=hp.grad_clip_norm > 0)
+    undo = StepUndo(params, opt, model.undo_buffers, grads_change=hp.grad_clip_norm > 0)
     grads = [p.grad for p in params if p.grad is not None]
     if hp.grad_clip_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, hp.grad_clip_norm)
