@@ -141,12 +141,16 @@ class StepUndo:
 
 
 def step_max_abs(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    """The max-abs of the weights and AdamW moments after a step, left on the device: non-finite
-    exactly when the step made one element non-finite."""
+    """The max-abs of the weights and the AdamW state after a step, left on the device: non-finite
+    exactly when the step made one element non-finite (read together with the gradient norm, which
+    is checked too). The first moment is left out: ``m' = b1*m + (1-b1)*g`` stays within
+    ``max(|m|, |g|)``, finite when the gradient is (its norm is) and ``m`` was (checked at the step
+    that made it), while ``v' = b2*v + (1-b2)*g^2`` can overflow and the weights can too; a third
+    fewer tensors to scan."""
     tensors: list[torch.Tensor] = [p.detach() for p in params]
     for p in params:
-        tensors += [v for v in optimizer.state.get(p, {}).values()
-                    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0]
+        tensors += [v for k, v in optimizer.state.get(p, {}).items()
+                    if k != "exp_avg" and isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0]
     return _max_abs(tensors)
 
 
