@@ -44,6 +44,16 @@ describe('engine protocol (the agent ⇄ engine contract)', () => {
     expect(back.args.n).to.equal(1.5);
   });
 
+  it('a sample_batch result that is invalid for one request fails that request alone', () => {
+    const seq = { tokens: [5, 6], logprobs: [-0.5, -1], stop_reason: 'length' };
+    const good = { sequences: [seq], prompt_logprobs: null, topk_prompt_logprobs: null };
+    const bad = { ...good, sequences: [{ ...seq, logprobs: [-0.5, null] }] }; // a NaN, sent as null
+    const r = ENGINE_OPS.sample_batch.result.parse({ results: [{ ok: true, result: bad }, { ok: true, result: good }] });
+    expect(r.results[0]).to.deep.include({ ok: false });
+    expect(r.results[0]!.ok === false && r.results[0]!.error.message).to.match(/invalid sample result.*sequences\.0\.logprobs\.1/);
+    expect(r.results[1]).to.deep.equal({ ok: true, result: good });
+  });
+
   it('refuses hostile tensor references instead of reading outside the frame', () => {
     const frame = (ref: unknown, blob = Buffer.alloc(8)): Buffer => {
       const json = Buffer.from(JSON.stringify({ id: 1, t: ref }));

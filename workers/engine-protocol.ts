@@ -72,6 +72,21 @@ export const EngineSampleResult = SampleResult.extend({
 
 const EngineErrorBody = z.object({ category: z.enum(['user', 'server']), message: z.string() });
 
+/** Which fields of a value broke its schema, for error messages. */
+export function describeIssues(error: { issues: readonly { path: readonly PropertyKey[]; message: string }[] }): string {
+  return error.issues.slice(0, 3).map((i) => `${i.path.map(String).join('.')}: ${i.message}`).join('; ');
+}
+
+const SampleBatchEntryStrict = z.discriminatedUnion('ok', [
+  z.object({ ok: z.literal(true), result: EngineSampleResult }),
+  z.object({ ok: z.literal(false), error: EngineErrorBody }),
+]);
+/** One request's answer in a sample_batch result; an invalid one (e.g. a NaN logprob) fails that request alone. */
+const SampleBatchEntry = SampleBatchEntryStrict.catch((ctx) => ({
+  ok: false as const,
+  error: { category: 'server' as const, message: `the engine returned an invalid sample result (non-finite values?): ${describeIssues(ctx.error)}` },
+}));
+
 /** Every operation an engine answers: its arguments and its result. */
 export const ENGINE_OPS = {
   hello: {
@@ -135,14 +150,7 @@ export const ENGINE_OPS = {
   },
   sample_batch: {
     args: z.object({ base_model: z.string().min(1), requests: z.array(SampleRequest).min(1) }),
-    result: z.object({
-      results: z.array(
-        z.union([
-          z.object({ ok: z.literal(true), result: EngineSampleResult }),
-          z.object({ ok: z.literal(false), error: EngineErrorBody }),
-        ]),
-      ),
-    }),
+    result: z.object({ results: z.array(SampleBatchEntry) }),
   },
   memory: { args: z.object({ reset_peak: z.boolean().optional() }), result: DeviceMemory },
 } as const satisfies Record<string, { args: z.ZodType; result: z.ZodType }>;
@@ -163,10 +171,14 @@ export function protocolJsonSchema(): Record<string, unknown> {
       target: 'draft-2020-12',
       unrepresentable: 'any',
       override: (ctx) => {
+        const js = ctx.jsonSchema as Record<string, unknown>;
         if (ctx.zodSchema === Tensor || ctx.zodSchema === TensorArg) {
-          const js = ctx.jsonSchema as Record<string, unknown>;
           for (const k of Object.keys(js)) delete js[k];
           js.tensor = true;
+        } else if (ctx.zodSchema === SampleBatchEntry) {
+          // What the engine must send; the catch is the agent's way of failing one request alone.
+          for (const k of Object.keys(js)) delete js[k];
+          Object.assign(js, toJson(SampleBatchEntryStrict));
         }
       },
     }) as Record<string, unknown>;

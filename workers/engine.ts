@@ -5,7 +5,7 @@ import { fileURLToPath } from 'node:url';
 import { BrokerError, engineCode, type ErrorCategory } from '../queues/errors.js';
 import type { Logger } from '../queues/logger.js';
 import { decodeFrame, encodeFrame } from './engine-frame.js';
-import { ENGINE_OPS, type EngineArgs, type EngineOp, type EngineResult } from './engine-protocol.js';
+import { describeIssues, ENGINE_OPS, type EngineArgs, type EngineOp, type EngineResult } from './engine-protocol.js';
 
 /** An engine's error reply (or a failure of the channel) as a broker error: `user` refused input, `server` a failed engine. */
 export class EngineError extends BrokerError {
@@ -13,11 +13,6 @@ export class EngineError extends BrokerError {
   constructor(category: ErrorCategory, message: string) {
     super(engineCode(category), message);
   }
-}
-
-/** An invalid result says which fields were wrong (e.g. a NaN loss, sent as null). */
-function describeIssues(error: { issues: readonly { path: readonly PropertyKey[]; message: string }[] }): string {
-  return error.issues.slice(0, 3).map((i) => `${i.path.map(String).join('.')}: ${i.message}`).join('; ');
 }
 
 type Pending = { op: EngineOp; resolve: (v: unknown) => void; reject: (e: Error) => void };

@@ -76,6 +76,10 @@ def test_numbers_enums_nullables_and_tuples() -> None:
         check_args("sample", {**req, "prompt": [1, 2.5]})
     assert problem([1, 0.5], OPS["sample"]["result"]["properties"]["topk_prompt_logprobs"]["anyOf"][0]["items"]
                    ["anyOf"][0]["items"], "x") is None
+    one_of = {"oneOf": [{"type": "number"}, {"type": "integer"}]}
+    assert problem("x", one_of, "v") == "v: must be number, got str"
+    assert problem(3, one_of, "v") == "v: fits 2 of the alternatives; exactly one must fit"
+    assert problem(3.5, one_of, "v") is None
     assert problem(["a", 0.5], {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "number"}],
                                 "items": False}, "x") == "x[0]: must be integer, got str"
 

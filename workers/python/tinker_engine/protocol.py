@@ -27,7 +27,7 @@ OPS: dict[str, dict[str, Any]] = SCHEMA["ops"]
 
 #: Known keywords; one the checker does not know stops the engine at import (a generator change).
 _KEYWORDS = {"type", "properties", "required", "additionalProperties", "propertyNames", "items", "prefixItems",
-             "minItems", "maxItems", "minLength", "enum", "const", "anyOf", "minimum", "maximum",
+             "minItems", "maxItems", "minLength", "enum", "const", "anyOf", "oneOf", "minimum", "maximum",
              "exclusiveMinimum", "exclusiveMaximum", "tensor"}
 WIRE_DTYPES = ("float32", "int32", "int64")
 
@@ -47,7 +47,7 @@ def _check_keywords(schema: Any) -> None:
                     _check_keywords(sub)
             elif key in ("items", "additionalProperties", "propertyNames") and isinstance(value, dict):
                 _check_keywords(value)
-            elif key in ("anyOf", "prefixItems"):
+            elif key in ("anyOf", "oneOf", "prefixItems"):
                 for sub in value:
                     _check_keywords(sub)
 
@@ -100,11 +100,15 @@ def problem(value: Any, schema: dict[str, Any], where: str) -> str | None:
     if schema.get("tensor"):
         p = _tensor_problem(value)
         return f"{where}: {p}" if p else None
-    if "anyOf" in schema:
-        found = [problem(value, sub, where) for sub in schema["anyOf"]]
-        if all(found):
-            return next(f for f in found if f)
-        return None
+    for key in ("anyOf", "oneOf"):
+        if key in schema:
+            found = [problem(value, sub, where) for sub in schema[key]]
+            fits = sum(1 for f in found if f is None)
+            if fits == 0:
+                return next(f for f in found if f)
+            if key == "oneOf" and fits > 1:
+                return f"{where}: fits {fits} of the alternatives; exactly one must fit"
+            return None
     types = schema.get("type")
     if types is not None:
         names = types if isinstance(types, list) else [types]
