@@ -14,6 +14,8 @@ from .params import is_int
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "int64": torch.int64}
 _NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+# Inline tensors may use the wire's int32 for ids, as binary ones do; both arrive widened to int64.
+_INLINE: dict[str, torch.dtype] = {**DTYPES, "int32": torch.int64}
 
 
 def tensor_from_json(obj: Any, what: str) -> torch.Tensor:
@@ -26,8 +28,8 @@ def tensor_from_json(obj: Any, what: str) -> torch.Tensor:
     if not isinstance(obj, dict):
         raise UserError(f"{what}: a tensor must be an object with dtype, shape and data")
     dtype_name = obj.get("dtype")
-    if dtype_name not in DTYPES:
-        raise UserError(f"{what}: dtype must be one of {sorted(DTYPES)}, got {dtype_name!r}")
+    if dtype_name not in _INLINE:
+        raise UserError(f"{what}: dtype must be one of {sorted(_INLINE)}, got {dtype_name!r}")
     shape = obj.get("shape")
     if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
         raise UserError(f"{what}: shape must be a list of non-negative integers, got {shape!r}")
@@ -37,7 +39,7 @@ def tensor_from_json(obj: Any, what: str) -> torch.Tensor:
     expected = math.prod(shape)
     if len(data) != expected:
         raise UserError(f"{what}: shape {shape} needs {expected} values, data has {len(data)}")
-    dtype = DTYPES[dtype_name]
+    dtype = _INLINE[dtype_name]
     if dtype == torch.int64:
         if not all(is_int(v) for v in data):
             raise UserError(f"{what}: int64 data must be integers")
