@@ -60,6 +60,25 @@ describe('Tinker SDK end to end through the start command', function () {
     sequential.nll.forEach((v, i) => expect(v).to.be.closeTo(pipelined.nll[i]!, 1e-4 * Math.max(1, Math.abs(v))));
   });
 
+  it('serves a training op between the decode steps of a long sample batch of the same base model', function () {
+    this.timeout(300_000);
+    const out = runPython(['test/e2e/sdk_train_during_sample.py', TINY_MODEL_ALIAS, '2000', '8']) as {
+      fb_latency_s: number;
+      fb_done_s: number;
+      sample_done_s: number;
+      sample_lengths: number[];
+      fb_loss: number;
+    };
+    console.log(
+      `      [train during sample] forward_backward answered ${out.fb_latency_s.toFixed(2)} s after it was sent; ` +
+        `the sample (8 x 2000 tokens) finished ${(out.sample_done_s - out.fb_done_s).toFixed(1)} s later, ${out.sample_done_s.toFixed(1)} s after its submit`,
+    );
+    expect(out.sample_lengths).to.deep.equal(Array(8).fill(2000));
+    expect(out.fb_loss).to.be.above(0);
+    // Structural, not timed: the training op did not wait for the batch to finish.
+    expect(out.fb_done_s).to.be.lessThan(out.sample_done_s);
+  });
+
   it('answers bad input with clear errors, and the training client keeps working after them', function () {
     this.timeout(300_000);
     const out = runPython(['test/e2e/sdk_bad_input.py', TINY_MODEL_ALIAS]);
