@@ -1,6 +1,9 @@
+import os from 'node:os';
 import { performance } from 'node:perf_hooks';
+import { fileURLToPath } from 'node:url';
 import { logger } from '../queues/logger.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
+import { E2EServer } from '../test/e2e/server.js';
 import { awaitFuture, call, startStack, type TestStack } from '../test/helpers/stack.js';
 
 /**
@@ -11,6 +14,9 @@ import { awaitFuture, call, startStack, type TestStack } from '../test/helpers/s
  *   node --import tsx bench/sampling.ts ratio [n=32] [max_tokens=64] [prompt_len=16] [rounds=3]
  *     n concurrent one-sample requests with distinct prompts against one request for n samples
  *     (prompts of the same length, same max_tokens); prints both tokens/s and their ratio.
+ *   node --import tsx bench/sampling.ts sdk [n=32] [max_tokens=64] [prompt_len=16] [rounds=5]
+ *     the same comparison through the real tinker SDK against the start command (`npm start`'s
+ *     script: API and agent in their own processes), bench/sdk_sampling_ratio.py.
  */
 logger.level = (process.env.BENCH_LOG_LEVEL as typeof logger.level | undefined) ?? 'warn';
 
@@ -93,9 +99,38 @@ async function ratio(n: number, maxTokens: number, promptLen: number, rounds: nu
   }
 }
 
+async function sdkRatio(n: number, maxTokens: number, promptLen: number, rounds: number): Promise<void> {
+  const server = new E2EServer(); // the start command's defaults, as `npm start` runs it
+  try {
+    await server.start();
+    const script = fileURLToPath(new URL('./sdk_sampling_ratio.py', import.meta.url));
+    const r = server.runPython([script, TINY_MODEL_ALIAS, String(n), String(maxTokens), String(promptLen), String(rounds)]) as {
+      single: number[];
+      concurrent: number[];
+      single_median: number;
+      concurrent_median: number;
+      ratio_of_medians: number;
+      median_round_ratio: number;
+    };
+    const list = (xs: number[]) => xs.map((x) => x.toFixed(0)).join(', ');
+    console.log(`through the tinker SDK against the start command; tiny model, prompts of ${promptLen} tokens, ${maxTokens} new tokens, ${rounds} rounds`);
+    console.log(`1 request x ${n} samples         : median ${r.single_median.toFixed(0)} sampled tokens/s (rounds: ${list(r.single)})`);
+    console.log(`${n} concurrent requests x 1 sample: median ${r.concurrent_median.toFixed(0)} sampled tokens/s (rounds: ${list(r.concurrent)})`);
+    console.log(`ratio concurrent / single: ${r.ratio_of_medians.toFixed(2)} (of the medians), ${r.median_round_ratio.toFixed(2)} (median of the rounds' ratios)`);
+    console.log(`load average (1 min) at the end: ${os.loadavg()[0]!.toFixed(1)}`);
+  } finally {
+    await server.destroy();
+  }
+}
+
 const args = process.argv.slice(2);
 const num = (i: number, d: number) => Number(args[i] ?? d);
-const run = args[0] === 'ratio' ? ratio(num(1, 32), num(2, 64), num(3, 16), num(4, 3)) : throughput(num(0, 64), num(1, 8), num(2, 4), num(3, 32));
+const run =
+  args[0] === 'ratio'
+    ? ratio(num(1, 32), num(2, 64), num(3, 16), num(4, 3))
+    : args[0] === 'sdk'
+      ? sdkRatio(num(1, 32), num(2, 64), num(3, 16), num(4, 5))
+      : throughput(num(0, 64), num(1, 8), num(2, 4), num(3, 32));
 run.then(
   () => process.exit(0),
   (e) => {

@@ -30,7 +30,7 @@ def main() -> None:
                         "weights": np.ones(len(tokens) - 1, dtype=np.float32)},
     )
     tc.forward_backward([datum], "cross_entropy").result()  # the model exists and has run once
-    sampler = service.create_sampling_client(base_model=base_model)
+    sampler = service.create_sampling_client(base_model=base_model).result()
     # stop=[]: no stop at all, not even EOS, so every sequence runs to max_tokens.
     params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=11, stop=[])
 
