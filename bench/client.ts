@@ -34,3 +34,14 @@ export function benchBatch(seqLen: number): TestDatum[] {
 }
 
 export const BENCH_ADAM = { learning_rate: 1e-4, beta1: 0.9, beta2: 0.95, eps: 1e-12, weight_decay: 0, grad_clip_norm: 0 };
+
+/** A benchmark's entry: runs `main`, then exits 0, or prints the error and exits 1 (a server it started must not keep the process). */
+export function runBench(main: () => Promise<void>): void {
+  main().then(
+    () => process.exit(0),
+    (e) => {
+      console.error(e);
+      process.exit(1);
+    },
+  );
+}

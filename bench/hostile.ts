@@ -13,6 +13,7 @@ import { defaultPython, ensureTinyModel, TINY_MODEL_ALIAS, TINY_MODEL_DIR } from
 import { awaitFuture, call, deletePrefix, REDIS_URL } from '../test/helpers/stack.js';
 import { encodeForwardBackward, encodeForwardBackwardMessage, i32, i64 } from '../test/helpers/wire.js';
 import { Agent } from '../workers/agent.js';
+import { runBench } from './client.js';
 
 /**
  * The API under hostile sizes: an API process of its own (its RSS read from /proc) and an agent
@@ -175,10 +176,4 @@ async function main(): Promise<void> {
   }
 }
 
-main().then(
-  () => process.exit(0),
-  (e) => {
-    console.error(e);
-    process.exit(1);
-  },
-);
+runBench(main);

@@ -6,7 +6,7 @@ import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
 import { E2EServer } from '../test/e2e/server.js';
 import { REDIS_URL } from '../test/helpers/stack.js';
 import { encodeForwardBackward } from '../test/helpers/wire.js';
-import { BENCH_ADAM, benchBatch, post, result } from './client.js';
+import { BENCH_ADAM, benchBatch, post, result, runBench } from './client.js';
 
 /**
  * Broker overhead per training op, against the server as a user starts it (`tinker-broker start`:
@@ -183,11 +183,5 @@ async function main(): Promise<void> {
   }
 }
 
-main().then(
-  () => process.exit(0),
-  (e) => {
-    console.error(e);
-    process.exit(1);
-  },
-);
+runBench(main);
 

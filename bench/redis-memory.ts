@@ -5,7 +5,7 @@ import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
 import { E2EServer } from '../test/e2e/server.js';
 import { OwnRedis } from '../test/helpers/procs.js';
 import { encodeForwardBackward } from '../test/helpers/wire.js';
-import { BENCH_ADAM, benchBatch, post, result } from './client.js';
+import { BENCH_ADAM, benchBatch, post, result, runBench } from './client.js';
 
 /**
  * Redis memory under a long run (issue 13): the stack as a user starts it (`tinker-broker start`
@@ -132,10 +132,4 @@ async function main(): Promise<void> {
   }
 }
 
-main().then(
-  () => process.exit(0),
-  (e) => {
-    console.error(e);
-    process.exit(1);
-  },
-);
+runBench(main);

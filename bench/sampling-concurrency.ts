@@ -5,6 +5,7 @@ import { Redis } from 'ioredis';
 import { Names } from '../queues/names.js';
 import { API_KEY, awaitFuture, call, REDIS_URL } from '../test/helpers/stack.js';
 import { E2EServer } from '../test/e2e/server.js';
+import { runBench } from './client.js';
 
 /**
  * Concurrent one-sample requests against one many-sample request, through the whole stack started
@@ -114,10 +115,4 @@ async function main(): Promise<void> {
   }
 }
 
-main().then(
-  () => process.exit(0),
-  (e) => {
-    console.error(e);
-    process.exit(1);
-  },
-);
+runBench(main);

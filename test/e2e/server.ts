@@ -32,6 +32,11 @@ export class E2EServer {
   private child: ChildProcess | null = null;
   private port = 0;
 
+  /** The start command's process id (the API and the agent run in it; the engine is its child), while it runs. */
+  get pid(): number | undefined {
+    return this.child?.pid;
+  }
+
   /** `extraEnv` overrides the preset (e.g. TB_AGENT_MODELS); `args` go to `tinker-broker start` (e.g. ['--preset', file]). */
   constructor(
     private readonly extraEnv: NodeJS.ProcessEnv = {},
