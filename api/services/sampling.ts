@@ -88,10 +88,12 @@ type Body = z.output<typeof SampleBody>;
 async function sampleTarget(ctx: ApiContext, req: Request, body: Body): Promise<{ target: Target; sessionId: string; ownerSession: string | null }> {
   if (body.sampling_session_id) {
     const s = await requireSamplingSession(ctx, req, body.sampling_session_id);
-    // A sampling client in use does not expire (a teacher's may sample for days).
-    await ctx.registry.samplers.touch(s.sampling_session_id, ctx.config.retentionS);
-    // Inflight: the model's newest inflight save, which only moves forward from the one this session was created with.
-    const t = s.inflight_model_id ? await ctx.registry.samplers.inflightTarget(s.inflight_model_id) : null;
+    const [, t] = await Promise.all([
+      // A sampling client in use does not expire (a teacher's may sample for days).
+      ctx.registry.samplers.touch(s.sampling_session_id, ctx.config.retentionS),
+      // Inflight: the model's newest inflight save, which only moves forward from the one this session was created with.
+      s.inflight_model_id ? ctx.registry.samplers.inflightTarget(s.inflight_model_id) : null,
+    ]);
     const target = t ? { base_model: s.base_model, model_path: t.model_path, adapter_dir: t.adapter_dir } : s;
     // The client's session owns the stability records of this request's sequences.
     return { target, sessionId: s.sampling_session_id, ownerSession: s.session_id };
@@ -113,7 +115,11 @@ export async function sample(ctx: ApiContext, req: Request, body: Body): Promise
     for (const t of c.tokens as number[]) tokens.push(t);
   }
   if (tokens.length === 0) throw invalid('prompt is empty');
-  const { model, agents } = await ctx.registry.agents.resolveBaseModel(session.base_model);
+  // The served model and the sampler version (null: the base model; its LoRA rank decides which agents can serve it), read together.
+  const [{ model, agents }, version] = await Promise.all([
+    ctx.registry.agents.resolveBaseModel(session.base_model),
+    session.model_path ? ctx.registry.checkpoints.get(session.model_path) : null,
+  ]);
   if (body.topk_prompt_logprobs > model.topk_max)
     throw invalid(`topk_prompt_logprobs ${body.topk_prompt_logprobs} exceeds the bound for this model (${model.topk_max})`);
   for (const t of tokens) if (t < 0 || t >= model.vocab_size) throw invalid(`prompt token id ${t} is outside the vocabulary [0, ${model.vocab_size})`);
@@ -135,8 +141,6 @@ export async function sample(ctx: ApiContext, req: Request, body: Body): Promise
   if (tokens.length + params.max_tokens > model.max_context_length)
     throw invalid(`prompt (${tokens.length} tokens) + max_tokens (${params.max_tokens}) exceeds the model's context of ${model.max_context_length}`);
 
-  // The sampler version (null: the base model); its LoRA rank decides which agents can serve it.
-  const version = session.model_path ? await ctx.registry.checkpoints.get(session.model_path) : null;
   const needs: SampleFeature[] = [];
   if (body.prompt_alt_tokens_k > 0) needs.push('prompt_alt_tokens_k');
   if (targets) needs.push('target_prompt_logprobs');
