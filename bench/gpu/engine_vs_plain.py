@@ -86,7 +86,7 @@ def load_plain(path: Path, device: torch.device, dtype: torch.dtype) -> Any:
 # --- the engine over its channel ---------------------------------------------------------------------
 
 class EngineChannel:
-    """``python -m tinker_engine`` as the agent starts it: length-prefixed JSON frames on stdio."""
+    """``python -m tinker_engine`` as the agent starts it: protocol 2 frames (JSON plus binary tensors) on stdio."""
 
     def __init__(self, device: str, dtype: str) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ENGINE_DIR), os.environ.get("PYTHONPATH")) if p),

@@ -1,4 +1,4 @@
-"""verl engine vs torch engine, both driven over their stdio channels (protocol v1).
+"""verl engine vs torch engine, both driven over their stdio channels (protocol 2).
 
 Run by bench/gpu/verl_check.sh on the H200 (see there); ``--cpu`` runs it here with the tiny model,
 and the verl engine replaced by a second torch engine (``--twin``), to check the driver itself.

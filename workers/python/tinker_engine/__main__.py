@@ -1,4 +1,4 @@
-"""Entry point: ``python -m tinker_engine`` speaks protocol v1 on stdin/stdout, logs on stderr.
+"""Entry point: ``python -m tinker_engine`` speaks protocol 2 on stdin/stdout, logs on stderr.
 
 File descriptor 1 is reserved for reply frames: at start-up the engine keeps a private duplicate
 of it for the channel and points fd 1 (and ``sys.stdout``) at stderr, so a stray ``print`` or a

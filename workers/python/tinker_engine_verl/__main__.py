@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node=N -m tinker_engine_verl
 
-Rank 0 speaks protocol v1 (docs/engine-protocol.md) on the stdin/stdout it inherits from torchrun
+Rank 0 speaks protocol 2 (docs/engine-protocol.md) on the stdin/stdout it inherits from torchrun
 (the agent's pipes): it reads each request frame and broadcasts it to the other ranks over a gloo
 group with no practical timeout (an idle engine waits for hours between requests); every rank then
 runs the op, and rank 0 writes the reply. EOF on rank 0's stdin is broadcast as the end: all exit 0.

@@ -1,4 +1,4 @@
-"""The verl engine's ops: protocol v1 training ops over verl 0.9's FSDP engine (``TinkerTrainingWorker``).
+"""The verl engine's ops: protocol 2 training ops over verl 0.9's FSDP engine (``TinkerTrainingWorker``).
 
 Every rank of the torchrun group runs every op with the same request (rank 0 reads it from the
 channel and broadcasts it; see ``__main__``). Validation is deterministic, so a ``UserError`` is
