@@ -90,7 +90,7 @@ export class Agent {
   /** The engine adapter of the agent's models: torch (trains and samples), vLLM (samples only) or verl (trains only). */
   static adapterFor(config: AgentConfig, log: Logger): EngineAdapter {
     const engine = config.engine ?? 'torch';
-    if (engine === 'torch') return new TorchAdapter({ python: config.python, device: config.engineDevice, log, ...torchLaunch(config) });
+    if (engine === 'torch') return new TorchAdapter({ python: config.python, device: config.engineDevice, log, ...torchEnv(config) });
     if (engine === 'vllm') return new VllmAdapter({ device: config.engineDevice, urls: config.vllmUrls, log, ...config.vllm });
     if (engine === 'verl') return new VerlAdapter({ python: config.python, device: config.engineDevice, log, models: config.models });
     throw new Error(`agent ${config.agentId}: engine '${String(engine)}' is not available in this version (torch, vllm and verl are)`);
@@ -520,14 +520,9 @@ export class Agent {
   }
 }
 
-/**
- * The torch engine's process with the configured CPU threads (TB_ENGINE_THREADS), else as the
- * adapter starts it. The adapter takes extra environment only with the command (`launch`), so the
- * command is the engine's own: `python -m tinker_engine`.
- */
-function torchLaunch(config: AgentConfig): { launch?: { args: string[]; env: NodeJS.ProcessEnv } } {
-  if (config.engineThreads === undefined) return {};
-  return { launch: { args: ['-m', 'tinker_engine'], env: { OMP_NUM_THREADS: String(config.engineThreads) } } };
+/** The torch engine process's environment: the configured CPU threads (TB_ENGINE_THREADS) as its OMP_NUM_THREADS. */
+function torchEnv(config: AgentConfig): { env?: NodeJS.ProcessEnv } {
+  return config.engineThreads === undefined ? {} : { env: { OMP_NUM_THREADS: String(config.engineThreads) } };
 }
 
 /** Sampled tokens (generated sequences) and trained tokens (forward_backward inputs, not forward-only) of a job that succeeded. */

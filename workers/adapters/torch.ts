@@ -39,6 +39,8 @@ export type TorchAdapterOptions = {
   log: Logger;
   /** How the engine process is started (another engine speaking the same protocol, e.g. verl under torchrun). */
   launch?: { args: string[]; env?: NodeJS.ProcessEnv } | undefined;
+  /** Extra environment for the engine process (e.g. its OMP_NUM_THREADS), with any `launch`. */
+  env?: NodeJS.ProcessEnv | undefined;
 };
 
 export class TorchAdapter implements EngineAdapter {
@@ -58,7 +60,8 @@ export class TorchAdapter implements EngineAdapter {
       python: this.opts.python,
       device: this.opts.device,
       log: this.opts.log,
-      ...(this.opts.launch ? { args: this.opts.launch.args, env: this.opts.launch.env ?? {} } : {}),
+      ...(this.opts.launch ? { args: this.opts.launch.args } : {}),
+      env: { ...this.opts.launch?.env, ...this.opts.env },
     });
     e.on('exit', (code, signal) => {
       for (const l of this.exitListeners) l(`the engine process exited (code ${code}, signal ${signal})`);
