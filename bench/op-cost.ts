@@ -18,8 +18,15 @@ import { BENCH_ADAM, benchBatch, post, result, runBench } from './client.js';
  * - the client-observed p50 (for orientation only).
  *
  *   node --import tsx bench/op-cost.ts [ops=200] [--json]
+ *   node --import tsx bench/op-cost.ts sample [n=32] [rounds=5] [--json]
+ *     the same figures per sample request (POST /asample, then POST /retrieve_future) while n
+ *     one-sample requests (16-token prompt, 16 new tokens) run concurrently, `rounds` times; also
+ *     every MONITOR line under the prefix (a MULTI's commands each, script-internal ones not).
  */
-const ops = Number(process.argv.slice(2).find((a) => !a.startsWith('--')) ?? 200);
+const positional = process.argv.slice(2).filter((a) => !a.startsWith('--'));
+const sampleMode = positional[0] === 'sample';
+const ops = Number((sampleMode ? positional[1] : positional[0]) ?? (sampleMode ? 32 : 200));
+const rounds = Number((sampleMode ? positional[2] : undefined) ?? 5);
 const json = process.argv.includes('--json');
 
 /** CPU ms a process has used (utime + stime; clock ticks of 10 ms). */
@@ -33,20 +40,24 @@ function children(pid: number): number[] {
 }
 
 /** Counts the round trips of the clients whose commands name `prefix`, until `stop()`. */
-async function countRoundTrips(prefix: string): Promise<{ count: () => number; stop: () => void }> {
+async function countRoundTrips(prefix: string): Promise<{ count: () => number; lines: () => number; stop: () => void }> {
   const conn = new Redis(REDIS_URL);
   const monitor = await conn.monitor();
   let n = 0;
+  let lines = 0;
   const inMulti = new Set<string>();
   monitor.on('monitor', (_time: string, args: unknown[], source: string) => {
     if (source === 'lua') return;
     const cmd = String(args[0]).toLowerCase();
+    const named = args.some((a) => String(a).includes(prefix));
+    if (named) lines++;
     if (cmd === 'multi') inMulti.add(source);
     else if (cmd === 'exec') n += inMulti.delete(source) ? 1 : 0;
-    else if (!inMulti.has(source) && args.some((a) => String(a).includes(prefix))) n++;
+    else if (!inMulti.has(source) && named) n++;
   });
   return {
     count: () => n,
+    lines: () => lines,
     stop: () => {
       monitor.disconnect();
       conn.disconnect();
@@ -54,7 +65,68 @@ async function countRoundTrips(prefix: string): Promise<{ count: () => number; s
   };
 }
 
+/** What one sample request costs while `n` run concurrently (see the header). */
+async function sampleCost(): Promise<void> {
+  const n = ops;
+  const server = new E2EServer({ TB_LONG_POLL_MS: '25000' });
+  try {
+    await server.start();
+    const base = server.baseUrl;
+    const session = (await post(base, '/create_session', { tags: [], user_metadata: {}, sdk_version: '0.38.0', type: 'create_session' })).session_id;
+    const sc = await post(base, '/create_sampling_session', { session_id: session, sampling_session_seq_id: 0, base_model: TINY_MODEL_ALIAS });
+    let seq = 0;
+    const one = async () => {
+      const i = seq++;
+      const prompt = Array.from({ length: 16 }, (_, j) => 5 + ((i * 31 + j * 7) % 1000));
+      const sub = await post(base, '/asample', {
+        prompt: { chunks: [{ type: 'encoded_text', tokens: prompt }] },
+        num_samples: 1,
+        sampling_params: { max_tokens: 16, temperature: 1, seed: i, stop: [] },
+        sampling_session_id: sc.sampling_session_id,
+        seq_id: i,
+      });
+      await result(base, sub.request_id);
+    };
+    const round = () => Promise.all(Array.from({ length: n }, one));
+    await round(); // warm-up
+    const broker = server.pid!;
+    const engine = children(broker)[0]!;
+    const trips = await countRoundTrips(server.prefix);
+    const [b0, e0] = [cpuMs(broker), cpuMs(engine)];
+    const times: number[] = [];
+    for (let r = 0; r < rounds; r++) {
+      const t = performance.now();
+      await round();
+      times.push(performance.now() - t);
+    }
+    const [b1, e1] = [cpuMs(broker), cpuMs(engine)];
+    await new Promise((r) => setTimeout(r, 300));
+    trips.stop();
+    const reqs = n * rounds;
+    const load = (await import('node:os')).loadavg()[0]!;
+    const out = {
+      requests: reqs,
+      concurrent: n,
+      brokerCpuMsPerRequest: (b1 - b0) / reqs,
+      engineCpuMsPerRequest: (e1 - e0) / reqs,
+      redisRoundTripsPerRequest: trips.count() / reqs,
+      monitorLinesPerRequest: trips.lines() / reqs,
+      roundMsMedian: times.sort((a, b) => a - b)[Math.floor(rounds / 2)]!,
+      load,
+    };
+    if (json) console.log(JSON.stringify(out));
+    else
+      console.log(
+        `${reqs} sample requests, ${n} at a time: per request, CPU ${out.brokerCpuMsPerRequest.toFixed(2)} ms in the API+agent process, ${out.engineCpuMsPerRequest.toFixed(2)} ms in the engine; ` +
+          `${out.redisRoundTripsPerRequest.toFixed(2)} Redis round trips (${out.monitorLinesPerRequest.toFixed(2)} MONITOR lines under the prefix); median round ${out.roundMsMedian.toFixed(0)} ms; load average ${load.toFixed(1)}`,
+      );
+  } finally {
+    await server.destroy();
+  }
+}
+
 async function main(): Promise<void> {
+  if (sampleMode) return sampleCost();
   const server = new E2EServer({ TB_LONG_POLL_MS: '25000' });
   try {
     await server.start();
