@@ -46,7 +46,12 @@ export class Names {
   }
   /** `<incarnation> <ms>`, TTL the agent's timeout, refreshed every heartbeat (queues/liveness.ts). */
   agentAlive(agentId: string): string {
-    return `${this.prefix}:agent:${agentId}:alive`;
+    const [before, after] = this.agentAliveParts();
+    return `${before}${agentId}${after}`;
+  }
+  /** The text of an `agentAlive` key before and after the agent id (for queues/lua/agents-live.lua). */
+  agentAliveParts(): [before: string, after: string] {
+    return [`${this.prefix}:agent:`, ':alive'];
   }
   /** Why the reaper declared the agent dead (kept 7 days; the agent reads it at its next heartbeat). */
   agentReaped(agentId: string): string {

@@ -15,6 +15,7 @@ export type ScriptName =
   | 'outcome-finish'
   | 'outcome-read'
   | 'future-train'
+  | 'agents-live'
   | 'liveness-beat'
   | 'liveness-release';
 

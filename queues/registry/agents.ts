@@ -1,6 +1,7 @@
 import { z } from 'zod';
 import { ENGINE_KINDS, ENGINES, SAMPLE_FEATURES, type SampleFeature } from '../config.js';
 import { BrokerError } from '../errors.js';
+import { runScript } from '../scripts.js';
 import { RedisRegistry } from './store.js';
 
 /**
@@ -82,13 +83,10 @@ export function sampleEngine(baseModel: string, agents: AgentRecord[], loraRank:
 
 /** Reads the agents' records (`<prefix>:agents`) and liveness keys. */
 export class AgentRegistry extends RedisRegistry {
-  /** Agents whose liveness key is current. */
+  /** Agents whose liveness key is current (one round trip). */
   async live(): Promise<AgentRecord[]> {
-    const all = await this.redis.hgetall(this.names.agents());
-    const recs = Object.values(all).map((v) => AgentRecord.parse(JSON.parse(v)));
-    if (recs.length === 0) return [];
-    const alive = await this.redis.mget(recs.map((r) => this.names.agentAlive(r.agent_id)));
-    return recs.filter((_, i) => alive[i] !== null);
+    const live = (await runScript(this.redis, 'agents-live', [this.names.agents()], this.names.agentAliveParts())) as string[];
+    return live.map((v) => AgentRecord.parse(JSON.parse(v)));
   }
   /**
    * Every base model served by a live agent, by canonical name. Agents serving one model directory
