@@ -2,6 +2,7 @@ import { Job, Queue, type JobsOptions } from 'bullmq';
 import type { Redis } from 'ioredis';
 import type { AnyJob, SampleJob, SampleResult, TrainJob } from './schemas.js';
 import type { Names } from './names.js';
+import { runScript } from './scripts.js';
 
 /** A job as a future sees it: its op, and its end once it has one. */
 export type JobView = {
@@ -11,6 +12,9 @@ export type JobView = {
   failedReason: string | null;
   returnvalue: unknown;
 };
+
+/** How a sample request was admitted (QueueSet.submitSample). */
+export type SampleAdmission = 'queued' | 'replay' | 'full' | 'conflict';
 
 /**
  * The two queue families, typed at both ends (producers here, the agent's workers): a training
@@ -22,7 +26,8 @@ export type SampleQueue = Queue<SampleJob, SampleResult>;
 
 /**
  * Producer-side queues, created on first use and shared by one process. This file and the Lua
- * library queues/lua/bullmq-job.lua are the only places that know BullMQ's own job layout. Jobs are never
+ * scripts it and the gate run (queues/lua/bullmq-job.lua, sample-submit.lua,
+ * future-train.lua) are the only places that know BullMQ's own job layout. Jobs are never
  * retried automatically (`attempts: 1`): a training op run twice doubles a gradient.
  * Finished jobs are kept for the future retention, since their state *is* the future.
  */
@@ -92,9 +97,27 @@ export class QueueSet {
     await (this.get(queue) as unknown as TrainQueue).add(job.op, job, { jobId });
   }
 
-  /** Adds a sample job under a deterministic id (idempotent as addTrain). */
-  async addSample(queue: string, jobId: string, job: SampleJob): Promise<void> {
-    await (this.get(queue) as unknown as SampleQueue).add(job.op, job, { jobId });
+  /**
+   * Admits a sample request in one round trip (queues/lua/sample-submit.lua): queues its job under
+   * `jobId` unless `maxWaiting` jobs wait already ('full'), records the future's owner and restarts
+   * the sampling session's lifetime. A job of that id with the same payload is the same request
+   * ('replay': the same future); with another payload it is refused ('conflict'). Nothing is
+   * written for 'full' or 'conflict'.
+   */
+  async submitSample(
+    queue: string,
+    jobId: string,
+    job: SampleJob,
+    o: { maxWaiting: number; ownerKey: string; tenant: string; ownerTtlS: number; session: { key: string; ttlS: number } | null },
+  ): Promise<SampleAdmission> {
+    const q = `${this.names.bull}:${queue}:`;
+    const r = (await runScript(
+      this.connection,
+      'sample-submit',
+      [this.jobKey(queue, jobId), `${q}wait`, o.ownerKey, o.session?.key ?? o.ownerKey],
+      [q, jobId, job.op, JSON.stringify(job), this.storedJobOptions(), Date.now(), o.maxWaiting, o.tenant, o.session ? o.session.ttlS : '', o.ownerTtlS],
+    )) as number;
+    return r === 1 ? 'queued' : r === 0 ? 'replay' : r === -1 ? 'full' : 'conflict';
   }
 
   async close(): Promise<void> {

@@ -15,6 +15,7 @@ export type ScriptName =
   | 'outcome-finish'
   | 'outcome-read'
   | 'future-train'
+  | 'sample-submit'
   | 'agents-live'
   | 'liveness-beat'
   | 'liveness-release';

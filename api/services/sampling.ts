@@ -88,12 +88,9 @@ type Body = z.output<typeof SampleBody>;
 async function sampleTarget(ctx: ApiContext, req: Request, body: Body): Promise<{ target: Target; sessionId: string; ownerSession: string | null }> {
   if (body.sampling_session_id) {
     const s = await requireSamplingSession(ctx, req, body.sampling_session_id);
-    const [, t] = await Promise.all([
-      // A sampling client in use does not expire (a teacher's may sample for days).
-      ctx.registry.samplers.touch(s.sampling_session_id, ctx.config.retentionS),
-      // Inflight: the model's newest inflight save, which only moves forward from the one this session was created with.
-      s.inflight_model_id ? ctx.registry.samplers.inflightTarget(s.inflight_model_id) : null,
-    ]);
+    // Inflight: the model's newest inflight save, which only moves forward from the one this session was created with.
+    // (The session's lifetime is restarted where the request is admitted, in the same round trip.)
+    const t = s.inflight_model_id ? await ctx.registry.samplers.inflightTarget(s.inflight_model_id) : null;
     const target = t ? { base_model: s.base_model, model_path: t.model_path, adapter_dir: t.adapter_dir } : s;
     // The client's session owns the stability records of this request's sequences.
     return { target, sessionId: s.sampling_session_id, ownerSession: s.session_id };
@@ -151,18 +148,14 @@ export async function sample(ctx: ApiContext, req: Request, body: Body): Promise
   const jobId = body.sampling_session_id && seqId !== null ? jobIds.sample(sessionId, seqId) : `s-${randomUUID()}`;
   const requestId = encodeRequestId({ queue, jobId });
   // The future is recorded only when it is handed out (not for a 429).
-  const reply = async () => ({
-    request_id: await issueFuture(ctx, req, requestId),
-    sample_sequence_ids: Array.from({ length: body.num_samples }, (_, i) => `${requestId}#${i}`),
-  });
+  const reply = async () => ({ request_id: await issueFuture(ctx, req, requestId), sample_sequence_ids: sequenceIds(requestId, body.num_samples) });
   // A session is pinned to one sampler version; never sample silently from other weights.
   if (session.model_path && !version) {
     const message = `sampling session ${sessionId} is pinned to sampler weights ${session.model_path}, which no longer exist (deleted or expired); save new sampler weights and create a new sampling client`;
+    if (body.sampling_session_id) await ctx.registry.samplers.touch(sessionId, ctx.config.retentionS);
     await ctx.registry.futures.putFailed(jobId, { op: 'sample', category: 'user', code: 'STALE_SAMPLER', message }, ctx.config.retentionS);
     return reply();
   }
-  if ((await ctx.queues.get(queue).getWaitingCount()) >= ctx.config.maxQueuedSamples)
-    throw new BrokerError('OVERLOADED', `sampling queue of ${session.base_model} is full; retry shortly`);
 
   const job: SampleJob = {
     op: 'sample',
@@ -183,13 +176,24 @@ export async function sample(ctx: ApiContext, req: Request, body: Body): Promise
     // Only samples of a sampling session are recorded: the record belongs to that session (and its tenant).
     record_stability: body.record_stability_info && ownerSession ? { session_id: ownerSession, request_id: requestId } : null,
   };
-  await ctx.queues.addSample(queue, jobId, job);
+  // One round trip: the job queued (unless the queue is full), its owner recorded, the session's
+  // lifetime restarted (a sampling client in use does not expire: a teacher's may sample for days).
   // A (sampling session, seq_id) names one request: a replay with another payload would silently
-  // get the first one's samples, so it is refused. The job that BullMQ kept is the first one.
-  if (body.sampling_session_id && seqId !== null) {
-    const stored = await ctx.redis.hget(`${ctx.names.bull}:${queue}:${jobId}`, 'data');
-    if (stored !== null && stored !== JSON.stringify(job))
-      throw invalid(`seq_id ${seqId} of sampling session ${sessionId} was already used by a different sample request; a seq_id names one request`);
-  }
-  return reply();
+  // get the first one's samples, so it is refused; a true replay gets the same future.
+  const admitted = await ctx.queues.submitSample(queue, jobId, job, {
+    maxWaiting: ctx.config.maxQueuedSamples,
+    ownerKey: ctx.names.futureOwner(requestId),
+    tenant: tenantOf(req),
+    // Owner records outlive the job (kept for the retention after it finishes), as issueFuture's.
+    ownerTtlS: ctx.config.retentionS * 2,
+    session: body.sampling_session_id ? { key: ctx.names.samplingSession(sessionId), ttlS: ctx.config.retentionS } : null,
+  });
+  if (admitted === 'full') throw new BrokerError('OVERLOADED', `sampling queue of ${session.base_model} is full; retry shortly`);
+  if (admitted === 'conflict')
+    throw invalid(`seq_id ${seqId} of sampling session ${sessionId} was already used by a different sample request; a seq_id names one request`);
+  return { request_id: requestId, sample_sequence_ids: sequenceIds(requestId, body.num_samples) };
+}
+
+function sequenceIds(requestId: string, n: number): string[] {
+  return Array.from({ length: n }, (_, i) => `${requestId}#${i}`);
 }
