@@ -15,14 +15,15 @@ import type { JobOp } from '../queues/schemas.js';
 
 /**
  * A training op's future is answered from its outcome record (queues/outcomes.ts), which the agent
- * writes once; a sample's from BullMQ's job state (queues/queues.ts `view`). A pending training op
+ * writes once; a sample's from its job's state (queues/queues.ts `sampleFuture`). A pending training op
  * whose agent was reaped (queues/liveness.ts) fails with OUTCOME_UNKNOWN. Every API process runs the
  * reaper (`startReaper`).
  *
- * A `retrieve_future` reads the state; if it is pending, registers a waiter for the op's completion
- * signal (queues/completions.ts), reads again, and sleeps on the waiter for at most the long-poll
- * window. No polling loop. A training op's signal carries its final record when it is small: the
- * waiter answers from it and leaves the read-once expiry for after the answer (no read back).
+ * A `retrieve_future` registers a waiter for the op's completion signal (queues/completions.ts),
+ * reads the state (one script), and if it is pending sleeps on the waiter for at most the long-poll
+ * window. No polling loop. A signal carries the final record when it is small (a training op's
+ * outcome, a sample's result or failure): the waiter answers from it and leaves the read-once
+ * expiry for after the answer (no read back).
  *
  * Every read is for the asking tenant: a future issued to another tenant (or to none) is unknown
  * (the route answers 404 as for a future that never existed); for a training op the owner is
@@ -56,7 +57,7 @@ export class FutureResolver {
   ) {
     this.outcomes = new Outcomes(redis, names, retentionS);
     this.liveness = new Liveness(redis, names, registry.models, this.outcomes);
-    this.completions = new Completions(redis, blockingConnection, names);
+    this.completions = new Completions(blockingConnection, names);
   }
 
   /** Runs the liveness reaper every `everyMs`; returns its stop function. */
@@ -99,10 +100,7 @@ export class FutureResolver {
   async state(ref: FutureRef, tenant: string): Promise<FutureState> {
     if (!QUEUE_NAME.test(ref.queue) || !JOB_ID.test(ref.jobId)) return { kind: 'unknown' };
     if (ref.queue.startsWith('train-')) return this.trainState(ref, tenant);
-    const owner = await this.registry.futures.owner(encodeRequestId(ref));
-    // Records older than tenants (owner '') belong to no tenant.
-    if (!owner || owner !== tenant) return { kind: 'unknown' };
-    return this.sampleState(ref);
+    return this.sampleState(ref, tenant);
   }
 
   /** A training op's future: its owner, its outcome, else what keeps it pending or failed, read in one round trip. */
@@ -157,16 +155,26 @@ export class FutureResolver {
     return again && again.state !== 'running' ? this.fromOutcome(again) : { kind: 'unknown' };
   }
 
-  /** A sample's future: its BullMQ job's state. */
-  private async sampleState(ref: FutureRef): Promise<FutureState> {
-    const job = await this.queues.view(ref.queue, ref.jobId);
-    if (!job) {
-      const failed = await this.registry.futures.getFailed(ref.jobId);
+  /**
+   * A sample's future: its owner, its job's state, else its failed-future record, read in one round
+   * trip; a finished job (payload and result) leaves Redis soon once read, with the owner record.
+   */
+  private async sampleState(ref: FutureRef, tenant: string): Promise<FutureState> {
+    const job = await this.queues.sampleFuture(
+      ref.queue,
+      ref.jobId,
+      this.names.futureOwner(encodeRequestId(ref)),
+      this.names.failedFuture(ref.jobId),
+      tenant,
+      this.ttlAfterReadS * 1000,
+    );
+    // Records older than tenants (owner '') belong to no tenant.
+    if (job.kind === 'not-owner') return { kind: 'unknown' };
+    if (job.kind === 'no-job') {
+      const failed = job.failedFuture === null ? null : FailedFuture.parse(JSON.parse(job.failedFuture));
       return failed ? { kind: 'failed', op: failed.op, ...recordedFailure(failed) } : { kind: 'unknown' };
     }
     if (!job.finished) return { kind: 'pending', queueState: 'active' };
-    // Samples' payloads and results are not kept long once read.
-    await this.expireOnceRead(ref);
     const op = job.op as JobOp;
     if (job.failedReason) {
       const { verdict: _verdict, ...f } = decodeJobFailure(job.failedReason);
@@ -187,16 +195,18 @@ export class FutureResolver {
   }
 
   /**
-   * The answer a training op's completion signal carried (its final outcome record), or null. The
-   * read-once expiry that the state script applies runs once this turn of the event loop is over,
-   * after the answer is on its way.
+   * The answer a completion signal carried (a training op's final outcome record, or a finished
+   * sample's in the same shape), or null. The read-once expiry that the state scripts apply runs
+   * once this turn of the event loop is over, after the answer is on its way.
    */
   private signalled(ref: FutureRef, record: string | undefined): FutureState | null {
     if (record === undefined) return null;
     const o = Outcome.parse(JSON.parse(record));
     if (o.state === 'running') return null;
-    if (!this.keepsOutcome(ref))
-      setImmediate(() => this.expireOnceRead(ref, true).catch((e) => logger.debug('read-once expiry not set', { jobId: ref.jobId, error: String(e) })));
+    if (!this.keepsOutcome(ref)) {
+      const training = ref.queue.startsWith('train-');
+      setImmediate(() => this.expireOnceRead(ref, training).catch((e) => logger.debug('read-once expiry not set', { jobId: ref.jobId, error: String(e) })));
+    }
     return this.fromOutcome(o);
   }
 
@@ -207,13 +217,8 @@ export class FutureResolver {
   async retrieve(requestId: string, tenant: string, timeoutMs: number, signal?: AbortSignal): Promise<FutureState> {
     const ref = decodeRequestId(requestId);
     if (!ref) return { kind: 'unknown' };
-    // A sample queue's listener is made only for a pending job (a finished or unknown one needs none).
-    if (!ref.queue.startsWith('train-')) {
-      const first = await this.state(ref, tenant);
-      if (first.kind !== 'pending') return first;
-    }
-    // The waiter first, then the read: a completion signalled in between is not missed. Training
-    // ops share one subscription, made once per process.
+    // The waiter first, then the read: a completion signalled in between is not missed. Every
+    // future's signal comes on one subscription, made once per process.
     const { woken, cancel } = await this.completions.watch(ref);
     let timer: NodeJS.Timeout | undefined;
     try {

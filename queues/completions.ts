@@ -1,27 +1,42 @@
-import { QueueEvents } from 'bullmq';
 import type { Redis } from 'ioredis';
+import type { Failure } from './errors.js';
 import type { FutureRef } from './futures.js';
 import type { Names } from './names.js';
+import { SIGNALLED_RECORD_MAX_BYTES, type Outcome } from './outcomes.js';
 
 /**
  * Completion signals, so a waiting `retrieve_future` answers the moment its op finishes, never by
- * polling:
+ * polling. Both come on one channel per deployment (`Names.outcomesChannel`), to which each API
+ * process holds one subscriber connection, as `<job id>` or `<job id> <final record>`:
  * - a training op's outcome becoming final is published by the script that records it
- *   (queues/lua/outcome-finish.lua) on one channel per deployment, with the final record itself
- *   when it is small (the waiter answers from it, no read back); each API process holds one
- *   subscriber connection for it;
- * - a sample's end comes from its BullMQ queue's events (one listener per sample queue, created
- *   on first use, reading from the stream's current end).
- * A waiter is registered before the caller reads the state a second time, so a signal sent between
- * the two reads is not lost.
+ *   (queues/lua/outcome-finish.lua), with the final record itself when it is small;
+ * - a sample's end is published by the agent once BullMQ has recorded it (`sampleEndSignal`, in
+ *   the transaction that records the job's metrics), with its result or failure when small.
+ * The waiter answers from a record without reading it back. A waiter is registered before the
+ * caller reads the state, so a signal sent between the two is not lost.
  */
+
+/** How a sample job ended, as its completion signal carries it. */
+export type SampleEnd = { state: 'done'; result: unknown } | ({ state: 'failed' } & Failure);
+
+/**
+ * The channel and message that signal a sample job's end: the end as a final record of the
+ * outcome's shape (queues/outcomes.ts; not stored anywhere) when it is at most
+ * SIGNALLED_RECORD_MAX_BYTES, else the job id alone (the waiter then reads the finished job).
+ * Send it after the job's end is recorded in Redis.
+ */
+export function sampleEndSignal(names: Names, jobId: string, agentId: string, end: SampleEnd): [channel: string, message: string] {
+  const record: Outcome = { ...end, op: 'sample', agent_id: agentId, token: jobId, at: new Date().toISOString() };
+  const json = JSON.stringify(record);
+  const small = json.length <= SIGNALLED_RECORD_MAX_BYTES && Buffer.byteLength(json) <= SIGNALLED_RECORD_MAX_BYTES;
+  return [names.outcomesChannel(), small ? `${jobId} ${json}` : jobId];
+}
+
 export class Completions {
   private subscriber: Promise<Redis> | null = null;
-  private readonly events = new Map<string, Promise<QueueEvents>>();
   private readonly waiters = new Map<string, Set<(record?: string) => void>>();
 
   constructor(
-    private readonly redis: Redis,
     private readonly blockingConnection: () => Redis,
     private readonly names: Names,
   ) {}
@@ -51,36 +66,13 @@ export class Completions {
     return this.subscriber;
   }
 
-  /** The shared listener of one sample queue; it reads from the stream's current end. */
-  private listen(queue: string): Promise<QueueEvents> {
-    let p = this.events.get(queue);
-    if (!p) {
-      p = (async () => {
-        // Start at the last event already in the stream, not at '$': an event written between
-        // "ready" and the first blocking read is then still delivered.
-        const last = await this.redis.xrevrange(`${this.names.bull}:${queue}:events`, '+', '-', 'COUNT', 1);
-        const qe = new QueueEvents(queue, { connection: this.blockingConnection(), prefix: this.names.bull, lastEventId: last[0]?.[0] ?? '0-0' });
-        qe.on('completed', ({ jobId }) => this.notify(jobId));
-        qe.on('failed', ({ jobId }) => this.notify(jobId));
-        // Connection errors (Redis unreachable) are reported by the app's own connection watch.
-        qe.on('error', () => undefined);
-        await qe.waitUntilReady();
-        return qe;
-      })();
-      this.events.set(queue, p);
-      p.catch(() => this.events.delete(queue));
-    }
-    return p;
-  }
-
   /**
-   * Registers a waiter for the job's end; `woken` resolves on its signal, with the training op's
-   * final outcome record (JSON) when the signal carried it. Resolves once the signal can no longer
-   * be missed (read the state after this). `cancel` removes the waiter.
+   * Registers a waiter for the job's end; `woken` resolves on its signal, with the final record
+   * (JSON) when the signal carried it. Resolves once the signal can no longer be missed (read the
+   * state after this). `cancel` removes the waiter.
    */
   async watch(ref: FutureRef): Promise<{ woken: Promise<string | undefined>; cancel: () => void }> {
-    if (ref.queue.startsWith('train-')) await this.subscribe();
-    else await this.listen(ref.queue);
+    await this.subscribe();
     let wake!: (record?: string) => void;
     const woken = new Promise<string | undefined>((resolve) => (wake = resolve));
     const set = this.waiters.get(ref.jobId) ?? new Set();
@@ -96,9 +88,6 @@ export class Completions {
   }
 
   async close(): Promise<void> {
-    const all = await Promise.allSettled([...this.events.values()]);
-    await Promise.all(all.map((r) => (r.status === 'fulfilled' ? r.value.close() : undefined)));
-    this.events.clear();
     const sub = this.subscriber;
     this.subscriber = null;
     if (sub) await sub.then((c) => c.unsubscribe().catch(() => undefined)).catch(() => undefined);

@@ -50,18 +50,24 @@ export type JobTiming = { op: string; status: JobStatus; enqueuedAt: number; sta
 
 /** Records one finished job (and its tokens) in one transaction: one round trip. */
 export async function recordJob(redis: Redis, names: Names, t: JobTiming): Promise<void> {
+  const m = redis.multi();
+  addJob(m, names, t);
+  await m.exec();
+}
+
+/** Adds the commands that record one finished job (and its tokens) to a transaction. */
+export function addJob(m: ChainableCommander, names: Names, t: JobTiming): void {
   const phases: Record<Phase, number> = {
     queue_wait: Math.max(0, t.startedAt - t.enqueuedAt),
     engine: Math.max(0, t.finishedAt - t.startedAt),
     total: Math.max(0, t.finishedAt - t.enqueuedAt),
   };
-  const m = redis.multi().hincrby(key(names, 'jobs'), `${t.op}|${t.status}`, 1);
+  m.hincrby(key(names, 'jobs'), `${t.op}|${t.status}`, 1);
   for (const phase of PHASES) {
     const h = key(names, 'latency', phase);
     m.hincrby(h, `${t.op}|${bucketIndex(phases[phase])}`, 1).hincrbyfloat(h, `${t.op}|sum`, phases[phase]).hincrby(h, `${t.op}|count`, 1);
   }
   if (t.tokens) addTokens(m, names, t.tokens.kind, t.tokens.n, t.finishedAt);
-  await m.exec();
 }
 
 function addTokens(m: ChainableCommander, names: Names, kind: TokenKind, n: number, now: number): void {

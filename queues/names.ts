@@ -188,7 +188,10 @@ export class Names {
   outcome(jobId: string): string {
     return `${this.prefix}:outcome:${jobId}`;
   }
-  /** Pub/sub channel: the job id of every training op whose outcome became final, with the record when it is small (holds nothing). */
+  /**
+   * Pub/sub channel: the job id of every training op whose outcome became final and of every sample
+   * job that ended, with the final record when it is small (queues/completions.ts; holds nothing).
+   */
   outcomesChannel(): string {
     return `${this.prefix}:outcomes`;
   }

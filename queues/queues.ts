@@ -16,6 +16,9 @@ export type JobView = {
 /** How a sample request was admitted (QueueSet.submitSample). */
 export type SampleAdmission = 'queued' | 'replay' | 'full' | 'conflict';
 
+/** A sample's future as its owner reads it (QueueSet.sampleFuture). */
+export type SampleFutureView = { kind: 'not-owner' } | { kind: 'no-job'; failedFuture: string | null } | ({ kind: 'job' } & Omit<JobView, 'seqId'>);
+
 /**
  * The two queue families, typed at both ends (producers here, the agent's workers): a training
  * queue (`train-<agentId>`) carries TrainJobs and its jobs return nothing (an op's result is its
@@ -26,7 +29,7 @@ export type SampleQueue = Queue<SampleJob, SampleResult>;
 
 /**
  * Producer-side queues, created on first use and shared by one process. This file and the Lua
- * scripts it and the gate run (queues/lua/bullmq-job.lua, sample-submit.lua,
+ * scripts it and the gate run (queues/lua/bullmq-job.lua, sample-submit.lua, future-sample.lua,
  * future-train.lua) are the only places that know BullMQ's own job layout. Jobs are never
  * retried automatically (`attempts: 1`): a training op run twice doubles a gradient.
  * Finished jobs are kept for the future retention, since their state *is* the future.
@@ -118,6 +121,21 @@ export class QueueSet {
       [q, jobId, job.op, JSON.stringify(job), this.storedJobOptions(), Date.now(), o.maxWaiting, o.tenant, o.session ? o.session.ttlS : '', o.ownerTtlS],
     )) as number;
     return r === 1 ? 'queued' : r === 0 ? 'replay' : r === -1 ? 'full' : 'conflict';
+  }
+
+  /**
+   * A sample's future for `tenant`, in one round trip (queues/lua/future-sample.lua): another
+   * tenant's reads as 'not-owner'; a finished job, once read, leaves Redis `ttlAfterReadMs` later
+   * with its owner record (`ownerKey`).
+   */
+  async sampleFuture(queue: string, jobId: string, ownerKey: string, failedKey: string, tenant: string, ttlAfterReadMs: number): Promise<SampleFutureView> {
+    const r = (await runScript(this.connection, 'future-sample', [ownerKey, this.jobKey(queue, jobId), failedKey], [tenant, ttlAfterReadMs])) as
+      | 0
+      | (string | null)[];
+    if (r === 0) return { kind: 'not-owner' };
+    const [name, finishedOn, failedReason, returnvalue, failed] = r;
+    if (!name) return { kind: 'no-job', failedFuture: failed ?? null };
+    return { kind: 'job', op: name, finished: !!finishedOn, failedReason: failedReason || null, returnvalue: returnvalue ? JSON.parse(returnvalue) : null };
   }
 
   async close(): Promise<void> {

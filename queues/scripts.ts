@@ -16,6 +16,7 @@ export type ScriptName =
   | 'outcome-read'
   | 'future-train'
   | 'sample-submit'
+  | 'future-sample'
   | 'agents-live'
   | 'liveness-beat'
   | 'liveness-release';

@@ -3,6 +3,7 @@ import { Redis as RedisClient, type Redis } from 'ioredis';
 import { tenantId } from '../api/auth.js';
 import { encodeRequestId } from '../queues/futures.js';
 import { Names } from '../queues/names.js';
+import { sampleEndSignal } from '../queues/completions.js';
 import { Outcomes, SIGNALLED_RECORD_MAX_BYTES } from '../queues/outcomes.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
 import { API_KEY, API_KEY_B, awaitFuture, call, REDIS_URL, startStack, type TestStack } from './helpers/stack.js';
@@ -66,6 +67,66 @@ describe('fast path', () => {
     }
     for (const op of ['forward_backward', 'optim_step']) expect(counts[op]!.length, `${op}: ${counts[op]!.join(', ')}`).to.be.at.most(3);
   });
+
+  /**
+   * A sample request: asample reads the sampling session and the live agents (routing), then one
+   * script admits it (queue bound, job, owner, the session's lifetime, the replay check); its
+   * retrieve_future reads the future once (one script that checks the owner), is answered from the
+   * completion signal, and sets the read-once expiry after answering.
+   */
+  it('submits a sample in at most 3 Redis round trips and answers it from its completion signal after one read', async () => {
+    const session = (await call(s.baseUrl, 'POST', '/create_session', { tags: [] })).json.session_id;
+    const sc = await call(s.baseUrl, 'POST', '/create_sampling_session', { session_id: session, sampling_session_seq_id: 0, base_model: TINY_MODEL_ALIAS });
+    const samplingSessionId = sc.json.sampling_session_id as string;
+    let submit: string[] | undefined;
+    let signalled = 0;
+    for (let seqId = 0; seqId < 5; seqId++) {
+      let requestId = '';
+      const sub = await commands(async () => {
+        const r = await call(s.baseUrl, 'POST', '/asample', {
+          prompt: { chunks: [{ type: 'encoded_text', tokens: [5, 17, 42, 99] }] },
+          num_samples: 1,
+          sampling_params: { max_tokens: 64, temperature: 1, seed: seqId, stop: [] },
+          sampling_session_id: samplingSessionId,
+          seq_id: seqId,
+        });
+        expect(r.status, JSON.stringify(r.json)).to.equal(200);
+        requestId = r.json.request_id;
+      });
+      if (!submit || sub.length < submit.length) submit = sub;
+      const tenant = tenantId(API_KEY);
+      const ret = await commands(async () => {
+        const st = await s.built.ctx.futures.retrieve(requestId, tenant, 5_000);
+        expect(st.kind, JSON.stringify(st)).to.equal('done');
+        expect((st as { result: { sequences: unknown[] } }).result.sequences).to.have.length(1);
+        // The read-once expiry follows an answer from the signal.
+        await new Promise((r) => setTimeout(r, 50));
+      });
+      // One read (the future-sample script), whether the sample had finished before it or not; no read of the job back.
+      expect(ret.filter((c) => c.startsWith('evalsha ')), ret.join(', ')).to.have.length(1);
+      // (The liveness sweep of this process may read the agents meanwhile.)
+      expect(ret.filter((c) => /^(hgetall|hget|hmget|get) /i.test(c) && /sample-|future-owner/.test(c)), ret.join(', ')).to.deep.equal([]);
+      // Answered from the signal: the expiry set after the answer (a finished job's is set inside the read).
+      if (ret.some((c) => /^pexpire /i.test(c))) signalled++;
+    }
+    expect(submit!.length, submit!.join(', ')).to.be.at.most(3);
+    expect(signalled, 'answers from the completion signal').to.be.above(0);
+  });
+});
+
+describe('fast path: the completion signal of a sample', () => {
+  it('carries the result when it is small, the job id alone when it is not', () => {
+    const names = new Names('tb-signal');
+    const [channel, small] = sampleEndSignal(names, 's-abc-1', 'agent-x', { state: 'done', result: { sequences: [{ tokens: [1, 2] }] } });
+    expect(channel).to.equal(names.outcomesChannel());
+    const record = JSON.parse(small.slice('s-abc-1 '.length));
+    expect(record).to.include({ state: 'done', op: 'sample' });
+    expect(record.result).to.deep.equal({ sequences: [{ tokens: [1, 2] }] });
+    const [, failed] = sampleEndSignal(names, 's-abc-2', 'agent-x', { state: 'failed', code: 'INVALID_REQUEST', category: 'user', message: 'bad' });
+    expect(JSON.parse(failed.slice('s-abc-2 '.length))).to.include({ state: 'failed', code: 'INVALID_REQUEST', category: 'user', message: 'bad' });
+    const [, large] = sampleEndSignal(names, 's-abc-3', 'agent-x', { state: 'done', result: { pad: 'x'.repeat(SIGNALLED_RECORD_MAX_BYTES) } });
+    expect(large).to.equal('s-abc-3');
+  });
 });
 
 /**
@@ -126,6 +187,21 @@ describe('fast path: a training op answered from its completion signal', () => {
       expect(await other.pttl(names.outcome(jobId))).to.be.within(1, 300_000);
     });
   }
+
+  it("reads another tenant's sample future as unknown, and leaves its job as it was", async () => {
+    const ctx = s.built.ctx;
+    const jobId = 's-fastpathother-1';
+    const queue = 'sample-fastpath-torch';
+    const requestId = encodeRequestId({ queue, jobId });
+    await ctx.registry.futures.setOwner(requestId, tenantId(API_KEY), 600);
+    // A finished job (BullMQ's fields as its worker leaves them).
+    await other.hset(ctx.queues.jobKey(queue, jobId), 'name', 'sample', 'finishedOn', String(Date.now()), 'returnvalue', JSON.stringify({ sequences: [] }));
+    expect((await ctx.futures.retrieve(requestId, tenantId(API_KEY_B), 1_000)).kind).to.equal('unknown');
+    expect(await other.pttl(ctx.queues.jobKey(queue, jobId))).to.equal(-1);
+    const mine = await ctx.futures.retrieve(requestId, tenantId(API_KEY), 1_000);
+    expect(mine).to.deep.include({ kind: 'done', result: { sequences: [] } });
+    expect(await other.pttl(ctx.queues.jobKey(queue, jobId))).to.be.within(1, 300_000);
+  });
 
   it("reads another tenant's training future as unknown, and leaves its records as they were", async () => {
     const ctx = s.built.ctx;

@@ -8,10 +8,11 @@ import type { Redis } from 'ioredis';
 import { ZodError } from 'zod';
 import { DEFAULT_OP_TIMEOUTS_S, type AgentConfig } from '../queues/config.js';
 import { requireCheckpointRecord } from '../queues/checkpoints.js';
-import { BrokerError, encodeJobFailure, failure, failureOf, modelUnavailable, outcomeUnknownMessage, recordedFailure, type Failure } from '../queues/errors.js';
+import { sampleEndSignal, type SampleEnd } from '../queues/completions.js';
+import { BrokerError, decodeJobFailure, encodeJobFailure, failure, failureOf, modelUnavailable, outcomeUnknownMessage, recordedFailure, type Failure } from '../queues/errors.js';
 import { heartbeatMs, Liveness } from '../queues/liveness.js';
 import { logger as rootLogger, type Logger } from '../queues/logger.js';
-import { publishAgentStats, recordJob, removeAgentStats, type JobStatus, type TokenKind } from '../queues/metrics.js';
+import { addJob, publishAgentStats, recordJob, removeAgentStats, type JobStatus, type TokenKind } from '../queues/metrics.js';
 import { Names } from '../queues/names.js';
 import { Outcomes, type Outcome } from '../queues/outcomes.js';
 import { connect } from '../queues/redis.js';
@@ -147,13 +148,20 @@ export class Agent {
       // Two at a time: the next op waits parsed in the agent while the current one runs (runTrain).
       new Worker<TrainJob, null>(this.trainQueue, (job, token) => this.runTrain(job, token), { ...common, concurrency: 2, skipStalledCheck: true }),
       // An engine that only trains (verl) takes no sample jobs: they wait for agents that sample.
-      ...(this.adapter.samples === false ? [] : this.served).map(
-        (m) =>
-          new Worker<SampleJob, SampleResult>(this.names.sampleQueue(m.name, this.adapter.kind), (job) => this.runSample(job), {
-            ...common,
-            concurrency: this.config.sampleConcurrency,
-          }),
-      ),
+      ...(this.adapter.samples === false ? [] : this.served).map((m) => {
+        const w = new Worker<SampleJob, SampleResult>(this.names.sampleQueue(m.name, this.adapter.kind), (job) => this.runSample(job), {
+          ...common,
+          concurrency: this.config.sampleConcurrency,
+        });
+        // Once BullMQ has recorded the job's end: its metrics and its completion signal.
+        w.on('completed', (job, result) => this.sampleEnded(job, { state: 'done', result }));
+        w.on('failed', (job, err) => {
+          if (!job) return;
+          const { verdict: _verdict, ...f } = decodeJobFailure(err.message);
+          this.sampleEnded(job, { state: 'failed', ...f });
+        });
+        return w;
+      }),
     );
     if (this.adapter.sampleBatch) for (const m of this.served) this.gatherers.set(m.name, this.makeGatherer(m.name));
     for (const w of this.workers) {
@@ -444,6 +452,21 @@ export class Agent {
     });
   }
 
+  /**
+   * A sample job's end, once BullMQ recorded it: its metrics and its completion signal (with the
+   * result or failure when small, so the waiting retrieve_future answers without reading it) in one
+   * transaction, one round trip.
+   */
+  private sampleEnded(job: Job<SampleJob, SampleResult>, end: SampleEnd): void {
+    const status: JobStatus = end.state === 'done' ? 'ok' : end.category === 'user' ? 'user_error' : 'server_error';
+    const tokens = end.state === 'done' ? tokensOf(job.data, end.result) : undefined;
+    const finishedAt = job.finishedOn ?? Date.now();
+    const m = this.redis.multi();
+    addJob(m, this.names, { op: job.name, status, enqueuedAt: job.timestamp, startedAt: job.processedOn ?? finishedAt, finishedAt, ...(tokens ? { tokens } : {}) });
+    m.publish(...sampleEndSignal(this.names, job.id!, this.config.agentId, end));
+    m.exec().catch((e) => this.log.debug('sample end not signalled', { jobId: job.id, error: String(e) }));
+  }
+
   /** A sample has no effect on any model: a failure (a timeout included) is a plain server error the client may retry. */
   private async runSample(job: Job<SampleJob, SampleResult>): Promise<SampleResult> {
     const start = Date.now();
@@ -453,13 +476,10 @@ export class Agent {
       const gatherer = this.gatherers.get(data.base_model);
       const r = keepLastPromptLogprobs(gatherer ? await gatherer.submit(data) : await this.timed('sample', this.adapter.sample(data)), data.prompt_logprobs_last_n ?? null);
       if (data.record_stability) await writeStabilityRecords(this.redis, this.names, data.record_stability, data.prompt, r.sequences);
-      this.meter(job, start, 'ok', r);
       this.log.debug('job done', { queue: job.queueName, jobId: job.id, op: job.name, samplingSession: data.sampling_session_id, baseModel: data.base_model, ms: Date.now() - start });
       return r;
     } catch (err) {
-      const f = this.failure(job, err);
-      this.meter(job, start, f.category === 'user' ? 'user_error' : 'server_error');
-      throw new UnrecoverableError(encodeJobFailure(f));
+      throw new UnrecoverableError(encodeJobFailure(this.failure(job, err)));
     }
   }
 
