@@ -31,6 +31,7 @@ describe('engine protocol (the agent ⇄ engine contract)', () => {
     const frame = encodeFrame(msg);
     expect(frame.readUInt32BE(0)).to.equal(frame.length - 4);
     const j = frame.readUInt32BE(4);
+    expect((4 + j) % 8, 'the JSON is space-padded: tensor bytes start 8-aligned in the body').to.equal(0);
     const head = JSON.parse(frame.toString('utf8', 8, 8 + j)) as { args: Record<string, unknown> };
     // No number lists in the JSON; each tensor at a multiple of 8; ids that fit travel as int32.
     expect(head.args.a).to.deep.equal({ dtype: 'float32', shape: [3], bin: [0, 12] });

@@ -5,7 +5,8 @@ import { BinTensor, type WireDtype } from './engine-protocol.js';
  *
  *   u32 BE  L     length of the rest of the frame
  *   u32 BE  J     length of the JSON part
- *   J bytes       UTF-8 JSON (the message; a tensor is {"dtype", "shape", "bin": [offset, nbytes]})
+ *   J bytes       UTF-8 JSON (the message; a tensor is {"dtype", "shape", "bin": [offset, nbytes]}),
+ *                 padded with spaces so that 4 + J is a multiple of 8
  *   L-4-J bytes   the tensors' raw little-endian bytes, each at an offset that is a multiple of 8
  */
 
@@ -28,7 +29,10 @@ export function encodeFrame(message: unknown): Buffer {
     }
     return { dtype: value.dtype, shape: value.shape, bin: [at, bytes.length] };
   });
-  const body = Buffer.from(json, 'utf8');
+  // Spaces after the JSON (still valid JSON) put the tensor bytes at a multiple of 8 from the
+  // frame body's start, so the reader can view them aligned.
+  const text = Buffer.from(json, 'utf8');
+  const body = Buffer.concat([text, Buffer.alloc((8 - ((4 + text.length) % 8)) % 8, ' ')]);
   const head = Buffer.alloc(8);
   head.writeUInt32BE(4 + body.length + size, 0);
   head.writeUInt32BE(body.length, 4);

@@ -165,6 +165,7 @@ def test_channel_framing_round_trip() -> None:
     raw = writer.getvalue()
     assert struct.unpack(">I", raw[:4])[0] == len(raw) - 4
     (j,) = struct.unpack(">I", raw[4:8])
+    assert (4 + j) % 8 == 0  # the JSON is space-padded: tensor bytes start 8-aligned in the body
     head = json.loads(raw[8:8 + j])
     # Tensors are bytes after the JSON, never number lists in it; each starts at a multiple of 8.
     assert head["result"]["lp"] == {"dtype": "float32", "shape": [1, 3], "bin": [0, 12]}

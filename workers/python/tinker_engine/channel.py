@@ -1,6 +1,6 @@
 """Framing, protocol 2 (docs/engine-protocol.md): each frame is a 4-byte unsigned big-endian length
-L, then a 4-byte unsigned big-endian length J, J bytes of UTF-8 JSON, and L - 4 - J bytes of tensor
-data. A tensor inside the JSON is ``{"dtype", "shape", "bin": [offset, nbytes]}``: raw little-endian
+L, then a 4-byte unsigned big-endian length J, J bytes of UTF-8 JSON (space-padded so that 4 + J is
+a multiple of 8), and L - 4 - J bytes of tensor data. A tensor inside the JSON is ``{"dtype", "shape", "bin": [offset, nbytes]}``: raw little-endian
 bytes at ``offset`` (a multiple of 8) of the data part. Requests' tensors are decoded into CPU
 ``torch.Tensor`` values (int32 widened to int64); a ``torch.Tensor`` anywhere in a reply is sent
 the same way, never as a JSON number list.
@@ -41,24 +41,28 @@ def _wire_tensor(t: torch.Tensor) -> tuple[str, torch.Tensor]:
 def encode_frame(message: dict[str, Any]) -> bytes:
     """One frame for ``message``; its tensors travel as binary. Non-finite JSON floats are sent as null."""
     chunks: list[bytes] = []
+    size = [0]  # bytes of tensor data so far
 
     def bin_ref(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{type(value).__name__} cannot travel on the engine channel")
         dtype, t = _wire_tensor(value)
         data = t.numpy().tobytes()
-        offset = sum(len(c) for c in chunks)
+        offset = size[0]
         chunks.append(data + b"\0" * (-len(data) % 8))
+        size[0] += len(chunks[-1])
         return {"dtype": dtype, "shape": list(t.shape), "bin": [offset, len(data)]}
 
     try:
         text = json.dumps(message, separators=(",", ":"), allow_nan=False, default=bin_ref)
     except ValueError:
         chunks.clear()
+        size[0] = 0
         text = json.dumps(_finite(message), separators=(",", ":"), allow_nan=False, default=bin_ref)
     body = text.encode("utf-8")
-    size = sum(len(c) for c in chunks)
-    return _HEADERS.pack(4 + len(body) + size, len(body)) + body + b"".join(chunks)
+    # Spaces after the JSON (still valid JSON) put the tensor bytes 8-aligned from the body's start.
+    body += b" " * (-(4 + len(body)) % 8)
+    return _HEADERS.pack(4 + len(body) + size[0], len(body)) + body + b"".join(chunks)
 
 
 def _finite(value: Any) -> Any:
