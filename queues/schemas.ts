@@ -145,6 +145,9 @@ export type SaveExternalJob = z.infer<typeof SaveExternalJob>;
 
 // ---- Sample queue jobs (one queue per base model, concurrent) ----
 
+/** The token ids a sample request scores at each prompt position (target_prompt_logprobs). */
+export const TargetPromptIds = z.object({ k: z.number().int().positive(), ids: z.array(z.number().int()) });
+
 export const SampleJob = z.object({
   op: z.literal('sample'),
   sampling_session_id: z.string(),
@@ -164,7 +167,7 @@ export const SampleJob = z.object({
   /** k independent draws at every prompt position after the first (prompt_alt_tokens_k); 0 = none. */
   prompt_alt_tokens_k: z.number().int().nonnegative().nullish(),
   /** Token ids to score at each prompt position: dense row-major [len(prompt) - 1, k], -1 = none. */
-  target_prompt_logprobs: z.object({ k: z.number().int().positive(), ids: z.array(z.number().int()) }).nullish(),
+  target_prompt_logprobs: TargetPromptIds.nullish(),
   /** Score only the last N prompt tokens: earlier prompt (and top-K) logprobs are null. */
   prompt_logprobs_last_n: z.number().int().positive().nullish(),
   /** Set when the client asked for record_stability_info: the agent records each sequence. */

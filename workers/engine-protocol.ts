@@ -1,6 +1,6 @@
 import { z } from 'zod';
 import { MODEL_DTYPES } from '../queues/config.js';
-import { AdamParams, LoraConfig, SampleResult, SamplingParams, Tensor } from '../queues/schemas.js';
+import { AdamParams, LoraConfig, SampleJob, SampleResult, Tensor, TargetPromptIds } from '../queues/schemas.js';
 
 /**
  * The agent ⇄ engine protocol (version 2, docs/engine-protocol.md): one zod schema per engine
@@ -50,15 +50,16 @@ const DeviceMemory = z.object({
   max_allocated_bytes: z.number().int(),
 });
 
-/** The per-request fields of `sample` and of each `sample_batch` request. */
-export const SampleRequest = z.object({
-  adapter_dir: z.string().nullable(),
-  prompt: z.array(z.number().int()).min(1),
-  num_samples: z.number().int().positive(),
-  sampling_params: SamplingParams,
-  prompt_logprobs: z.boolean(),
-  topk_prompt_logprobs: z.number().int().nonnegative(),
-  target_prompt_logprobs: z.object({ k: z.number().int().positive(), ids: z.array(z.number().int()) }).nullable(),
+/** The per-request fields of `sample` and of each `sample_batch` request: the job's, with every score field required. */
+export const SampleRequest = SampleJob.pick({
+  adapter_dir: true,
+  prompt: true,
+  num_samples: true,
+  sampling_params: true,
+  prompt_logprobs: true,
+  topk_prompt_logprobs: true,
+}).extend({
+  target_prompt_logprobs: TargetPromptIds.nullable(),
   topk_sample_logprobs: z.number().int().nonnegative(),
   prompt_alt_tokens_k: z.number().int().nonnegative(),
 });
