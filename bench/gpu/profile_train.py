@@ -143,23 +143,31 @@ def ab_rounds(eng: Engine, data: list, fb_args: dict, adam: dict, rounds: int) -
         plain_opt.step()
         plain_opt.zero_grad(set_to_none=True)
 
-    variants = {
-        "plain step (fwd+bwd+AdamW)": lambda: (plain_fb(False), plain_opt_step()),
-        "engine fb + optim_step ops": lambda: (eng.call("forward_backward", {**fb_args, "data": data}),
-                                               eng.call("optim_step", adam)),
-        "plain fwd+bwd": lambda: (plain_fb(False), model.base.hf.zero_grad(set_to_none=True)),
-        "plain fwd+bwd, chunked logprobs": lambda: (plain_fb(True), model.base.hf.zero_grad(set_to_none=True)),
-        "engine forward_backward op": lambda: (eng.call("forward_backward", {**fb_args, "data": data}),
-                                              model.base.hf.zero_grad(set_to_none=True)),
-        "plain AdamW step (after a fb op)": lambda: (eng.call("forward_backward", {**fb_args, "data": data}),
-                                                     plain_opt_step()),
-        "engine optim_step op (after a fb op)": lambda: (eng.call("forward_backward", {**fb_args, "data": data}),
-                                                         eng.call("optim_step", adam)),
-    }
+    # Plain code frees the gradients (set_to_none), so its backward allocates fresh ones; the
+    # engine's gradients are views of one flat buffer (flat.py). Before each variant, outside the
+    # timing, the gradients are put in the state that variant's first op expects.
+    def none() -> None:
+        model.base.hf.zero_grad(set_to_none=True)
+
+    def flat() -> None:
+        model.flat.attach_grads()
+
+    fb_op = lambda: eng.call("forward_backward", {**fb_args, "data": data})  # noqa: E731
+    variants = [
+        ("plain step (fwd+bwd+AdamW)", none, lambda: (plain_fb(False), plain_opt_step())),
+        ("engine fb + optim_step ops", flat, lambda: (fb_op(), eng.call("optim_step", adam))),
+        ("plain fwd+bwd", none, lambda: plain_fb(False)),
+        ("plain fwd+bwd, chunked logprobs", none, lambda: plain_fb(True)),
+        ("engine forward_backward op", flat, fb_op),
+        ("plain AdamW step (after a fb op)", flat, lambda: (fb_op(), plain_opt_step())),
+        ("engine optim_step op (after a fb op)", flat, lambda: (fb_op(), eng.call("optim_step", adam))),
+    ]
     times: dict[str, list[float]] = {}
     for _ in range(rounds):
-        for label, fn in variants.items():
+        for label, setup, fn in variants:
+            setup()
             timed(label, fn, times)
+    flat()
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
     print(f"=== in-process A/B, {rounds} alternating rounds, median ms ===")
     for k, v in med.items():
@@ -177,21 +185,21 @@ def optim_parts(eng: Engine, data: list, fb_args: dict, rounds: int) -> None:  #
     from tinker_engine.rollback import StepUndo, step_max_abs
 
     model = eng.registry.model("m")
-    params = model.parameters()
+    params = [model.flat.weight]  # what optim_step steps: the adapter as one flat parameter (flat.py)
     opt = model.optimizer
     assert opt is not None
-    foreach = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    # Plain's optimizer: foreach AdamW over the ~400 separate LoRA tensors (views of the same memory).
+    foreach = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     times: dict[str, list[float]] = {}
     for _ in range(rounds):
         eng.call("forward_backward", {**fb_args, "data": data})
-        grads = [p.grad for p in params if p.grad is not None]
         timed("undo snapshot (no clipping)", lambda: StepUndo(params, opt, model.undo_buffers, grads_change=False), times)
         timed("undo snapshot (with gradients)", lambda: StepUndo(params, opt, model.undo_buffers, grads_change=True), times)
-        timed("gradient norm", lambda: torch.nn.utils.get_total_norm(grads), times)
+        timed("gradient norm", lambda: torch.nn.utils.get_total_norm([model.flat.grad]), times)
         timed("fused AdamW step", lambda: opt.step(), times)
         timed("step max-abs", lambda: step_max_abs(params, opt), times)
         timed("foreach AdamW step (plain's)", lambda: foreach.step(), times)
-        timed("zero_grad", lambda: opt.zero_grad(set_to_none=True), times)
+        timed("zero_grad", lambda: model.flat.zero_grad(), times)
     print(f"=== optim_step parts, {rounds} rounds, median ms ===")
     for k, v in times.items():
         print(f"  {k:36s} {sorted(v)[len(v) // 2]:8.2f}")

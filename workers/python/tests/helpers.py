@@ -34,12 +34,15 @@ def params(engine: Engine, model_id: str) -> dict[str, torch.Tensor]:
 
 
 def grads(engine: Engine, model_id: str) -> dict[str, torch.Tensor | None]:
-    return {n: None if p.grad is None else p.grad.clone() for n, p in engine.registry.model(model_id).params}
+    """Each LoRA parameter's accumulated gradient; None when nothing has been accumulated since the
+    last step (a backward run by a test directly, outside forward_backward, counts too)."""
+    m = engine.registry.model(model_id)
+    present = m.flat.pending or bool(m.flat.grad.any())
+    return {n: p.grad.clone() if present else None for n, p in m.params}
 
 
 def zero_grads(engine: Engine, model_id: str) -> None:
-    for _, p in engine.registry.model(model_id).params:
-        p.grad = None
+    engine.registry.model(model_id).flat.zero_grad()
 
 
 def datum(tokens: list[int], targets: torch.Tensor, **inputs: torch.Tensor) -> dict[str, Any]:

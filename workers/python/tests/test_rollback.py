@@ -30,8 +30,7 @@ def _state(engine: Engine, model_id: str) -> dict:
     m = engine.registry.model(model_id)
     out: dict = {}
     w, g = list(params(engine, model_id).values()), list(grads(engine, model_id).values())
-    for i, (_, p) in enumerate(m.params):
-        st = {} if m.optimizer is None else m.optimizer.state.get(p, {})
+    for i, st in enumerate(m.flat.param_states(m.optimizer)):
         out[i] = {"w": w[i], "g": g[i], **{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}}
     return out
 

@@ -62,7 +62,7 @@ def _optimizer_snapshot(engine: Engine, model_id: str) -> list[dict[str, torch.T
     opt = engine.registry.model(model_id).optimizer
     if opt is None:
         return None
-    return [{k: v.clone() for k, v in opt.state[p].items()} for p in engine.registry.model(model_id).parameters()]
+    return [{k: v.clone() for k, v in st.items()} for st in engine.registry.model(model_id).flat.param_states(opt)]
 
 
 def test_load_with_optimizer_continues_exactly(engine: Engine, tmp_path: Path) -> None:
@@ -91,7 +91,8 @@ def test_load_with_optimizer_continues_exactly(engine: Engine, tmp_path: Path) -
     loss_orig, loss_copy = _step(engine, "orig"), _step(engine, "copy")
     assert abs(loss_orig - loss_copy) <= 1e-6
     assert _max_diff(params(engine, "orig"), params(engine, "copy")) <= 1e-6
-    assert float(engine.registry.model("copy").optimizer.state[engine.registry.model("copy").params[0][1]]["step"]) == 3.0
+    copy = engine.registry.model("copy")
+    assert float(copy.flat.param_states(copy.optimizer)[0]["step"]) == 3.0
 
 
 def test_load_without_optimizer_starts_adam_fresh(engine: Engine, tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from .device import DTYPES, Placement
 from .errors import UserError
 from .params import get_bool, get_int, get_opt_int
+from .flat import FlatAdapter
 from .rollback import UndoBuffers
 
 log = logging.getLogger("tinker_engine")
@@ -212,13 +213,18 @@ class BaseModel:
 
 @dataclass
 class TrainingModel:
-    """A trainable LoRA adapter (one ``model_id``) and its optimizer state."""
+    """A trainable LoRA adapter (one ``model_id``) and its optimizer state.
+
+    ``params`` are the adapter's LoRA parameters by name; their weights and gradients are views of
+    ``flat``'s buffers, and ``optimizer`` (created by the first optim_step or a load) steps
+    ``flat.weight`` (flat.py)."""
 
     model_id: str
     base: BaseModel
     adapter: str
     lora: LoraSpec
     params: list[tuple[str, torch.nn.Parameter]]
+    flat: FlatAdapter
     optimizer: torch.optim.AdamW | None = None
     # optim_step's undo snapshot storage, reused from step to step (rollback.py).
     undo_buffers: UndoBuffers = field(default_factory=UndoBuffers)
@@ -300,7 +306,8 @@ class Registry:
             if p.dtype != torch.float32:
                 p.data = p.data.float()
         init_lora_weights(params, lora.seed)
-        model = TrainingModel(model_id=model_id, base=base, adapter=adapter, lora=lora, params=params)
+        model = TrainingModel(model_id=model_id, base=base, adapter=adapter, lora=lora, params=params,
+                              flat=FlatAdapter([p for _, p in params]))
         self.models[model_id] = model
         return model
 

@@ -1,7 +1,7 @@
 """Non-finite results never stick: the checks and the undo state of the training ops.
 
-``forward_backward`` already keeps a copy of the accumulated gradients (a LoRA adapter's size) and
-restores it when the op fails; ``check_losses`` and ``check_grad_max_abs`` make a non-finite loss or
+``forward_backward`` keeps a copy of the accumulated gradients (one flat buffer of the adapter's
+size, flat.py) and restores it when the op fails; ``check_losses`` and ``check_grad_max_abs`` make a non-finite loss or
 gradient such a failure, a ``UserError`` naming the datums. ``optim_step`` takes a ``StepUndo``
 (weights, gradients and AdamW moments of the adapter: a few copies of a LoRA adapter, no base
 weights) before it steps, and restores it when the step would leave a non-finite weight or moment.
@@ -51,13 +51,6 @@ def check_grad_max_abs(indices: list[int], max_abs: float) -> None:
     if not math.isfinite(max_abs):
         raise UserError(f"{_datums(indices)}: the gradient is not finite; nothing was applied, "
                         "the model is as before this forward_backward")
-
-
-def grads_copy(params: list[torch.nn.Parameter]) -> list[torch.Tensor | None]:
-    """A copy of each parameter's gradient (None where it has none), to restore after a failed op."""
-    with_grad = [p for p in params if p.grad is not None]
-    copies = dict(zip(map(id, with_grad), _copies([p.grad for p in with_grad])))
-    return [copies.get(id(p)) for p in params]
 
 
 def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -37,6 +37,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .errors import UserError
+from .flat import MOMENTS  # re-exported: the AdamW moments a checkpoint holds (the verl engine reads it here)
 from .models import ADAPTER_FILES, Registry, TrainingModel
 from .params import get_bool, get_str
 from .save import write_adapter_files
@@ -46,7 +47,6 @@ STATE_FILE = "tinker_state.json"
 OPTIMIZER_TENSORS = "optimizer.safetensors"
 OPTIMIZER_META = "optimizer.json"
 GRADIENTS = "gradients.safetensors"
-MOMENTS = ("exp_avg", "exp_avg_sq")
 LORA_FIELDS = ("rank", "train_unembed", "train_mlp", "train_attn")  # must match to load
 
 
@@ -77,7 +77,8 @@ def _describe_lora(lora: dict[str, Any]) -> str:
 
 
 def _optimizer_payload(model: TrainingModel) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The AdamW state as (tensors, json); a model that never stepped gives an empty state."""
+    """The AdamW state as (tensors, json), per parameter as separate tensors would have it; a model
+    that never stepped gives an empty state."""
     tensors: dict[str, torch.Tensor] = {}
     steps: dict[str, float] = {}
     hyper: dict[str, Any] | None = None
@@ -88,13 +89,9 @@ def _optimizer_payload(model: TrainingModel) -> tuple[dict[str, torch.Tensor], d
         group = opt.param_groups[0]
         hyper = {"lr": float(group["lr"]), "betas": [float(b) for b in group["betas"]],
                  "eps": float(group["eps"]), "weight_decay": float(group["weight_decay"])}
-        for key, p in _keyed_params(model).items():
-            st = opt.state.get(p)
+        for key, st in zip(_keyed_params(model), model.flat.param_states(opt)):
             if not st:
                 continue
-            unexpected = set(st) - {"step", *MOMENTS}
-            if unexpected:
-                raise RuntimeError(f"unsupported AdamW state entries {sorted(unexpected)} for {key}")
             steps[key] = float(st["step"])
             for moment in MOMENTS:
                 tensors[f"{moment}/{key}"] = st[moment].detach().to("cpu", torch.float32).contiguous()
@@ -149,7 +146,7 @@ def save_state(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
             _write_json(os.path.join(tmp, OPTIMIZER_META), meta)
         if get_bool(args, "gradients", default=False):
             grads = {key: p.grad.detach().to("cpu", torch.float32).contiguous()
-                     for key, p in _keyed_params(model).items() if p.grad is not None}
+                     for key, p in _keyed_params(model).items()} if model.flat.pending else {}
             save_file(grads, os.path.join(tmp, GRADIENTS), metadata={"format": "pt"})
         _write_json(os.path.join(tmp, STATE_FILE), {
             "format": STATE_FORMAT, "base_model": model.base.name, "lora": _lora_json(model),
@@ -260,23 +257,13 @@ def read_optimizer_files(directory: str, keyed: dict[str, Any], like: Callable[[
 
 def _read_optimizer(directory: str, model: TrainingModel,
                     keyed: dict[str, torch.nn.Parameter]) -> torch.optim.AdamW | None:
-    """A new AdamW over ``model``'s parameters holding the saved state (None: the saved state is empty)."""
+    """A new AdamW over ``model``'s flat adapter holding the saved state (None: the saved state is
+    empty)."""
     hyper, entries = read_optimizer_files(directory, keyed)
     if hyper is None:
         return None
-    lr, betas = hyper["lr"], (hyper["betas"][0], hyper["betas"][1])
-    eps, weight_decay = hyper["eps"], hyper["weight_decay"]
-    index = {key: i for i, key in enumerate(keyed)}
-    params = list(keyed.values())
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, (step, moments) in entries.items():
-        state[index[key]] = {"step": torch.tensor(step, dtype=torch.float32), **moments}
-    # params follows model.params' order (the order optim_step builds AdamW with).
-    optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    state_dict = optimizer.state_dict()
-    state_dict["state"] = state
-    optimizer.load_state_dict(state_dict)
-    return optimizer
+    return model.flat.optimizer(hyper["lr"], (hyper["betas"][0], hyper["betas"][1]), hyper["eps"],
+                                hyper["weight_decay"], [entries.get(key) for key in keyed])
 
 
 def check_state_dir(args: dict[str, Any], model: Any) -> tuple[str, bool, bool]:
@@ -333,8 +320,6 @@ def load_state(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
     with torch.no_grad():
         for key, p in keyed.items():
             p.copy_(weights[key].to(device=p.device, dtype=p.dtype))
-    for key, p in keyed.items():
-        g = grads.get(key)
-        p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype)
+    model.flat.set_grads([grads.get(key) for key in keyed])
     model.optimizer = optimizer
     return {"model_id": model.model_id, "has_optimizer": has_optimizer}

@@ -22,7 +22,7 @@ from .logprobs import target_logprobs
 from .losses import LossSpec, get_loss
 from .models import BaseModel, Registry
 from .params import check_token_tensor, get_bool, get_float, get_obj, get_str, is_int
-from .rollback import StepUndo, check_grad_max_abs, check_losses, check_norm, grad_max_abs, grads_copy, step_max_abs
+from .rollback import StepUndo, check_grad_max_abs, check_losses, check_norm, grad_max_abs, step_max_abs
 from .tensors import tensor_from_json, wire
 
 DEFAULT_MAX_BATCH_TOKENS = 16384
@@ -162,8 +162,8 @@ def _stage(batches: list[list[Datum]], device: torch.device) -> list[_Staged]:
 
 
 def _run_batch(base: BaseModel, staged: _Staged, loss: LossSpec, config: dict[str, float],
-               params: list[torch.nn.Parameter] | None) -> tuple[list[torch.Tensor], float]:
-    """Forward (and, given the trainable ``params``, backward) of one staged micro-batch.
+               flat_weight: torch.nn.Parameter | None) -> tuple[list[torch.Tensor], float]:
+    """Forward (and, given the adapter's ``flat_weight``, backward) of one staged micro-batch.
 
     The loss, the logprobs and the gradient's finiteness reach the host in one copy after the
     backward, so the GPU runs forward and backward without waiting for the host. A non-finite loss
@@ -171,7 +171,7 @@ def _run_batch(base: BaseModel, staged: _Staged, loss: LossSpec, config: dict[st
     it had before the op, so nothing of the micro-batch stays.
     """
     batch = staged.batch
-    with torch.set_grad_enabled(params is not None):
+    with torch.set_grad_enabled(flat_weight is not None):
         # Rows are right-padded and attention is causal, so no real token can see a pad: the
         # logits of real positions are the same without a mask, and the model keeps its fastest
         # (mask-free) attention kernel. Pad positions' outputs are discarded below.
@@ -182,21 +182,21 @@ def _run_batch(base: BaseModel, staged: _Staged, loss: LossSpec, config: dict[st
         stacked = torch.stack(losses)
         total = stacked.sum()
         checks = [total.detach().reshape(1).float(), stacked.detach().float()]
-        if params is not None:
+        if flat_weight is not None:
             total.backward()
-            checks.append(grad_max_abs(params).reshape(1).float())
+            checks.append(grad_max_abs([flat_weight]).reshape(1).float())
         # One device -> host copy for the micro-batch: the total, every datum's loss, the gradient's
         # max-abs (NaN or infinite when any gradient element is), the logprobs.
         host = torch.cat([*checks, *(lp.detach().reshape(-1) for lp in lps)]).cpu()
     outputs: list[torch.Tensor] = []
-    at = 1 + len(batch) + (1 if params is not None else 0)
+    at = 1 + len(batch) + (1 if flat_weight is not None else 0)
     for d in batch:
         n = d.targets.numel()
         outputs.append(host[at : at + n].reshape(d.targets.shape))
         at += n
     indices = [d.index for d in batch]
     check_losses(indices, list(host[1 : 1 + len(batch)]), outputs)
-    if params is not None:
+    if flat_weight is not None:
         check_grad_max_abs(indices, float(host[1 + len(batch)]))
     return outputs, float(host[0])
 
@@ -249,20 +249,21 @@ def forward_backward(registry: Registry, args: dict[str, Any]) -> dict[str, Any]
     loss, config, forward_only, datums = req.loss, req.config, req.forward_only, req.datums
 
     base.activate(model.adapter, trainable=True)
-    params = model.parameters()
-    saved = None if forward_only else grads_copy(params)
+    flat = model.flat
+    saved = None if forward_only else flat.grads_saved()
     outputs: list[torch.Tensor] = []
     total = 0.0
     try:
         for staged in _stage(list(micro_batches(datums, max_batch_tokens())), base.device):
-            batch_outputs, batch_loss = _run_batch(base, staged, loss, config, None if forward_only else params)
+            batch_outputs, batch_loss = _run_batch(base, staged, loss, config, None if forward_only else flat.weight)
             outputs.extend(batch_outputs)
             total += batch_loss
     except BaseException:
-        if saved is not None:
-            for p, g in zip(params, saved):
-                p.grad = g
+        if not forward_only:
+            flat.restore_grads(saved)
         raise
+    if not forward_only:
+        flat.pending = True
     return {
         "loss_fn_outputs": [{"logprobs": wire(lp)} for lp in outputs],
         "metrics": {"loss:sum": total},
@@ -304,24 +305,26 @@ class AdamParams:
 def optim_step(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
     model = registry.model(get_str(args, "model_id"))
     hp = AdamParams.parse(get_obj(args, "adam"))
-    params = model.parameters()
+    flat = model.flat
     if model.optimizer is None:
-        # The fused kernel on CUDA (one launch for every tensor); the reference for-each path on CPU.
-        model.optimizer = torch.optim.AdamW(params, lr=hp.learning_rate, fused=params[0].is_cuda or None)
+        model.optimizer = flat.optimizer(hp.learning_rate, (hp.beta1, hp.beta2), hp.eps, hp.weight_decay)
     opt = model.optimizer
     for group in opt.param_groups:
         group["lr"] = hp.learning_rate
         group["betas"] = (hp.beta1, hp.beta2)
         group["eps"] = hp.eps
         group["weight_decay"] = hp.weight_decay
+    if not flat.pending:
+        # No gradient since the last step: nothing moves (no weight decay, no step count).
+        return {"metrics": {"grad_norm": 0.0, "learning_rate": hp.learning_rate}}
+    # The adapter is one flat parameter (flat.py): the norm, the step, the snapshot and the check
+    # below are each one op on one tensor.
+    params = [flat.weight]
     undo = StepUndo(params, opt, model.undo_buffers, grads_change=hp.grad_clip_norm > 0)
-    grads = [p.grad for p in params if p.grad is not None]
     if hp.grad_clip_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, hp.grad_clip_norm)
-    elif grads:
-        norm = torch.nn.utils.get_total_norm(grads)
     else:
-        norm = torch.zeros(())
+        norm = torch.nn.utils.get_total_norm([flat.grad])
     try:
         opt.step()
         # One host copy after the step (not one before it and one after): the gradient norm and the
@@ -338,6 +341,6 @@ def optim_step(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
             raise UserError(f"optim_step: the step overflows float32 (learning_rate {hp.learning_rate}): {exc}; "
                             "nothing was applied") from exc
         raise
-    opt.zero_grad(set_to_none=True)
+    flat.zero_grad()
     return {"metrics": {"grad_norm": norm_value, "learning_rate": hp.learning_rate}}
 
