@@ -186,7 +186,12 @@ export class Names {
   }
   /** A training op's outcome record (queues/outcomes.ts; kept for the retention, shortly once read). */
   outcome(jobId: string): string {
-    return `${this.prefix}:outcome:${jobId}`;
+    const [before, after] = this.outcomeParts();
+    return `${before}${jobId}${after}`;
+  }
+  /** The text of an `outcome` key before and after the job id (for queues/lua/train-take.lua, which claims it). */
+  outcomeParts(): [before: string, after: string] {
+    return [`${this.prefix}:outcome:`, ''];
   }
   /**
    * Pub/sub channel: the job id of every training op whose outcome became final and of every sample

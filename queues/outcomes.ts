@@ -42,7 +42,8 @@ export class Outcomes {
   constructor(
     private readonly redis: Redis,
     private readonly names: Names,
-    private readonly ttlS: number,
+    /** How long a record is kept (the retention); a claim made at take (queues/train-consumer.ts) uses it too. */
+    readonly ttlS: number,
   ) {}
 
   key(jobId: string): string {
@@ -68,6 +69,11 @@ export class Outcomes {
     const rec: Outcome = { state: 'running', op, agent_id: agentId, token, at: new Date().toISOString() };
     const prev = (await runScript(this.redis, 'outcome-claim', [this.key(jobId)], [JSON.stringify(rec), this.ttlS])) as string | null;
     return prev === null ? null : Outcome.parse(JSON.parse(prev));
+  }
+
+  /** Gives back a claim whose op never started (it goes back to its queue); true when it was still this claim's. */
+  async release(jobId: string, token: string): Promise<boolean> {
+    return (await runScript(this.redis, 'outcome-release', [this.key(jobId)], [token])) === 1;
   }
 
   /** Records the final outcome unless another one is already final; returns the record that stands. */

@@ -14,6 +14,8 @@ export type ScriptName =
   | 'outcome-claim'
   | 'outcome-finish'
   | 'outcome-read'
+  | 'outcome-release'
+  | 'train-take'
   | 'future-train'
   | 'sample-submit'
   | 'future-sample'

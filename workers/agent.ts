@@ -3,7 +3,7 @@ import os from 'node:os';
 import { performance } from 'node:perf_hooks';
 import { rm } from 'node:fs/promises';
 import path from 'node:path';
-import { Queue, UnrecoverableError, WaitingError, Worker, type Job } from 'bullmq';
+import { Queue, UnrecoverableError, Worker, type Job } from 'bullmq';
 import type { Redis } from 'ioredis';
 import { ZodError } from 'zod';
 import { DEFAULT_OP_TIMEOUTS_S, type AgentConfig } from '../queues/config.js';
@@ -20,6 +20,7 @@ import type { AgentRecord, ServedModel } from '../queues/registry/agents.js';
 import { Registry } from '../queues/registry/index.js';
 import { writeStabilityRecords } from '../queues/stability.js';
 import { SampleJob, TrainJob, type SampleResult, type AnyJob } from '../queues/schemas.js';
+import { TrainConsumer, type TakenTrainJob, type TrainVerdict } from '../queues/train-consumer.js';
 import type { EngineAdapter } from './adapters/adapter.js';
 import { TorchAdapter } from './adapters/torch.js';
 import { VerlAdapter } from './adapters/verl.js';
@@ -31,10 +32,11 @@ import { engineMemory } from './stats.js';
 
 /**
  * A worker agent: registers in Redis, supervises its engine, and consumes
- * - its training queue (`train-<agentId>`): the ordered ops of the models placed here, one at
- *   a time, never retried. Each op's outcome is recorded apart from BullMQ's job state
- *   (queues/outcomes.ts): claimed before it runs, finished once; no stalled-job check runs on
- *   this queue, so a lost job lock (a long Redis outage) never turns a completed op into a failure;
+ * - its training queue (`train-<agentId>`, taken by queues/train-consumer.ts): the ordered ops of
+ *   the models placed here, one at a time, never retried. Each op's outcome is recorded apart from
+ *   BullMQ's job state (queues/outcomes.ts): claimed before it runs, finished once; no stalled-job
+ *   check runs on this queue, so a lost job lock (a long Redis outage) never turns a completed op
+ *   into a failure;
  * - the sample queue of each base model it serves on its engine kind (the API routes each job), concurrently.
  * It heartbeats (queues/liveness.ts), holds its agent id against a second process, and kills an
  * engine that runs an op past its limit (`TB_OP_TIMEOUTS`). docs/reliability.md has the guarantees.
@@ -53,6 +55,7 @@ export class Agent {
   private readonly adapter: EngineAdapter;
   private served: ServedModel[] = [];
   private workers: Worker[] = [];
+  private train: TrainConsumer | null = null;
   private heartbeat: NodeJS.Timeout | undefined;
   private stopping = false;
   private restarting: Promise<void> | null = null;
@@ -76,6 +79,8 @@ export class Agent {
   readonly stopped = new Promise<void>((r) => (this.resolveStopped = r));
   /** Resolves when the engine is free for the next training op (see runTrain). */
   private trainTurn: Promise<void> = Promise.resolve();
+  /** Training ops taken and not yet past the engine: none means the next one taken starts at once. */
+  private trainAhead = 0;
   /** Models whose adapters live in the current engine process. */
   private readonly loaded = new Set<string>();
 
@@ -143,10 +148,19 @@ export class Agent {
     await rebuildCheckpoints(this.registry, this.config.storageDir, this.log, this.config.retentionS).catch((e) => this.log.error('rebuilding checkpoint records failed', { error: String(e) }));
 
     const common = { connection: this.redis, prefix: this.names.bull, maxStalledCount: 0, lockDuration: this.config.jobLockMs ?? 30_000 };
+    // No stalled check on the training queue: outcomes are recorded apart, the reaper handles dead agents.
+    // Two at a time: the next op waits parsed in the agent while the current one runs (runTrain); an op
+    // taken while the engine is free is claimed by the take itself.
+    this.train = new TrainConsumer(this.redis, this.names, this.outcomes, this.trainQueue, {
+      concurrency: 2,
+      lockMs: common.lockDuration,
+      agentId: this.config.agentId,
+      tokenPrefix: `${this.incarnation}/`,
+      claimAtTake: () => this.trainAhead === 0 && !this.draining && !this.stopping,
+      process: (job) => this.runTrain(job),
+      log: this.log,
+    });
     this.workers.push(
-      // No stalled check on the training queue: outcomes are recorded apart, the reaper handles dead agents.
-      // Two at a time: the next op waits parsed in the agent while the current one runs (runTrain).
-      new Worker<TrainJob, null>(this.trainQueue, (job, token) => this.runTrain(job, token), { ...common, concurrency: 2, skipStalledCheck: true }),
       // An engine that only trains (verl) takes no sample jobs: they wait for agents that sample.
       ...(this.adapter.samples === false ? [] : this.served).map((m) => {
         const w = new Worker<SampleJob, SampleResult>(this.names.sampleQueue(m.name, this.adapter.kind), (job) => this.runSample(job), {
@@ -172,6 +186,7 @@ export class Agent {
       });
       await w.waitUntilReady();
     }
+    await this.train.start();
     this.record = { ...this.record, models: this.served, device: this.adapter.device };
     if ((await this.beat()) !== 'ok') throw new Error(`agent ${this.config.agentId} lost its registration while starting`);
     await this.publishStats();
@@ -224,10 +239,10 @@ export class Agent {
     }
   }
 
-  /** Counts one finished job in the metrics (and its tokens when it succeeded): one round trip, not awaited. */
-  private meter(job: Job<AnyJob>, start: number, status: JobStatus, result?: unknown): void {
-    const tokens = status === 'ok' ? tokensOf(job.data, result) : undefined;
-    recordJob(this.redis, this.names, { op: job.name, status, enqueuedAt: job.timestamp, startedAt: start, finishedAt: Date.now(), ...(tokens ? { tokens } : {}) }).catch((e) =>
+  /** Counts one finished training op in the metrics (and its tokens when it succeeded): one round trip, not awaited. */
+  private meter(job: TakenTrainJob, data: TrainJob | undefined, start: number, status: JobStatus, result?: unknown): void {
+    const tokens = status === 'ok' && data ? tokensOf(data, result) : undefined;
+    recordJob(this.redis, this.names, { op: job.op, status, enqueuedAt: job.timestamp, startedAt: start, finishedAt: Date.now(), ...(tokens ? { tokens } : {}) }).catch((e) =>
       this.log.debug('metrics not recorded', { error: String(e) }),
     );
   }
@@ -315,28 +330,47 @@ export class Agent {
    * One training op, its outcome recorded exactly once (queues/outcomes.ts). The result lives in the
    * outcome record; BullMQ's job only says the op finished.
    *
-   * The training worker holds one job ahead (concurrency 2): the next op is taken and parsed while
-   * the current one runs, and waits here for the engine's turn, so the engine starts it the moment
-   * the current op returns. It is claimed only when its turn comes (an op the reaper failed before
-   * then is not run). Ops run in the order the queue gives them (the gate's seq_id order). One taken
-   * ahead when the agent drains or stops goes back to the head of the queue, unstarted.
+   * The training queue's consumer holds one job ahead (concurrency 2): the next op is taken and
+   * parsed while the current one runs, and waits here for the engine's turn, so the engine starts it
+   * the moment the current op returns. It is claimed only when its turn comes (an op the reaper
+   * failed before then is not run); one taken while the engine is free is claimed by the take
+   * itself. Ops run in the order the queue gives them (the gate's seq_id order). One taken ahead
+   * when the agent drains or stops goes back to the head of the queue, unstarted.
    */
-  private async runTrain(job: Job<TrainJob, null>, lockToken?: string): Promise<null> {
-    const jobId = job.id!;
-    const op = job.name;
+  private async runTrain(job: TakenTrainJob): Promise<TrainVerdict> {
+    const verdict = await this.trainVerdict(job);
+    if (verdict.state === 'failed') {
+      const d = job.data as { model_id?: string | null } | undefined;
+      this.log.warn('job failed', { queue: this.trainQueue, jobId: job.id, op: job.op, modelId: d?.model_id ?? undefined, error: verdict.reason });
+    }
+    return verdict;
+  }
+
+  private async trainVerdict(job: TakenTrainJob): Promise<TrainVerdict> {
+    const jobId = job.id;
+    const op = job.op;
     const parsed = TrainJob.safeParse(job.data);
     const before = this.trainTurn;
     let endTurn!: () => void;
-    this.trainTurn = new Promise<void>((resolve) => (endTurn = resolve));
+    this.trainAhead++;
+    let turnEnded = false;
+    const turn = new Promise<void>((resolve) => (endTurn = () => {
+      if (!turnEnded) {
+        turnEnded = true;
+        this.trainAhead--;
+      }
+      resolve();
+    }));
+    this.trainTurn = turn;
     try {
       await before;
+      const token = job.token;
       if (this.draining || this.stopping) {
         // Taken ahead but not started: back to the head of the queue, for whoever runs the model next.
-        await job.moveToWait(lockToken);
-        throw new WaitingError();
+        if (job.claim && job.claim.prev === null) await this.outcomes.release(jobId, token);
+        return { state: 'requeue' };
       }
-      const token = `${this.incarnation}/${jobId}`;
-      const prev = await this.outcomes.claim(jobId, op, this.config.agentId, token);
+      const prev = job.claim ? job.claim.prev : await this.outcomes.claim(jobId, op, this.config.agentId, token);
       if (prev) return await this.standing(jobId, op, prev);
       const start = Date.now();
       let epoch = -1;
@@ -352,18 +386,18 @@ export class Agent {
       } catch (err) {
         // The engine is free: the next op starts while this outcome is recorded.
         endTurn();
-        let f = this.failure(job, err);
+        let f = this.failure(op, err);
         if (err instanceof OpTimeout || (epoch >= 0 && epoch !== this.engineEpoch))
           f = failure('OUTCOME_UNKNOWN', outcomeUnknownMessage(op, err instanceof OpTimeout ? err.message : `the engine process died while running it: ${f.message}`));
         const stood = await this.outcomes.finish(jobId, token, { state: 'failed', op, agent_id: this.config.agentId, ...f });
-        this.meter(job, start, f.category === 'user' ? 'user_error' : 'server_error');
+        this.meter(job, parsed.data, start, f.category === 'user' ? 'user_error' : 'server_error');
         return await this.standing(jobId, op, stood);
       }
       endTurn();
       const stood = await this.outcomes.finish(jobId, token, { state: 'done', op, agent_id: this.config.agentId, result, engine });
       // An op finished after the reaper gave up on this agent keeps the reaper's verdict (the 'job failed' line says so).
       if (stood.state === 'done') this.log.debug('job done', { queue: this.trainQueue, jobId, op, modelId: parsed.data?.model_id, ms: Date.now() - start });
-      this.meter(job, start, stood.state === 'done' ? 'ok' : 'server_error', result);
+      this.meter(job, parsed.data, start, stood.state === 'done' ? 'ok' : 'server_error', result);
       return await this.standing(jobId, op, stood);
     } finally {
       endTurn();
@@ -371,15 +405,15 @@ export class Agent {
   }
 
   /** Ends the BullMQ job as the recorded outcome says (which may be another's: the reaper's, an earlier run's). */
-  private async standing(jobId: string, op: string, o: Outcome): Promise<null> {
-    if (o.state === 'done') return null;
+  private async standing(jobId: string, op: string, o: Outcome): Promise<TrainVerdict> {
+    if (o.state === 'done') return { state: 'done' };
     if (o.state === 'running') {
       // Claimed by an earlier incarnation of this agent that died before finishing it.
       const why = `the agent process that was running it (${o.token.split('/')[0]}) ended before recording its outcome`;
       o = await this.liveness.failPending(jobId, op, this.config.agentId, why);
-      if (o.state === 'done') return null;
+      if (o.state === 'done') return { state: 'done' };
     }
-    throw new UnrecoverableError(encodeJobFailure(recordedFailure(o)));
+    return { state: 'failed', reason: encodeJobFailure(recordedFailure(o)) };
   }
 
   /** Rejects with OpTimeout and kills the engine (a hung engine) when the op runs past its limit. */
@@ -479,13 +513,13 @@ export class Agent {
       this.log.debug('job done', { queue: job.queueName, jobId: job.id, op: job.name, samplingSession: data.sampling_session_id, baseModel: data.base_model, ms: Date.now() - start });
       return r;
     } catch (err) {
-      throw new UnrecoverableError(encodeJobFailure(this.failure(job, err)));
+      throw new UnrecoverableError(encodeJobFailure(this.failure(job.name, err)));
     }
   }
 
   /** What a failed op reports: a broker (or engine) error's code, else INTERNAL. */
-  private failure(job: Job<AnyJob>, err: unknown): Failure {
-    if (err instanceof ZodError) return failure('INTERNAL', `invalid ${job.name} job payload: ${err.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
+  private failure(op: string, err: unknown): Failure {
+    if (err instanceof ZodError) return failure('INTERNAL', `invalid ${op} job payload: ${err.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
     return failureOf(err);
   }
 
@@ -501,7 +535,7 @@ export class Agent {
       if (this.stopping || !this.registered) return this.stop();
       const t0 = Date.now();
       this.log.info('draining: finishing the ops in flight');
-      await Promise.all(this.workers.map((w) => w.close()));
+      await Promise.all([this.train?.close(), ...this.workers.map((w) => w.close())]);
       await this.ensureEngine();
       const saved: { model_id: string; dir: string }[] = [];
       if (this.adapter.kind === 'torch') {
@@ -529,7 +563,7 @@ export class Agent {
     if (this.stopping) return;
     this.stopping = true;
     clearInterval(this.heartbeat);
-    await Promise.all(this.workers.map((w) => w.close()));
+    await Promise.all([this.train?.close(), ...this.workers.map((w) => w.close())]);
     await Promise.all(this.sampleQueues.map((q) => q.close().catch(() => undefined)));
     await this.liveness?.release(this.config.agentId, this.incarnation).catch(() => undefined);
     if (this.redis) await removeAgentStats(this.redis, this.names, this.config.agentId).catch(() => undefined);

@@ -1,0 +1,205 @@
+import { randomUUID } from 'node:crypto';
+import { Job, Queue, type JobJson } from 'bullmq';
+import type { Redis } from 'ioredis';
+import type { Logger } from './logger.js';
+import type { Names } from './names.js';
+import { Outcome, type Outcomes } from './outcomes.js';
+import { runScript } from './scripts.js';
+
+/** A training job as its agent takes it: the payload is unparsed (it crossed Redis; the agent parses it). */
+export type TakenTrainJob = {
+  id: string;
+  /** The op (the BullMQ job's name). */
+  op: string;
+  data: unknown;
+  /** When the API stored it, ms since the epoch. */
+  timestamp: number;
+  /**
+   * The outcome's claim made as the job was taken (queues/lua/train-take.lua), when the consumer was
+   * told the op would start at once: `{ prev: null }` claimed with `token`, `{ prev }` another record
+   * was there first (do not run). null: not claimed yet (the agent claims it when its turn comes).
+   */
+  claim: { prev: Outcome | null } | null;
+  /** The claim token of this job for this consumer (`<tokenPrefix><job id>`). */
+  token: string;
+};
+
+/** How a processed job ends: done, failed with a reason (stored as BullMQ's failedReason), or back on the queue unstarted. */
+export type TrainVerdict = { state: 'done' } | { state: 'failed'; reason: string } | { state: 'requeue' };
+
+export type TrainConsumerOptions = {
+  /** Jobs held at once: the one running and those taken ahead of it. */
+  concurrency: number;
+  /** The job lock's duration; it is renewed every half of it while the job is held. */
+  lockMs: number;
+  /** Whose claim a take makes (the outcome's `agent_id`) and its token's text before the job id. */
+  agentId: string;
+  tokenPrefix: string;
+  /** Whether the next job taken would start at once (its outcome is then claimed in the same script). */
+  claimAtTake: () => boolean;
+  process: (job: TakenTrainJob) => Promise<TrainVerdict>;
+  log: Logger;
+};
+
+/**
+ * The consumer of one agent's training queue (`train-<agentId>`), in place of a BullMQ Worker: its
+ * jobs are BullMQ jobs on a BullMQ queue (the gate and the API write them as BullMQ does; BullMQ's
+ * Queue, Job and the inspect tools read them), taken by one script that also claims the op's outcome
+ * (queues/lua/train-take.lua) and ended by BullMQ's own moveToFinished (Job.moveToCompleted /
+ * moveToFailed). A training queue has one consumer, its agent, so the take leaves no marker behind
+ * (a BullMQ Worker pays an empty moveToActive per job for it, two with a job held ahead): per job one
+ * blocking wait on the marker, one take and one moveToFinished, against a Worker's BZPOPMIN, three
+ * moveToActive and the outcome's separate claim.
+ *
+ * Like the Worker it replaces (`maxStalledCount: 0`, `skipStalledCheck`): no stalled check runs, a
+ * job is never retried, a lock lost in a long Redis outage leaves the job active (its outcome record,
+ * not BullMQ's state, is the op's truth, queues/outcomes.ts), and the reaper fails the ops of a dead
+ * agent from its queue's lists (queues/liveness.ts).
+ */
+export class TrainConsumer {
+  private readonly queue: Queue;
+  private readonly blocking: Redis;
+  private readonly held = new Map<string, { job: Job; lockToken: string }>();
+  private readonly lockToken = randomUUID();
+  private closing = false;
+  private loopDone: Promise<void> = Promise.resolve();
+  private slotFreed: (() => void) | null = null;
+  private drained: (() => void) | null = null;
+  private lockTimer: NodeJS.Timeout | undefined;
+  private readonly keys: { wait: string; active: string; events: string; marker: string; prefix: string };
+
+  constructor(
+    private readonly redis: Redis,
+    private readonly names: Names,
+    private readonly outcomes: Outcomes,
+    readonly name: string,
+    private readonly o: TrainConsumerOptions,
+  ) {
+    this.queue = new Queue(name, { connection: redis, prefix: names.bull });
+    this.queue.on('error', () => undefined);
+    // BZPOPMIN blocks its connection: a connection of its own, as a Worker has.
+    this.blocking = redis.duplicate({ connectionName: undefined });
+    this.blocking.on('error', () => undefined);
+    const prefix = `${names.bull}:${name}:`;
+    this.keys = { wait: `${prefix}wait`, active: `${prefix}active`, events: `${prefix}events`, marker: `${prefix}marker`, prefix };
+  }
+
+  /** Starts taking jobs. */
+  async start(): Promise<void> {
+    await this.queue.waitUntilReady();
+    this.lockTimer = setInterval(() => void this.extendLocks(), Math.max(100, Math.floor(this.o.lockMs / 2)));
+    this.loopDone = this.loop();
+  }
+
+  /** Takes no more jobs and waits for those held to end (one taken ahead goes back to its queue: the processor's 'requeue'). */
+  async close(): Promise<void> {
+    if (this.closing) return this.loopDone;
+    this.closing = true;
+    this.slotFreed?.();
+    this.blocking.disconnect();
+    await this.loopDone;
+    if (this.held.size) await new Promise<void>((r) => (this.drained = r));
+    clearInterval(this.lockTimer);
+    await this.queue.close().catch(() => undefined);
+  }
+
+  private async loop(): Promise<void> {
+    let more = true; // at start, look before blocking
+    let backoffMs = 0;
+    while (!this.closing) {
+      if (this.held.size >= this.o.concurrency) {
+        await new Promise<void>((r) => (this.slotFreed = r));
+        this.slotFreed = null;
+        continue;
+      }
+      try {
+        if (!more) await this.blocking.bzpopmin(this.keys.marker, 5);
+        if (this.closing) break;
+        const t = await this.take();
+        backoffMs = 0;
+        more = t?.more ?? false;
+        if (t?.job) this.run(t.job, t.taken);
+      } catch (e) {
+        if (this.closing) break;
+        more = true;
+        backoffMs = Math.min(1_000, backoffMs * 2 || 50);
+        this.o.log.debug('training queue: take failed (Redis unreachable?)', { queue: this.name, error: String(e) });
+        await new Promise((r) => setTimeout(r, backoffMs));
+      }
+    }
+  }
+
+  private async take(): Promise<{ more: boolean; job: Job | null; taken: TakenTrainJob } | null> {
+    const claim = this.o.claimAtTake();
+    const [outcomeBefore, outcomeAfter] = this.names.outcomeParts();
+    const now = Date.now();
+    const r = (await runScript(
+      this.redis,
+      'train-take',
+      [this.keys.wait, this.keys.active, this.keys.events, this.keys.marker],
+      [this.keys.prefix, now, this.lockToken, this.o.lockMs, claim ? '1' : '0', outcomeBefore, outcomeAfter, this.o.agentId, this.o.tokenPrefix, new Date(now).toISOString(), this.outcomes.ttlS],
+    )) as null | [string[], string, number, number, string | null];
+    if (!r) return null;
+    const [hash, id, more, claimed, prev] = r;
+    const raw: Record<string, string> = {};
+    for (let i = 0; i + 1 < hash.length; i += 2) raw[hash[i]!] = hash[i + 1]!;
+    const taken: TakenTrainJob = {
+      id,
+      op: raw.name ?? '',
+      data: raw.data === undefined ? undefined : JSON.parse(raw.data),
+      timestamp: Number(raw.timestamp ?? now),
+      claim: claimed === 0 ? null : { prev: claimed === 2 && prev ? Outcome.parse(JSON.parse(prev)) : null },
+      token: `${this.o.tokenPrefix}${id}`,
+    };
+    if (raw.name === undefined) {
+      this.o.log.warn('training queue: a queued job had no stored job; skipped', { queue: this.name, jobId: id });
+      return { more: more === 1, job: null, taken };
+    }
+    const json: JobJson = {
+      id,
+      name: raw.name,
+      data: raw.data ?? '{}',
+      opts: Job.optsFromJSON(raw.opts),
+      progress: 0,
+      attemptsMade: Number(raw.atm ?? 0),
+      attemptsStarted: Number(raw.ats ?? 1),
+      processedOn: now,
+      timestamp: taken.timestamp,
+      failedReason: raw.failedReason ?? '',
+      returnvalue: raw.returnvalue ?? '',
+      stalledCounter: 0,
+    };
+    return { more: more === 1, job: Job.fromJSON(this.queue, json, id), taken };
+  }
+
+  /** Processes one job and ends it as the processor says; never throws. */
+  private run(job: Job, taken: TakenTrainJob): void {
+    this.held.set(taken.id, { job, lockToken: this.lockToken });
+    void (async () => {
+      let verdict: TrainVerdict;
+      try {
+        verdict = await this.o.process(taken);
+      } catch (e) {
+        verdict = { state: 'failed', reason: e instanceof Error ? e.message : String(e) };
+      }
+      try {
+        if (verdict.state === 'done') await job.moveToCompleted(null, this.lockToken, false);
+        else if (verdict.state === 'failed') await job.moveToFailed(Object.assign(new Error(verdict.reason), { name: 'UnrecoverableError' }), this.lockToken, false);
+        else await job.moveToWait(this.lockToken);
+      } catch (e) {
+        // A lock lost in a long Redis outage: the job stays active; its outcome record is the truth.
+        this.o.log.warn('training job not ended in its queue', { queue: this.name, jobId: taken.id, op: taken.op, verdict: verdict.state, error: String(e) });
+      } finally {
+        this.held.delete(taken.id);
+        this.slotFreed?.();
+        if (this.closing && this.held.size === 0) this.drained?.();
+      }
+    })();
+  }
+
+  private async extendLocks(): Promise<void> {
+    for (const [id, h] of this.held) {
+      await h.job.extendLock(h.lockToken, this.o.lockMs).catch((e) => this.o.log.debug('training job lock not extended', { queue: this.name, jobId: id, error: String(e) }));
+    }
+  }
+}

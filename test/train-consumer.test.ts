@@ -1,0 +1,152 @@
+import { randomUUID } from 'node:crypto';
+import { expect } from 'chai';
+import { Job } from 'bullmq';
+import { Redis } from 'ioredis';
+import { OrderingGate } from '../queues/gate.js';
+import { logger } from '../queues/logger.js';
+import { jobIds, Names } from '../queues/names.js';
+import { Outcomes } from '../queues/outcomes.js';
+import { QueueSet } from '../queues/queues.js';
+import type { TrainJob } from '../queues/schemas.js';
+import { TrainConsumer, type TakenTrainJob, type TrainVerdict } from '../queues/train-consumer.js';
+import { deletePrefix, REDIS_URL } from './helpers/stack.js';
+
+/**
+ * The training queue's own consumer (queues/train-consumer.ts) against real Redis: the jobs the gate
+ * writes, taken and claimed by one script, ended by BullMQ's moveToFinished, and read back by
+ * BullMQ's Queue and Job as any BullMQ job.
+ */
+describe('training queue consumer', () => {
+  let prefix: string;
+  let redis: Redis;
+  let names: Names;
+  let qs: QueueSet;
+  let gate: OrderingGate;
+  let outcomes: Outcomes;
+  const consumers: TrainConsumer[] = [];
+  const modelId = 'sess:train:0';
+  const queue = 'train-a';
+
+  const optim = (seq: number): TrainJob => ({
+    op: 'optim_step',
+    model_id: modelId,
+    seq_id: seq,
+    adam: { learning_rate: 0.001, beta1: 0.9, beta2: 0.95, eps: 1e-12, weight_decay: 0, grad_clip_norm: 0 },
+  });
+  const submit = (seq: number) => gate.submit(modelId, seq, queue, jobIds.train(modelId, seq), optim(seq));
+
+  const consumer = (process: (j: TakenTrainJob) => Promise<TrainVerdict>, claimAtTake: () => boolean = () => true) => {
+    const c = new TrainConsumer(redis, names, outcomes, queue, { concurrency: 2, lockMs: 30_000, agentId: 'a', tokenPrefix: 'inc/', claimAtTake, process, log: logger });
+    consumers.push(c);
+    return c;
+  };
+  const until = async (what: string, f: () => Promise<boolean> | boolean, ms = 5_000) => {
+    const end = Date.now() + ms;
+    while (!(await f())) {
+      if (Date.now() > end) throw new Error(`timed out waiting for ${what}`);
+      await new Promise((r) => setTimeout(r, 10));
+    }
+  };
+
+  beforeEach(async () => {
+    prefix = `test-${randomUUID().slice(0, 8)}`;
+    redis = new Redis(REDIS_URL, { maxRetriesPerRequest: null });
+    names = new Names(prefix);
+    qs = new QueueSet(redis, names, 3600);
+    gate = new OrderingGate(redis, names, qs);
+    outcomes = new Outcomes(redis, names, 3600);
+    await gate.open(modelId);
+  });
+  afterEach(async () => {
+    for (const c of consumers.splice(0)) await c.close();
+    await qs.close();
+    redis.disconnect();
+    await deletePrefix(prefix);
+  });
+
+  it('takes the jobs the gate queues in order, claims an op taken while the engine is free, and ends each as a BullMQ job', async () => {
+    const seen: TakenTrainJob[] = [];
+    const c = consumer(async (j) => {
+      seen.push(j);
+      return { state: 'done' };
+    });
+    await c.start();
+    for (const seq of [1, 2, 3]) await submit(seq);
+    await until('three jobs', () => seen.length === 3);
+    expect(seen.map((j) => (j.data as { seq_id: number }).seq_id)).to.deep.equal([1, 2, 3]);
+    expect(seen.every((j) => j.op === 'optim_step' && j.token === `inc/${j.id}`)).to.equal(true);
+    // Claimed by the take: the running record a claim writes, before the op ran.
+    expect(seen[0]!.claim).to.deep.equal({ prev: null });
+    const q = qs.get(queue);
+    await until('completed', async () => (await q.getJobCounts('completed')).completed === 3);
+    const job = await Job.fromId(q, seen[0]!.id);
+    expect(job?.finishedOn).to.be.a('number');
+    expect(job?.processedOn).to.be.a('number');
+    expect(job?.attemptsStarted).to.equal(1);
+    // One consumer: no marker left behind, nothing waiting or active.
+    expect(await redis.exists(`${names.bull}:${queue}:marker`)).to.equal(0);
+    expect(await q.getJobCounts('waiting', 'active')).to.deep.include({ waiting: 0, active: 0 });
+  });
+
+  it('does not claim a job taken ahead, and stores a failure as the BullMQ failed reason', async () => {
+    let release!: () => void;
+    const held = new Promise<void>((r) => (release = r));
+    const seen: TakenTrainJob[] = [];
+    let running = 0;
+    const c = consumer(
+      async (j) => {
+        const first = seen.push(j) === 1;
+        running++;
+        if (first) await held;
+        running--;
+        return first ? { state: 'done' } : { state: 'failed', reason: '[INVALID_REQUEST] no' };
+      },
+      () => running === 0,
+    );
+    await c.start();
+    await submit(1);
+    await until('the first job', () => seen.length === 1);
+    await submit(2);
+    await until('the second job', () => seen.length === 2);
+    expect(seen[1]!.claim).to.equal(null);
+    expect(await outcomes.get(seen[1]!.id)).to.equal(null);
+    release();
+    const q = qs.get(queue);
+    await until('both ended', async () => Object.values(await q.getJobCounts('completed', 'failed')).join() === '1,1');
+    expect((await Job.fromId(q, seen[1]!.id))?.failedReason).to.equal('[INVALID_REQUEST] no');
+  });
+
+  it("finds another record first when the op's outcome is already final, and never claims over it", async () => {
+    await submit(1);
+    const id = jobIds.train(modelId, 1);
+    await outcomes.failUnknown(id, 'optim_step', 'a', 'reaped');
+    const seen: TakenTrainJob[] = [];
+    const c = consumer(async (j) => {
+      seen.push(j);
+      return { state: 'failed', reason: 'x' };
+    });
+    await c.start();
+    await until('the job', () => seen.length === 1);
+    expect(seen[0]!.claim?.prev?.state).to.equal('failed');
+    expect((await outcomes.get(id))?.token).to.equal('reaper');
+  });
+
+  it('puts a requeued job back at the head of its queue, and waits for held jobs when closing', async () => {
+    let release!: () => void;
+    const held = new Promise<void>((r) => (release = r));
+    let n = 0;
+    const c = consumer(async () => {
+      n++;
+      if (n === 1) await held;
+      return { state: 'requeue' };
+    });
+    await c.start();
+    await submit(1);
+    await until('the job', () => n === 1);
+    const closed = c.close();
+    release();
+    await closed;
+    const q = qs.get(queue);
+    expect(await q.getJobCounts('waiting', 'active')).to.deep.include({ waiting: 1, active: 0 });
+  });
+});
