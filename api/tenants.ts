@@ -32,9 +32,22 @@ export async function requireSession(ctx: ApiContext, req: Request, sessionId: s
 
 export async function requireModel(ctx: ApiContext, req: Request, modelId: string): Promise<ModelRecord> {
   const m = await ctx.registry.models.get(modelId);
-  if (!m || !owns(req, m.tenant)) throw notFound(`unknown model_id '${modelId}': create it with create_model first`);
+  if (!m || !owns(req, m.tenant)) throw unknownModel(modelId);
   return m;
 }
+
+/**
+ * requireModel for a training op's job: the record may be this process's recent copy
+ * (ModelRegistry.placed), so the op must be submitted with the gate's `checkModel`, which checks in
+ * the submit's script that the model still exists and is not lost.
+ */
+export async function requireModelForOp(ctx: ApiContext, req: Request, modelId: string): Promise<ModelRecord> {
+  const m = await ctx.registry.models.placed(modelId);
+  if (!m || !owns(req, m.tenant)) throw unknownModel(modelId);
+  return m;
+}
+
+const unknownModel = (modelId: string) => notFound(`unknown model_id '${modelId}': create it with create_model first`);
 
 /** Whether the model exists and belongs to the caller (no error). */
 export async function ownsModel(ctx: ApiContext, req: Request, modelId: string): Promise<boolean> {

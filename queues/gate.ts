@@ -35,6 +35,19 @@ export class AgentGone extends Error {
   override readonly name = 'AgentGone';
 }
 
+/** The model's record is gone (expired): nothing was admitted (a submit with `checkModel`). */
+export class ModelGone extends Error {
+  override readonly name = 'ModelGone';
+}
+
+/** The model is lost (its weights are gone, `reason`): nothing was admitted (a submit with `checkModel`). */
+export class ModelLost extends Error {
+  override readonly name = 'ModelLost';
+  constructor(readonly reason: string) {
+    super(`model lost: ${reason}`);
+  }
+}
+
 /** Bounds of the hold-back state. */
 export type GateOptions = {
   /** seq_ids accepted ahead of the next one to run; also how far back a replay is recognised. @defaultValue 1024 */
@@ -55,6 +68,11 @@ export type SubmitExtras = {
   ownerTtlS?: number;
   /** Refuse (AgentGone) when this agent is neither alive nor drained with this model saved for its restart. */
   agentId?: string;
+  /**
+   * Check the model's record in the same script (the caller built the job from a copy read earlier,
+   * ModelRegistry.placed): refuse with ModelGone when it has expired, ModelLost when it is lost.
+   */
+  checkModel?: boolean;
 };
 
 export class OrderingGate {
@@ -161,8 +179,11 @@ export class OrderingGate {
         new Date().toISOString(),
         op && extras.agentId ? '1' : '0',
         this.modelTtlS * 1000,
+        op && extras.checkModel ? '1' : '0',
       ],
-    )) as number;
+    )) as number | [number, string];
+    if (Array.isArray(r)) throw new ModelLost(r[1]);
+    if (r === -7) throw new ModelGone(`model ${modelId} has no record`);
     if (r === -1) throw new Error(`ordering gate of model ${modelId} is not open`);
     // A refusal is recorded only where it can be; the request is refused either way.
     if (op === null && r < 0) return 'duplicate';

@@ -182,6 +182,21 @@ describe('API with a worker agent and the tiny model', function () {
     expect(o3.metrics['loss:sum']).to.be.below(o1.metrics['loss:sum']! - 1e-3);
   });
 
+  it("fails an op of a model lost or expired since this API process last read its record, as without that copy", async () => {
+    const id = await createModel(8);
+    await result((await submitFb(id, 1)).json.request_id); // the API keeps a copy of the model's record
+    const models = s.built.ctx.registry.models;
+    await models.markLost(id, 'its engine died (test)');
+    const lost = await result((await submitOptim(id, 2)).json.request_id);
+    expect(lost.json, JSON.stringify(lost.json)).to.include({ category: 'server', code: 'UNAVAILABLE' });
+    expect(lost.json.error).to.include(`model ${id} is unavailable: its engine died (test)`);
+    // Expired: answered as an unknown model, whichever copy the process held.
+    const other = await createModel(9);
+    await result((await submitFb(other, 1)).json.request_id);
+    await s.built.ctx.redis.del(s.built.ctx.names.model(other));
+    expectTinkerError(await submitOptim(other, 2), 404, 'user', /unknown model_id/);
+  });
+
   it('samples from saved sampler weights with a logprob for every token', async () => {
     const id = await createModel(4);
     await result((await submitFb(id, 1)).json.request_id);

@@ -2,7 +2,7 @@ import { randomUUID } from 'node:crypto';
 import { expect } from 'chai';
 import { Worker } from 'bullmq';
 import { Redis } from 'ioredis';
-import { OrderingGate, type GateOptions } from '../queues/gate.js';
+import { ModelLost, OrderingGate, type GateOptions } from '../queues/gate.js';
 import { Registry } from '../queues/registry/index.js';
 import { jobIds, Names } from '../queues/names.js';
 import { QueueSet } from '../queues/queues.js';
@@ -145,6 +145,25 @@ describe('ordering gate', () => {
     await gate.skip(modelId, 1, jobIds.train(modelId, 1));
     await gate.submit(modelId, 2, queue, jobIds.train(modelId, 2), optim(2));
     expect(await queuedSeqs(qs)).to.deep.equal([2]);
+  });
+
+  it("with checkModel, refuses (writing nothing) an op of a model whose record is gone or lost, in the submit's one script", async () => {
+    const { gate, qs, redis, names } = process();
+    await gate.open(modelId);
+    const checked = { checkModel: true };
+    expect(await refusal(gate.submit(modelId, 1, queue, jobIds.train(modelId, 1), optim(1), checked))).to.match(/has no record/);
+    await redis.set(names.model(modelId), JSON.stringify({ model_id: modelId, lost_reason: null }));
+    expect(await gate.submit(modelId, 1, queue, jobIds.train(modelId, 1), optim(1), checked)).to.equal('admitted');
+    await redis.set(names.model(modelId), JSON.stringify({ model_id: modelId, lost_reason: 'its engine died' }));
+    let lost: unknown;
+    await gate.submit(modelId, 2, queue, jobIds.train(modelId, 2), optim(2), checked).catch((e) => (lost = e));
+    expect(lost).to.be.instanceOf(ModelLost);
+    expect((lost as ModelLost).reason).to.equal('its engine died');
+    expect(await queuedSeqs(qs)).to.deep.equal([1]);
+    expect(await gate.state(modelId)).to.deep.equal({ next: 2, held: 0 });
+    // A refused request's skip is not checked: the seq_id is used up.
+    expect(await gate.skip(modelId, 2, jobIds.train(modelId, 2))).to.equal('admitted');
+    expect(await gate.state(modelId)).to.deep.equal({ next: 3, held: 0 });
   });
 
   it('refuses ops for a model whose gate was never opened', async () => {

@@ -3,7 +3,7 @@ import type { z } from 'zod';
 import { parseRecipient } from '../../queues/age.js';
 import { assertSaveAllowed } from '../../queues/checkpoints.js';
 import { BrokerError, invalid, modelUnavailable } from '../../queues/errors.js';
-import { AgentGone } from '../../queues/gate.js';
+import { AgentGone, ModelGone, ModelLost } from '../../queues/gate.js';
 import { encodeRequestId } from '../../queues/futures.js';
 import { jobIds, resourceIds } from '../../queues/names.js';
 import type { ModelRecord } from '../../queues/registry/models.js';
@@ -23,7 +23,7 @@ import { loadableCheckpoint } from '../services/checkpoints.js';
 import { createModelFromCheckpoint } from '../services/models.js';
 import { forwardBackwardJob, useUpSeqId } from '../services/training.js';
 import { tenantOf } from '../auth.js';
-import { issueFuture, requireModel } from '../tenants.js';
+import { issueFuture, requireModel, requireModelForOp } from '../tenants.js';
 import { decodeForwardBackwardRequest } from '../wire/proto.js';
 
 /** The ordered training ops of a model (forward_backward, optim_step, saves and loads), through the gate in seq_id order. */
@@ -52,9 +52,10 @@ async function guardSeq<T>(ctx: ApiContext, req: Request, modelId: unknown, seqI
 
 /**
  * The fast path of every ordered training op: one script admits it, records its future's owner and,
- * when it is in order, queues it (queues/gate.ts); the model was read by the route (2 round trips).
- * A model that is lost, or whose agent is gone, gets a future that fails with the reason (an HTTP
- * 5xx would be retried by the SDK for minutes).
+ * when it is in order, queues it (queues/gate.ts); the model was read by the route, usually from this
+ * process's copy (ModelRegistry.placed: one round trip in all), and the script checks that it still
+ * exists and is not lost. A model that is lost, or whose agent is gone, gets a future that fails with
+ * the reason (an HTTP 5xx would be retried by the SDK for minutes).
  */
 async function submitTrainOp(ctx: ApiContext, req: Request, model: ModelRecord, seqId: number, job: TrainJob): Promise<string> {
   const jobId = jobIds.train(model.model_id, seqId);
@@ -67,17 +68,24 @@ async function submitTrainOp(ctx: ApiContext, req: Request, model: ModelRecord, 
         tenant: tenantOf(req),
         ownerTtlS: ctx.config.retentionS * 2,
         agentId: model.agent_id,
+        checkModel: true,
       });
       return requestId;
     } catch (e) {
-      // A refusal uses up the seq_id (as guardSeq does). An agent gone is not a refusal: the op gets
-      // a failed future below, and the skip that records it must be the first one for this seq_id.
-      if (!(e instanceof AgentGone)) {
+      if (e instanceof ModelGone || e instanceof ModelLost) ctx.registry.models.forget(model.model_id);
+      // The model expired since this process's copy was read: what the route answers without a copy.
+      if (e instanceof ModelGone) await requireModel(ctx, req, model.model_id);
+      // A refusal uses up the seq_id (as guardSeq does). An agent gone or a model lost is not a
+      // refusal: the op gets a failed future below, and the skip that records it must be the first one for this seq_id.
+      if (!(e instanceof AgentGone || e instanceof ModelLost)) {
         await useUpSeqId(ctx, req, model.model_id, seqId);
         throw e;
       }
-      lost = `its worker agent ${model.agent_id} is not running; load it from a saved checkpoint`;
-      await ctx.registry.models.markLost(model.model_id, lost);
+      if (e instanceof ModelLost) lost = e.reason;
+      else {
+        lost = `its worker agent ${model.agent_id} is not running; load it from a saved checkpoint`;
+        await ctx.registry.models.markLost(model.model_id, lost);
+      }
     }
   }
   if ((await ctx.gate.skip(model.model_id, seqId, jobId)) === 'admitted')
@@ -97,7 +105,7 @@ function orderedOp<B extends { model_id: string; seq_id: number }>(
 ): RequestHandler {
   return async (req, res) => {
     const body = await guardSeq(ctx, req, req.body?.model_id, req.body?.seq_id, async () => parse(req));
-    const model = await requireModel(ctx, req, body.model_id);
+    const model = await requireModelForOp(ctx, req, body.model_id);
     const data = await guardSeq(ctx, req, body.model_id, body.seq_id, async () => job(body, model, req));
     const requestId = await submitTrainOp(ctx, req, model, body.seq_id, data);
     res.json({ request_id: requestId, model_id: body.model_id });

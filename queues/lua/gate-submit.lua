@@ -20,10 +20,12 @@
   ARGV[18] owner tenant ('' = record no owner)                 ARGV[19] owner ttl s
   ARGV[20] now (ISO time, the model's last request)            ARGV[21] '1': refuse when the agent is not alive
   ARGV[22] the model's lifetime ms (its record and gate live at least this long after each op; never shortened)
+  ARGV[23] '1': check the model's record (the caller used a copy read earlier): refuse when it is gone or lost
 
   Returns 1 admitted, 0 duplicate (same payload, or a seq_id already past), -1 gate not open,
   -2 beyond the window, -3 the seq_id was used with another payload, -4 too old to recognise,
-  -5 the model's agent is not alive, nor drained with this model saved for its restart (nothing written).
+  -5 the model's agent is not alive, nor drained with this model saved for its restart (nothing written),
+  -7 the model's record is gone, { -6, reason } the model is lost (with ARGV[23] = '1'; nothing written).
 ]]
 --- @include "bullmq-job"
 --- @include "gate-lib"
@@ -36,6 +38,12 @@ local window = tonumber(ARGV[5])
 local gapMs = tonumber(ARGV[6])
 local skip = ARGV[9] == ''
 
+if ARGV[23] == '1' and not skip then
+  local rec = redis.call('GET', KEYS[10])
+  if not rec then return -7 end
+  local lost = cjson.decode(rec).lost_reason
+  if lost and lost ~= cjson.null then return { -6, lost } end
+end
 if not redis.call('GET', G.next) then return -1 end
 if ARGV[21] == '1' and redis.call('EXISTS', KEYS[6]) == 0 then
   -- A drained agent comes back with the models it saved: their ops queue for it, as the ops queued before the drain do.

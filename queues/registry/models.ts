@@ -27,6 +27,10 @@ export const ModelRecord = z.object({
 });
 export type ModelRecord = z.infer<typeof ModelRecord>;
 
+/** How long a process uses its copy of a model's record for training ops (ModelRegistry.placed), and how many it keeps. */
+const PLACED_CACHE_MS = 30_000;
+const PLACED_CACHE_MAX = 10_000;
+
 export class ModelRegistry extends RedisRegistry {
   /** Stores the record (for `ttlS`) unless one exists; returns the stored one (create_model is idempotent). */
   async putIfAbsent(rec: ModelRecord, ttlS: number): Promise<ModelRecord> {
@@ -35,6 +39,31 @@ export class ModelRegistry extends RedisRegistry {
   async get(modelId: string): Promise<ModelRecord | null> {
     return this.getJson(this.names.model(modelId), ModelRecord);
   }
+
+  /**
+   * The model's record for building a training op's job, from a copy this process read within
+   * PLACED_CACHE_MS when it has one (else read, and kept). A model's placement, owner, base model,
+   * vocabulary and LoRA config never change; its `lost_reason` and its very existence do, so a
+   * caller of this copy submits with the gate's `checkModel` (queues/gate.ts), which checks both in
+   * the submit's script, and `forget`s the copy when that refuses.
+   */
+  async placed(modelId: string): Promise<ModelRecord | null> {
+    const now = Date.now();
+    const hit = this.placedCache.get(modelId);
+    if (hit && now - hit.at < PLACED_CACHE_MS) return hit.rec;
+    const rec = await this.get(modelId);
+    this.placedCache.delete(modelId);
+    if (rec && rec.lost_reason === null) {
+      if (this.placedCache.size >= PLACED_CACHE_MAX) this.placedCache.delete(this.placedCache.keys().next().value!);
+      this.placedCache.set(modelId, { rec, at: now });
+    }
+    return rec;
+  }
+  /** Drops this process's copy of the model's record (ModelRegistry.placed). */
+  forget(modelId: string): void {
+    this.placedCache.delete(modelId);
+  }
+  private readonly placedCache = new Map<string, { rec: ModelRecord; at: number }>();
   async markLost(modelId: string, reason: string): Promise<void> {
     const m = await this.get(modelId);
     if (m && m.lost_reason === null) await this.redis.set(this.names.model(modelId), JSON.stringify({ ...m, lost_reason: reason }), 'KEEPTTL', 'XX');
