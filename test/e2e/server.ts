@@ -47,7 +47,9 @@ export class E2EServer {
   async start(timeoutMs = 170_000): Promise<void> {
     if (!this.port) this.port = await freePort();
     this.baseUrl = `http://127.0.0.1:${this.port}`;
-    const child = spawn(process.execPath, ['--import', 'tsx', 'scripts/tinker-broker.ts', 'start', ...this.args], {
+    // E2E_NODE_ARGS: extra node flags for the start command (e.g. `--cpu-prof --cpu-prof-dir=/tmp/prof` to profile it under a bench).
+    const nodeArgs = (process.env.E2E_NODE_ARGS ?? '').split(' ').filter(Boolean);
+    const child = spawn(process.execPath, [...nodeArgs, '--import', 'tsx', 'scripts/tinker-broker.ts', 'start', ...this.args], {
       env: {
         ...process.env,
         TB_LOG_LEVEL: process.env.TB_LOG_LEVEL ?? 'warn',
