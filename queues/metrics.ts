@@ -55,6 +55,39 @@ export async function recordJob(redis: Redis, names: Names, t: JobTiming): Promi
   await m.exec();
 }
 
+/**
+ * Finished jobs recorded together: the jobs of `windowMs` in one transaction (one round trip for a
+ * burst of jobs instead of one each; /metrics sees a job at most `windowMs` late). `flush` writes
+ * what is pending at once (an agent stopping).
+ */
+export class JobRecorder {
+  private pending: JobTiming[] = [];
+  private timer: NodeJS.Timeout | undefined;
+
+  constructor(
+    private readonly redis: Redis,
+    private readonly names: Names,
+    private readonly onError: (e: unknown) => void,
+    private readonly windowMs = 100,
+  ) {}
+
+  add(t: JobTiming): void {
+    this.pending.push(t);
+    this.timer ??= setTimeout(() => void this.flush(), this.windowMs);
+  }
+
+  async flush(): Promise<void> {
+    clearTimeout(this.timer);
+    this.timer = undefined;
+    const jobs = this.pending;
+    if (!jobs.length) return;
+    this.pending = [];
+    const m = this.redis.multi();
+    for (const t of jobs) addJob(m, this.names, t);
+    await m.exec().catch(this.onError);
+  }
+}
+
 /** Adds the commands that record one finished job (and its tokens) to a transaction. */
 export function addJob(m: ChainableCommander, names: Names, t: JobTiming): void {
   const phases: Record<Phase, number> = {

@@ -12,7 +12,7 @@ import { sampleEndSignal, type SampleEnd } from '../queues/completions.js';
 import { BrokerError, decodeJobFailure, encodeJobFailure, failure, failureOf, modelUnavailable, outcomeUnknownMessage, recordedFailure, type Failure } from '../queues/errors.js';
 import { heartbeatMs, Liveness } from '../queues/liveness.js';
 import { logger as rootLogger, type Logger } from '../queues/logger.js';
-import { addJob, publishAgentStats, recordJob, removeAgentStats, type JobStatus, type TokenKind } from '../queues/metrics.js';
+import { addJob, JobRecorder, publishAgentStats, removeAgentStats, type JobStatus, type TokenKind } from '../queues/metrics.js';
 import { Names } from '../queues/names.js';
 import { Outcomes, type Outcome } from '../queues/outcomes.js';
 import { connect } from '../queues/redis.js';
@@ -56,6 +56,8 @@ export class Agent {
   private served: ServedModel[] = [];
   private workers: Worker[] = [];
   private train: TrainConsumer | null = null;
+  /** The training ops' metrics, written every 100 ms (queues/metrics.ts). */
+  private jobMetrics!: JobRecorder;
   private heartbeat: NodeJS.Timeout | undefined;
   private stopping = false;
   private restarting: Promise<void> | null = null;
@@ -116,6 +118,7 @@ export class Agent {
     this.registry = new Registry(this.redis, this.names);
     this.checkpoints = new CheckpointJobs(this.registry, this.adapter, this.config.retentionS);
     this.outcomes = new Outcomes(this.redis, this.names, this.config.retentionS);
+    this.jobMetrics = new JobRecorder(this.redis, this.names, (e) => this.log.debug('metrics not recorded', { error: String(e) }));
     this.liveness = new Liveness(this.redis, this.names, this.registry.models, this.outcomes);
     this.record = {
       agent_id: this.config.agentId,
@@ -239,12 +242,10 @@ export class Agent {
     }
   }
 
-  /** Counts one finished training op in the metrics (and its tokens when it succeeded): one round trip, not awaited. */
+  /** Counts one finished training op in the metrics (and its tokens when it succeeded), written with the others of its 100 ms. */
   private meter(job: TakenTrainJob, data: TrainJob | undefined, start: number, status: JobStatus, result?: unknown): void {
     const tokens = status === 'ok' && data ? tokensOf(data, result) : undefined;
-    recordJob(this.redis, this.names, { op: job.op, status, enqueuedAt: job.timestamp, startedAt: start, finishedAt: Date.now(), ...(tokens ? { tokens } : {}) }).catch((e) =>
-      this.log.debug('metrics not recorded', { error: String(e) }),
-    );
+    this.jobMetrics.add({ op: job.op, status, enqueuedAt: job.timestamp, startedAt: start, finishedAt: Date.now(), ...(tokens ? { tokens } : {}) });
   }
 
   private async startEngine(): Promise<void> {
@@ -564,6 +565,7 @@ export class Agent {
     this.stopping = true;
     clearInterval(this.heartbeat);
     await Promise.all([this.train?.close(), ...this.workers.map((w) => w.close())]);
+    await this.jobMetrics?.flush();
     await Promise.all(this.sampleQueues.map((q) => q.close().catch(() => undefined)));
     await this.liveness?.release(this.config.agentId, this.incarnation).catch(() => undefined);
     if (this.redis) await removeAgentStats(this.redis, this.names, this.config.agentId).catch(() => undefined);
