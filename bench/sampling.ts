@@ -1,5 +1,7 @@
+import { readFileSync } from 'node:fs';
 import os from 'node:os';
 import { performance } from 'node:perf_hooks';
+import { spawnSync } from 'node:child_process';
 import { fileURLToPath } from 'node:url';
 import { logger } from '../queues/logger.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
@@ -99,10 +101,29 @@ async function ratio(n: number, maxTokens: number, promptLen: number, rounds: nu
   }
 }
 
+/** `name=pid` of the start command's process (API + agent), its engine child and a local redis-server, where /proc shows them. */
+function benchPids(serverPid: number | undefined): string {
+  if (serverPid === undefined) return '';
+  const read = (f: string) => {
+    try {
+      return readFileSync(f, 'utf8');
+    } catch {
+      return '';
+    }
+  };
+  const pids = [`api+agent=${serverPid}`];
+  const engine = read(`/proc/${serverPid}/task/${serverPid}/children`).trim().split(/\s+/).filter(Boolean)[0];
+  if (engine) pids.push(`engine=${engine}`);
+  const redis = spawnSync('pgrep', ['-x', 'redis-server'], { encoding: 'utf8' }).stdout?.trim().split(/\s+/)[0];
+  if (redis) pids.push(`redis=${redis}`);
+  return pids.join(',');
+}
+
 async function sdkRatio(n: number, maxTokens: number, promptLen: number, rounds: number): Promise<void> {
   const server = new E2EServer(); // the start command's defaults, as `npm start` runs it
   try {
     await server.start();
+    process.env.TB_BENCH_PIDS = benchPids(server.pid);
     const script = fileURLToPath(new URL('./sdk_sampling_ratio.py', import.meta.url));
     const r = server.runPython([script, TINY_MODEL_ALIAS, String(n), String(maxTokens), String(promptLen), String(rounds)]) as {
       single: number[];
@@ -111,12 +132,17 @@ async function sdkRatio(n: number, maxTokens: number, promptLen: number, rounds:
       concurrent_median: number;
       ratio_of_medians: number;
       median_round_ratio: number;
+      cpu_ms_per_round: Record<'single' | 'concurrent', Record<string, number>>;
     };
     const list = (xs: number[]) => xs.map((x) => x.toFixed(0)).join(', ');
     console.log(`through the tinker SDK against the start command; tiny model, prompts of ${promptLen} tokens, ${maxTokens} new tokens, ${rounds} rounds`);
     console.log(`1 request x ${n} samples         : median ${r.single_median.toFixed(0)} sampled tokens/s (rounds: ${list(r.single)})`);
     console.log(`${n} concurrent requests x 1 sample: median ${r.concurrent_median.toFixed(0)} sampled tokens/s (rounds: ${list(r.concurrent)})`);
     console.log(`ratio concurrent / single: ${r.ratio_of_medians.toFixed(2)} (of the medians), ${r.median_round_ratio.toFixed(2)} (median of the rounds' ratios)`);
+    for (const half of ['single', 'concurrent'] as const) {
+      const c = r.cpu_ms_per_round[half];
+      console.log(`CPU ms per round, ${half.padEnd(10)}: ${Object.entries(c).map(([k, v]) => `${k} ${v.toFixed(0)}`).join(', ')}`);
+    }
     console.log(`load average (1 min) at the end: ${os.loadavg()[0]!.toFixed(1)}`);
   } finally {
     await server.destroy();
