@@ -29,12 +29,17 @@ function kv(meta: Record<string, unknown>): string {
     .join(' ');
 }
 
+const threshold = LEVELS.indexOf(LEVELS.includes(level) ? level : 'info');
+/** Drops a record below the level before it is formatted (winston formats every record, and only its transport filters by level). */
+const enabled = winston.format((info) => (LEVELS.indexOf(info.level) <= threshold ? info : false));
+
 export const logger = winston.createLogger({
   level: LEVELS.includes(level) ? level : 'info',
   format:
     format === 'json'
-      ? winston.format.combine(winston.format.timestamp(), winston.format.json())
+      ? winston.format.combine(enabled(), winston.format.timestamp(), winston.format.json())
       : winston.format.combine(
+          enabled(),
           winston.format.timestamp({ format: 'HH:mm:ss.SSS' }),
           winston.format.printf(({ timestamp, level: lv, message, ...meta }) => {
             const rest = kv(meta);

@@ -1,5 +1,5 @@
 import { randomUUID } from 'node:crypto';
-import { Job, Queue, type JobJson } from 'bullmq';
+import { Job, Queue } from 'bullmq';
 import type { Redis } from 'ioredis';
 import type { Logger } from './logger.js';
 import type { Names } from './names.js';
@@ -59,7 +59,7 @@ export type TrainConsumerOptions = {
 export class TrainConsumer {
   private readonly queue: Queue;
   private readonly blocking: Redis;
-  private readonly held = new Map<string, { job: Job; lockToken: string }>();
+  private readonly held = new Map<string, { job: () => Job }>();
   private readonly lockToken = randomUUID();
   private closing = false;
   private loopDone: Promise<void> = Promise.resolve();
@@ -129,7 +129,7 @@ export class TrainConsumer {
     }
   }
 
-  private async take(): Promise<{ more: boolean; job: Job | null; taken: TakenTrainJob } | null> {
+  private async take(): Promise<{ more: boolean; job: (() => Job) | null; taken: TakenTrainJob } | null> {
     const claim = this.o.claimAtTake();
     const [outcomeBefore, outcomeAfter] = this.names.outcomeParts();
     const now = Date.now();
@@ -155,26 +155,23 @@ export class TrainConsumer {
       this.o.log.warn('training queue: a queued job had no stored job; skipped', { queue: this.name, jobId: id });
       return { more: more === 1, job: null, taken };
     }
-    const json: JobJson = {
-      id,
-      name: raw.name,
-      data: raw.data ?? '{}',
-      opts: Job.optsFromJSON(raw.opts),
-      progress: 0,
-      attemptsMade: Number(raw.atm ?? 0),
-      attemptsStarted: Number(raw.ats ?? 1),
-      processedOn: now,
-      timestamp: taken.timestamp,
-      failedReason: raw.failedReason ?? '',
-      returnvalue: raw.returnvalue ?? '',
-      stalledCounter: 0,
+    // The BullMQ Job that ends it, built once the op has run (off the path to the engine), from the
+    // payload parsed once, here.
+    const name = raw.name;
+    const job = () => {
+      const j = new Job(this.queue, name, taken.data, Job.optsFromJSON(raw.opts), id);
+      j.timestamp = taken.timestamp;
+      j.processedOn = now;
+      j.attemptsStarted = Number(raw.ats ?? 1);
+      j.attemptsMade = Number(raw.atm ?? 0);
+      return j;
     };
-    return { more: more === 1, job: Job.fromJSON(this.queue, json, id), taken };
+    return { more: more === 1, job, taken };
   }
 
   /** Processes one job and ends it as the processor says; never throws. */
-  private run(job: Job, taken: TakenTrainJob): void {
-    this.held.set(taken.id, { job, lockToken: this.lockToken });
+  private run(makeJob: () => Job, taken: TakenTrainJob): void {
+    this.held.set(taken.id, { job: makeJob });
     void (async () => {
       let verdict: TrainVerdict;
       try {
@@ -183,6 +180,7 @@ export class TrainConsumer {
         verdict = { state: 'failed', reason: e instanceof Error ? e.message : String(e) };
       }
       try {
+        const job = makeJob();
         if (verdict.state === 'done') await job.moveToCompleted(null, this.lockToken, false);
         else if (verdict.state === 'failed') await job.moveToFailed(Object.assign(new Error(verdict.reason), { name: 'UnrecoverableError' }), this.lockToken, false);
         else await job.moveToWait(this.lockToken);
@@ -199,7 +197,7 @@ export class TrainConsumer {
 
   private async extendLocks(): Promise<void> {
     for (const [id, h] of this.held) {
-      await h.job.extendLock(h.lockToken, this.o.lockMs).catch((e) => this.o.log.debug('training job lock not extended', { queue: this.name, jobId: id, error: String(e) }));
+      await h.job().extendLock(this.lockToken, this.o.lockMs).catch((e) => this.o.log.debug('training job lock not extended', { queue: this.name, jobId: id, error: String(e) }));
     }
   }
 }

@@ -72,7 +72,8 @@ export class EngineProcess extends EventEmitter<EngineEvents> {
       errTail += s;
       const lines = errTail.split('\n');
       errTail = lines.pop() ?? '';
-      for (const line of lines) if (line.trim()) this.opts.log.info(line, { src: 'engine' });
+      // A line per op at info: not even built into a record when the log is above info.
+      if (this.opts.log.isLevelEnabled('info')) for (const line of lines) if (line.trim()) this.opts.log.info(line, { src: 'engine' });
     });
     child.on('error', (err) => this.onExit(null, null, err));
     child.on('exit', (code, signal) => this.onExit(code, signal));
