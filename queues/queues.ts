@@ -28,9 +28,10 @@ export type TrainQueue = Queue<TrainJob, null>;
 export type SampleQueue = Queue<SampleJob, SampleResult>;
 
 /**
- * Producer-side queues, created on first use and shared by one process. This file and the Lua
- * scripts it and the gate run (queues/lua/bullmq-job.lua, sample-submit.lua, future-sample.lua,
- * future-train.lua) are the only places that know BullMQ's own job layout. Jobs are never
+ * Producer-side queues, created on first use and shared by one process. This file, the training
+ * queue's consumer (queues/train-consumer.ts) and the Lua scripts they and the gate run
+ * (queues/lua/bullmq-job.lua, sample-submit.lua, future-sample.lua, future-train.lua,
+ * train-take.lua) are the only places that know BullMQ's own job layout. Jobs are never
  * retried automatically (`attempts: 1`): a training op run twice doubles a gradient.
  * Finished jobs are kept for the future retention, since their state *is* the future.
  */
