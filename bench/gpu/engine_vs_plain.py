@@ -12,9 +12,11 @@ random, the tokenizer only has to exist). Then:
   uses the engine's deterministic LoRA init, so both see the same losses (bf16 tolerance).
   Prints tokens/s, ms/step, peak memory, MFU (model FLOPs: 2 x forward matmuls, i.e. forward plus
   the input-gradient backward of the frozen base, + causal attention; against --peak-tflops).
-- sampling: 32 distinct prompts x 128 new tokens (as one sample_batch, the agent's gathered call,
-  and as 32 sample calls sent back to back), and 1 prompt x 32 samples, against one batched
-  ``generate`` of the same base model (temperature 1, no top-k/top-p, no early stop).
+- sampling, after training: 32 distinct prompts x 128 new tokens (as one sample_batch, the agent's
+  gathered call, and as 32 sample calls sent back to back), and 1 prompt x 32 samples, against one
+  batched ``generate`` of the same base model (temperature 1, no top-k/top-p, no early stop) loaded
+  in this process; alternating in every round (--sample-rounds, after a warm-up round), medians and
+  each round's ratio.
 
 Everything prints at the end in one table; nothing but torch, transformers, peft and tokenizers.
 """
@@ -181,7 +183,8 @@ def model_flops_per_step(cfg: dict[str, Any], batch: int, seq: int) -> float:
     return 2.0 * forward
 
 
-def run_engine(args: argparse.Namespace, path: Path, w: dict[str, Any], out: dict[str, Any]) -> None:
+def run_engine(args: argparse.Namespace, path: Path, w: dict[str, Any], out: dict[str, Any]) -> "EngineChannel":
+    """The engine's training steps; returns its channel, still open, for the sampling rounds."""
     device = "cuda" if args.device == "cuda" else "cpu"
     eng = EngineChannel(device, "bfloat16" if device == "cuda" else "float32")
     try:
@@ -208,30 +211,72 @@ def run_engine(args: argparse.Namespace, path: Path, w: dict[str, Any], out: dic
             losses.append(fb["metrics"]["loss:sum"])
         peak = eng.call("memory", {})["max_allocated_bytes"]
         out["engine_train"] = {"ms": 1000 * median(times[w["warmup"]:]), "losses": losses, "peak": peak}
-
-        sample_out: dict[str, float] = {}
-        distinct = prompts(w["n"], w["prompt"], w["vocab"], seed=2)
-        reqs = [{"adapter_dir": None, "prompt": p, "num_samples": 1, "sampling_params": sampling_params(w["new"], i),
-                 "prompt_logprobs": False, "topk_prompt_logprobs": 0, **NO_SCORES} for i, p in enumerate(distinct)]
-        for rep in range(2):  # the first round warms up
-            t = time.perf_counter()
-            res = eng.call("sample_batch", {"base_model": "bench", "requests": reqs})
-            dt = time.perf_counter() - t
-            n_tok = sum(len(s["tokens"]) for r in res["results"] for s in r["result"]["sequences"])
-            sample_out["batch"] = n_tok / dt
-            t = time.perf_counter()
-            boxes = [eng.send("sample", {"base_model": "bench", **r}) for r in reqs]
-            n_tok = sum(len(s["tokens"]) for b in boxes for s in eng.result(b)["sequences"])
-            sample_out["pipelined"] = n_tok / (time.perf_counter() - t)
-            one = prompts(1, w["prompt"], w["vocab"], seed=3)[0]
-            t = time.perf_counter()
-            res = eng.call("sample", {"base_model": "bench", "adapter_dir": None, "prompt": one, "num_samples": w["n"],
-                                      "sampling_params": sampling_params(w["new"], 7), "prompt_logprobs": False,
-                                      "topk_prompt_logprobs": 0, **NO_SCORES})
-            sample_out["one_prompt"] = sum(len(s["tokens"]) for s in res["sequences"]) / (time.perf_counter() - t)
-        out["engine_sample"] = sample_out
-    finally:
+    except BaseException:
         eng.close()
+        raise
+    return eng
+
+
+def run_sampling(args: argparse.Namespace, path: Path, w: dict[str, Any], eng: "EngineChannel",
+                 out: dict[str, Any]) -> None:
+    """Sampling after training (as a deployment does): one batched ``generate`` of a plain copy of
+    the base model loaded in this process, against the engine's ways, alternating in every round
+    so that drift of the host's speed (the decode steps are bound by kernel launches on the host)
+    falls on both; the first round warms up. Per round: 32 distinct prompts as one generate, as one
+    sample_batch (the agent's gathered call), as 32 sample calls sent back to back; 1 prompt x 32
+    samples as one generate and one sample call."""
+    device = torch.device(args.device)
+    model = load_plain(path, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    distinct = prompts(w["n"], w["prompt"], w["vocab"], seed=2)
+    one = prompts(1, w["prompt"], w["vocab"], seed=3)[0]
+    gen_kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=w["new"],
+                      min_new_tokens=w["new"])
+    reqs = [{"adapter_dir": None, "prompt": p, "num_samples": 1, "sampling_params": sampling_params(w["new"], i),
+             "prompt_logprobs": False, "topk_prompt_logprobs": 0, **NO_SCORES} for i, p in enumerate(distinct)]
+
+    def generate(ids: list[list[int]], copies: int) -> float:
+        x = torch.tensor(ids, device=device)
+        with torch.inference_mode():
+            sync(device)
+            t = time.perf_counter()
+            o = model.generate(input_ids=x, attention_mask=torch.ones_like(x), num_return_sequences=copies,
+                               **gen_kwargs)
+            sync(device)
+        return (o.shape[0] * (o.shape[1] - x.shape[1])) / (time.perf_counter() - t)
+
+    def engine_batch() -> float:
+        t = time.perf_counter()
+        res = eng.call("sample_batch", {"base_model": "bench", "requests": reqs})
+        n_tok = sum(len(s["tokens"]) for r in res["results"] for s in r["result"]["sequences"])
+        return n_tok / (time.perf_counter() - t)
+
+    def engine_calls() -> float:
+        t = time.perf_counter()
+        boxes = [eng.send("sample", {"base_model": "bench", **r}) for r in reqs]
+        n_tok = sum(len(s["tokens"]) for b in boxes for s in eng.result(b)["sequences"])
+        return n_tok / (time.perf_counter() - t)
+
+    def engine_one() -> float:
+        t = time.perf_counter()
+        res = eng.call("sample", {"base_model": "bench", "adapter_dir": None, "prompt": one, "num_samples": w["n"],
+                                  "sampling_params": sampling_params(w["new"], 7), "prompt_logprobs": False,
+                                  "topk_prompt_logprobs": 0, **NO_SCORES})
+        return sum(len(s["tokens"]) for s in res["sequences"]) / (time.perf_counter() - t)
+
+    ways = {"generate_distinct": lambda: generate(distinct, 1), "batch": engine_batch, "pipelined": engine_calls,
+            "generate_one": lambda: generate([one], w["n"]), "one_prompt": engine_one}
+    rounds: dict[str, list[float]] = {k: [] for k in ways}
+    for rep in range(1 + w["sample_rounds"]):
+        for key, way in ways.items():
+            value = way()
+            if rep:
+                rounds[key].append(value)
+    out["sample_rounds"] = rounds
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def median(xs: list[float]) -> float:
@@ -247,27 +292,7 @@ def run_plain(args: argparse.Namespace, path: Path, w: dict[str, Any], out: dict
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
-    # Sampling first: the bare base model and one batched generate.
     model = load_plain(path, device, dtype)
-    model.generation_config.pad_token_id = model.config.pad_token_id
-    distinct = torch.tensor(prompts(w["n"], w["prompt"], w["vocab"], seed=2), device=device)
-    one = torch.tensor(prompts(1, w["prompt"], w["vocab"], seed=3), device=device)
-    gen_kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=w["new"],
-                      min_new_tokens=w["new"])
-    sample_out: dict[str, float] = {}
-    with torch.inference_mode():
-        for rep in range(2):
-            sync(device)
-            t = time.perf_counter()
-            o = model.generate(input_ids=distinct, attention_mask=torch.ones_like(distinct), **gen_kwargs)
-            sync(device)
-            sample_out["distinct"] = (o.shape[0] * (o.shape[1] - distinct.shape[1])) / (time.perf_counter() - t)
-            t = time.perf_counter()
-            o = model.generate(input_ids=one, attention_mask=torch.ones_like(one), num_return_sequences=w["n"], **gen_kwargs)
-            sync(device)
-            sample_out["one_prompt"] = (o.shape[0] * (o.shape[1] - one.shape[1])) / (time.perf_counter() - t)
-    out["plain_sample"] = sample_out
-
     # Training: the same LoRA, the engine's init, bf16 base, fp32 adapter.
     config = LoraConfig(r=w["rank"], lora_alpha=w["rank"], lora_dropout=0.0, bias="none", target_modules=TARGETS)
     peft_model = get_peft_model(model, config)
@@ -321,13 +346,21 @@ def report(args: argparse.Namespace, w: dict[str, Any], out: dict[str, Any]) -> 
           f"{len(e['losses'])} steps: {rel:.2e}")
     print(f"  losses engine: {' '.join(f'{x:.4f}' for x in e['losses'][:4])} ...; plain: "
           f"{' '.join(f'{x:.4f}' for x in p['losses'][:4])} ...")
-    es, ps = out["engine_sample"], out["plain_sample"]
-    print(f"sampling: prompts of {w['prompt']} tokens, {w['new']} new tokens, temperature 1 (tokens/s)")
-    print(f"  {w['n']} distinct prompts: generate {ps['distinct']:9.0f} | engine sample_batch {es['batch']:9.0f} "
-          f"({es['batch'] / ps['distinct']:.2f}x) | engine {w['n']} sample calls {es['pipelined']:9.0f} "
-          f"({es['pipelined'] / ps['distinct']:.2f}x)")
-    print(f"  1 prompt x {w['n']} samples: generate {ps['one_prompt']:9.0f} | engine {es['one_prompt']:9.0f} "
-          f"({es['one_prompt'] / ps['one_prompt']:.2f}x)")
+    r = out["sample_rounds"]
+    med = {k: median(v) for k, v in r.items()}
+
+    def ratios(engine: str, plain: str) -> str:
+        per_round = " ".join(f"{e / p:.2f}" for e, p in zip(r[engine], r[plain]))
+        return f"{med[engine] / med[plain]:.2f}x (rounds: {per_round})"
+
+    print(f"sampling: prompts of {w['prompt']} tokens, {w['new']} new tokens, temperature 1, tokens/s, median of "
+          f"{w['sample_rounds']} alternating rounds after one warm-up")
+    print(f"  {w['n']} distinct prompts: generate {med['generate_distinct']:7.0f} | engine sample_batch "
+          f"{med['batch']:7.0f} {ratios('batch', 'generate_distinct')}")
+    print(f"  {w['n']} distinct prompts: generate {med['generate_distinct']:7.0f} | engine {w['n']} sample calls "
+          f"{med['pipelined']:7.0f} {ratios('pipelined', 'generate_distinct')}")
+    print(f"  1 prompt x {w['n']} samples: generate {med['generate_one']:7.0f} | engine {med['one_prompt']:7.0f} "
+          f"{ratios('one_prompt', 'generate_one')}")
 
 
 def main() -> int:
@@ -336,16 +369,18 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny dimensions on the CPU (smoke test)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H200: 989)")
+    ap.add_argument("--sample-rounds", type=int, default=3, help="alternating sampling rounds after a warm-up")
     ap.add_argument("--keep", help="write the model here and keep it (default: a temporary directory)")
     args = ap.parse_args()
     if args.tiny:
         args.model, args.device = "tiny", "cpu"
-        w = dict(batch=2, seq=64, rank=4, steps=3, warmup=1, n=4, prompt=16, new=8)
+        w = dict(batch=2, seq=64, rank=4, steps=3, warmup=1, n=4, prompt=16, new=8, sample_rounds=args.sample_rounds)
     else:
         if not torch.cuda.is_available():
             ap.error("no CUDA device; use --tiny for the CPU smoke test")
         args.device = "cuda"
-        w = dict(batch=8, seq=1024, rank=32, steps=args.steps, warmup=2, n=32, prompt=128, new=128)
+        w = dict(batch=8, seq=1024, rank=32, steps=args.steps, warmup=2, n=32, prompt=128, new=128,
+                 sample_rounds=args.sample_rounds)
     w["vocab"] = MODELS[args.model]["vocab_size"]
     t0 = time.perf_counter()
     out: dict[str, Any] = {}
@@ -357,8 +392,13 @@ def main() -> int:
         print(f"model written in {time.perf_counter() - t0:.0f} s", flush=True)
         run_plain(args, path, w, out)
         print(f"plain done at {time.perf_counter() - t0:.0f} s", flush=True)
-        run_engine(args, path, w, out)
-        print(f"engine done at {time.perf_counter() - t0:.0f} s", flush=True)
+        eng = run_engine(args, path, w, out)
+        print(f"engine training done at {time.perf_counter() - t0:.0f} s", flush=True)
+        try:
+            run_sampling(args, path, w, eng, out)
+        finally:
+            eng.close()
+        print(f"sampling done at {time.perf_counter() - t0:.0f} s", flush=True)
     report(args, w, out)
     return 0
 
