@@ -97,6 +97,9 @@ export function buildApp(config: ApiConfig): BuiltApp {
 
   const app = express();
   app.disable('x-powered-by');
+  // No ETag: every answer is fresh JSON or protobuf that no client revalidates, and Express would
+  // hash each body for it (a whole forward or sample result included).
+  app.set('etag', false);
   // Every request gets an id (the caller's X-Request-Id, or a new one), echoed in the reply and
   // carried by its log lines with the model and the future (queue/job) it touched.
   app.use((req, res, next) => {

@@ -2,7 +2,7 @@ import type { Redis } from 'ioredis';
 import type { Failure } from './errors.js';
 import type { FutureRef } from './futures.js';
 import type { Names } from './names.js';
-import { SIGNALLED_RECORD_MAX_BYTES, type Outcome } from './outcomes.js';
+import type { Outcome } from './outcomes.js';
 
 /**
  * Completion signals, so a waiting `retrieve_future` answers the moment its op finishes, never by
@@ -14,7 +14,20 @@ import { SIGNALLED_RECORD_MAX_BYTES, type Outcome } from './outcomes.js';
  *   the transaction that records the job's metrics), with its result or failure when small.
  * The waiter answers from a record without reading it back. A waiter is registered before the
  * caller reads the state, so a signal sent between the two is not lost.
+ *
+ * When the agent runs in the same process as the API (`tinker-broker start`), whoever sends a signal
+ * also hands it to this process's waiters at once (`signalLocally`), once the end is recorded in
+ * Redis: the answer does not wait for the message to come back from Redis on the subscriber
+ * connection. The message still goes to Redis for every other API process; a waiter woken twice
+ * answers once.
  */
+
+/**
+ * A final record up to this size travels in its completion signal (queues/lua/outcome-finish.lua,
+ * `sampleEndSignal`), so a waiting retrieve_future answers without reading it back; a larger one is
+ * read from Redis.
+ */
+export const SIGNALLED_RECORD_MAX_BYTES = 64 * 1024;
 
 /** How a sample job ended, as its completion signal carries it. */
 export type SampleEnd = { state: 'done'; result: unknown } | ({ state: 'failed' } & Failure);
@@ -27,9 +40,24 @@ export type SampleEnd = { state: 'done'; result: unknown } | ({ state: 'failed' 
  */
 export function sampleEndSignal(names: Names, jobId: string, agentId: string, end: SampleEnd): [channel: string, message: string] {
   const record: Outcome = { ...end, op: 'sample', agent_id: agentId, token: jobId, at: new Date().toISOString() };
-  const json = JSON.stringify(record);
-  const small = json.length <= SIGNALLED_RECORD_MAX_BYTES && Buffer.byteLength(json) <= SIGNALLED_RECORD_MAX_BYTES;
-  return [names.outcomesChannel(), small ? `${jobId} ${json}` : jobId];
+  return [names.outcomesChannel(), signalMessage(jobId, JSON.stringify(record))];
+}
+
+/** A signal's message: the job id and the final record when the record is at most SIGNALLED_RECORD_MAX_BYTES, else the job id alone. */
+export function signalMessage(jobId: string, recordJson: string): string {
+  const small = recordJson.length <= SIGNALLED_RECORD_MAX_BYTES && Buffer.byteLength(recordJson) <= SIGNALLED_RECORD_MAX_BYTES;
+  return small ? `${jobId} ${recordJson}` : jobId;
+}
+
+/** This process's subscribed Completions, by channel (a deployment's prefix; tests run several in one process). */
+const local = new Map<string, Set<Completions>>();
+
+/**
+ * Hands a completion signal (`<job id>` or `<job id> <final record>`, as published) to the waiters
+ * of this process on `channel`. Call it once the end is recorded in Redis, beside the publish.
+ */
+export function signalLocally(channel: string, message: string): void {
+  for (const c of local.get(channel) ?? []) c.deliver(message);
 }
 
 export class Completions {
@@ -41,22 +69,24 @@ export class Completions {
     private readonly names: Names,
   ) {}
 
-  private notify(jobId: string, record?: string): void {
+  /** A signal's message: '<job id>' or '<job id> <final outcome record>' (job ids hold no space). */
+  deliver(msg: string): void {
+    const sp = msg.indexOf(' ');
+    const jobId = sp === -1 ? msg : msg.slice(0, sp);
     const set = this.waiters.get(jobId);
-    if (set) for (const wake of set) wake(record);
+    if (set) for (const wake of set) wake(sp === -1 ? undefined : msg.slice(sp + 1));
   }
 
   private subscribe(): Promise<Redis> {
     if (!this.subscriber) {
       const p = (async () => {
         const c = this.blockingConnection();
-        // '<job id>' or '<job id> <final outcome record>' (job ids hold no space).
-        c.on('message', (_channel: string, msg: string) => {
-          const sp = msg.indexOf(' ');
-          if (sp === -1) this.notify(msg);
-          else this.notify(msg.slice(0, sp), msg.slice(sp + 1));
-        });
-        await c.subscribe(this.names.outcomesChannel());
+        c.on('message', (_channel: string, msg: string) => this.deliver(msg));
+        const channel = this.names.outcomesChannel();
+        await c.subscribe(channel);
+        const mine = local.get(channel) ?? new Set();
+        mine.add(this);
+        local.set(channel, mine);
         return c;
       })();
       this.subscriber = p;
@@ -90,6 +120,9 @@ export class Completions {
   async close(): Promise<void> {
     const sub = this.subscriber;
     this.subscriber = null;
+    const channel = this.names.outcomesChannel();
+    local.get(channel)?.delete(this);
+    if (local.get(channel)?.size === 0) local.delete(channel);
     if (sub) await sub.then((c) => c.unsubscribe().catch(() => undefined)).catch(() => undefined);
   }
 }

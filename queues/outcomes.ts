@@ -1,6 +1,7 @@
 import type { Redis } from 'ioredis';
 import { z } from 'zod';
 import type { Names } from './names.js';
+import { signalLocally, signalMessage, SIGNALLED_RECORD_MAX_BYTES } from './completions.js';
 import { runScript } from './scripts.js';
 
 /**
@@ -32,11 +33,7 @@ export const Outcome = z.object({
 });
 export type Outcome = z.infer<typeof Outcome>;
 
-/**
- * A final record up to this size travels in its completion signal (queues/lua/outcome-finish.lua),
- * so a waiting retrieve_future answers without reading it back; a larger one is read from Redis.
- */
-export const SIGNALLED_RECORD_MAX_BYTES = 64 * 1024;
+export { SIGNALLED_RECORD_MAX_BYTES };
 
 export class Outcomes {
   constructor(
@@ -85,15 +82,19 @@ export class Outcomes {
     // `state` first: queues/lua/outcome-read.lua tells a running record by its first bytes.
     const { state, ...rest } = final;
     const rec: Outcome = { state, ...rest, token: token || 'reaper', at: new Date().toISOString() };
+    const json = JSON.stringify(rec);
     const prev = (await runScript(this.redis, 'outcome-finish', [this.key(jobId)], [
-      JSON.stringify(rec),
+      json,
       this.ttlS,
       token,
       this.names.outcomesChannel(),
       jobId,
       SIGNALLED_RECORD_MAX_BYTES,
     ])) as string | null;
-    return prev === null ? rec : Outcome.parse(JSON.parse(prev));
+    if (prev !== null) return Outcome.parse(JSON.parse(prev));
+    // Recorded (and published): this process's waiters answer now (queues/completions.ts).
+    signalLocally(this.names.outcomesChannel(), signalMessage(jobId, json));
+    return rec;
   }
 
   async failUnknown(jobId: string, op: string, agentId: string, message: string): Promise<Outcome> {

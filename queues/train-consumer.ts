@@ -180,6 +180,9 @@ export class TrainConsumer {
         verdict = { state: 'failed', reason: e instanceof Error ? e.message : String(e) };
       }
       try {
+        // After this turn of the event loop: an API in this process answers the op's future first
+        // (its outcome, not this, is what the future reads).
+        await new Promise((r) => setImmediate(r));
         const job = makeJob();
         if (verdict.state === 'done') await job.moveToCompleted(null, this.lockToken, false);
         else if (verdict.state === 'failed') await job.moveToFailed(Object.assign(new Error(verdict.reason), { name: 'UnrecoverableError' }), this.lockToken, false);

@@ -3,7 +3,7 @@ import { Redis as RedisClient, type Redis } from 'ioredis';
 import { tenantId } from '../api/auth.js';
 import { encodeRequestId } from '../queues/futures.js';
 import { Names } from '../queues/names.js';
-import { sampleEndSignal } from '../queues/completions.js';
+import { sampleEndSignal, signalLocally, signalMessage } from '../queues/completions.js';
 import { Outcomes, SIGNALLED_RECORD_MAX_BYTES } from '../queues/outcomes.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
 import { API_KEY, API_KEY_B, awaitFuture, call, REDIS_URL, startStack, type TestStack } from './helpers/stack.js';
@@ -213,5 +213,43 @@ describe('fast path: a training op answered from its completion signal', () => {
     expect((await ctx.futures.retrieve(requestId, tenantId(API_KEY_B), 1_000)).kind).to.equal('unknown');
     expect(await other.pttl(names.outcome(jobId))).to.be.above(300_000);
     expect((await ctx.futures.retrieve(requestId, tenantId(API_KEY), 1_000)).kind).to.equal('done');
+  });
+
+  it('answers from a signal handed over in this process (an agent beside the API) before any message comes from Redis', async () => {
+    const ctx = s.built.ctx;
+    const names = new Names(s.prefix);
+    const tenant = tenantId(API_KEY);
+    const jobId = 't-fastpathlocal-1';
+    const requestId = encodeRequestId({ queue: 'train-agent-fastpath', jobId });
+    await ctx.registry.futures.setOwner(requestId, tenant, 600);
+    await other.hset(ctx.queues.jobKey('train-agent-fastpath', jobId), 'name', 'optim_step');
+    const record = JSON.stringify({ state: 'done', op: 'optim_step', agent_id: 'agent-fastpath', token: 'x', at: new Date().toISOString(), result: { metrics: { local: 1 } } });
+    const answer = ctx.futures.retrieve(requestId, tenant, 5_000);
+    await new Promise((r) => setTimeout(r, 200));
+    // Another deployment's channel wakes nothing here; this one's answers at once (nothing stored, nothing published).
+    signalLocally(new Names(`${s.prefix}-other`).outcomesChannel(), signalMessage(jobId, record));
+    const early = await Promise.race([answer.then(() => 'answered'), new Promise((r) => setTimeout(() => r('waiting'), 100))]);
+    expect(early).to.equal('waiting');
+    signalLocally(names.outcomesChannel(), signalMessage(jobId, record));
+    const st = await Promise.race([answer, new Promise<never>((_, rej) => setTimeout(() => rej(new Error('not answered from the local signal')), 1_000))]);
+    expect(st).to.deep.include({ kind: 'done', result: { metrics: { local: 1 } } });
+  });
+
+  it('answers from the message on Redis alone (the agent in another process)', async () => {
+    const ctx = s.built.ctx;
+    const names = new Names(s.prefix);
+    const tenant = tenantId(API_KEY);
+    const jobId = 't-fastpathremote-1';
+    const requestId = encodeRequestId({ queue: 'train-agent-fastpath', jobId });
+    await ctx.registry.futures.setOwner(requestId, tenant, 600);
+    await other.hset(ctx.queues.jobKey('train-agent-fastpath', jobId), 'name', 'optim_step');
+    const answer = ctx.futures.retrieve(requestId, tenant, 5_000);
+    await new Promise((r) => setTimeout(r, 200));
+    // What outcome-finish.lua does, from a connection of another process: record, then publish.
+    const record = JSON.stringify({ state: 'done', op: 'optim_step', agent_id: 'agent-fastpath', token: 'x', at: new Date().toISOString(), result: { metrics: { remote: 1 } } });
+    await other.set(names.outcome(jobId), record, 'EX', 600);
+    await other.publish(names.outcomesChannel(), signalMessage(jobId, record));
+    const st = await Promise.race([answer, new Promise<never>((_, rej) => setTimeout(() => rej(new Error('not answered from the Redis message')), 1_000))]);
+    expect(st).to.deep.include({ kind: 'done', result: { metrics: { remote: 1 } } });
   });
 });

@@ -8,7 +8,7 @@ import type { Redis } from 'ioredis';
 import { ZodError } from 'zod';
 import { DEFAULT_OP_TIMEOUTS_S, type AgentConfig } from '../queues/config.js';
 import { requireCheckpointRecord } from '../queues/checkpoints.js';
-import { sampleEndSignal, type SampleEnd } from '../queues/completions.js';
+import { sampleEndSignal, signalLocally, type SampleEnd } from '../queues/completions.js';
 import { BrokerError, decodeJobFailure, encodeJobFailure, failure, failureOf, modelUnavailable, outcomeUnknownMessage, recordedFailure, type Failure } from '../queues/errors.js';
 import { heartbeatMs, Liveness } from '../queues/liveness.js';
 import { logger as rootLogger, type Logger } from '../queues/logger.js';
@@ -498,8 +498,11 @@ export class Agent {
     const finishedAt = job.finishedOn ?? Date.now();
     const m = this.redis.multi();
     addJob(m, this.names, { op: job.name, status, enqueuedAt: job.timestamp, startedAt: job.processedOn ?? finishedAt, finishedAt, ...(tokens ? { tokens } : {}) });
-    m.publish(...sampleEndSignal(this.names, job.id!, this.config.agentId, end));
+    const [channel, message] = sampleEndSignal(this.names, job.id!, this.config.agentId, end);
+    m.publish(channel, message);
     m.exec().catch((e) => this.log.debug('sample end not signalled', { jobId: job.id, error: String(e) }));
+    // BullMQ has recorded the end: waiters in this process (an API beside the agent) answer now.
+    signalLocally(channel, message);
   }
 
   /** A sample has no effect on any model: a failure (a timeout included) is a plain server error the client may retry. */
