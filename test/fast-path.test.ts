@@ -215,41 +215,43 @@ describe('fast path: a training op answered from its completion signal', () => {
     expect((await ctx.futures.retrieve(requestId, tenantId(API_KEY), 1_000)).kind).to.equal('done');
   });
 
-  it('answers from a signal handed over in this process (an agent beside the API) before any message comes from Redis', async () => {
+  /** A training future of this tenant, pending (its job queued), and its retrieve_future waiting. */
+  async function waitingFuture(jobId: string): Promise<{ answer: Promise<unknown> }> {
     const ctx = s.built.ctx;
-    const names = new Names(s.prefix);
     const tenant = tenantId(API_KEY);
-    const jobId = 't-fastpathlocal-1';
     const requestId = encodeRequestId({ queue: 'train-agent-fastpath', jobId });
     await ctx.registry.futures.setOwner(requestId, tenant, 600);
     await other.hset(ctx.queues.jobKey('train-agent-fastpath', jobId), 'name', 'optim_step');
-    const record = JSON.stringify({ state: 'done', op: 'optim_step', agent_id: 'agent-fastpath', token: 'x', at: new Date().toISOString(), result: { metrics: { local: 1 } } });
     const answer = ctx.futures.retrieve(requestId, tenant, 5_000);
     await new Promise((r) => setTimeout(r, 200));
+    return { answer };
+  }
+
+  const doneRecord = (metrics: Record<string, number>) =>
+    JSON.stringify({ state: 'done', op: 'optim_step', agent_id: 'agent-fastpath', token: 'x', at: new Date().toISOString(), result: { metrics } });
+  const within = (p: Promise<unknown>, what: string) => Promise.race([p, new Promise<never>((_, rej) => setTimeout(() => rej(new Error(what)), 1_000))]);
+
+  it('answers from a signal handed over in this process (an agent beside the API) before any message comes from Redis', async () => {
+    const names = new Names(s.prefix);
+    const jobId = 't-fastpathlocal-1';
+    const { answer } = await waitingFuture(jobId);
+    const record = doneRecord({ local: 1 });
     // Another deployment's channel wakes nothing here; this one's answers at once (nothing stored, nothing published).
     signalLocally(new Names(`${s.prefix}-other`).outcomesChannel(), signalMessage(jobId, record));
     const early = await Promise.race([answer.then(() => 'answered'), new Promise((r) => setTimeout(() => r('waiting'), 100))]);
     expect(early).to.equal('waiting');
     signalLocally(names.outcomesChannel(), signalMessage(jobId, record));
-    const st = await Promise.race([answer, new Promise<never>((_, rej) => setTimeout(() => rej(new Error('not answered from the local signal')), 1_000))]);
-    expect(st).to.deep.include({ kind: 'done', result: { metrics: { local: 1 } } });
+    expect(await within(answer, 'not answered from the local signal')).to.deep.include({ kind: 'done', result: { metrics: { local: 1 } } });
   });
 
   it('answers from the message on Redis alone (the agent in another process)', async () => {
-    const ctx = s.built.ctx;
     const names = new Names(s.prefix);
-    const tenant = tenantId(API_KEY);
     const jobId = 't-fastpathremote-1';
-    const requestId = encodeRequestId({ queue: 'train-agent-fastpath', jobId });
-    await ctx.registry.futures.setOwner(requestId, tenant, 600);
-    await other.hset(ctx.queues.jobKey('train-agent-fastpath', jobId), 'name', 'optim_step');
-    const answer = ctx.futures.retrieve(requestId, tenant, 5_000);
-    await new Promise((r) => setTimeout(r, 200));
+    const { answer } = await waitingFuture(jobId);
     // What outcome-finish.lua does, from a connection of another process: record, then publish.
-    const record = JSON.stringify({ state: 'done', op: 'optim_step', agent_id: 'agent-fastpath', token: 'x', at: new Date().toISOString(), result: { metrics: { remote: 1 } } });
+    const record = doneRecord({ remote: 1 });
     await other.set(names.outcome(jobId), record, 'EX', 600);
     await other.publish(names.outcomesChannel(), signalMessage(jobId, record));
-    const st = await Promise.race([answer, new Promise<never>((_, rej) => setTimeout(() => rej(new Error('not answered from the Redis message')), 1_000))]);
-    expect(st).to.deep.include({ kind: 'done', result: { metrics: { remote: 1 } } });
+    expect(await within(answer, 'not answered from the Redis message')).to.deep.include({ kind: 'done', result: { metrics: { remote: 1 } } });
   });
 });
