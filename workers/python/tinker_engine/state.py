@@ -128,13 +128,18 @@ def _fsync_path(directory: str) -> None:
         os.close(fd)
 
 
-def save_state(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
-    model = registry.model(get_str(args, "model_id"))
-    directory = get_str(args, "dir")
+def save_state_target(args: dict[str, Any]) -> tuple[str, bool]:
+    """save_state's directory (absolute; refused when it exists) and whether the optimizer goes with it (every engine)."""
+    path = os.path.normpath(os.path.abspath(get_str(args, "dir")))
     with_optimizer = get_bool(args, "optimizer")
-    path = os.path.normpath(os.path.abspath(directory))
     if os.path.lexists(path):
         raise UserError(f"save_state: {path} already exists (delete it first to overwrite)")
+    return path, with_optimizer
+
+
+def save_state(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
+    model = registry.model(get_str(args, "model_id"))
+    path, with_optimizer = save_state_target(args)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{secrets.token_hex(6)}"
     os.mkdir(tmp)
@@ -160,7 +165,7 @@ def save_state(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _fsync_path(os.path.dirname(path))
-    return {"dir": directory, "size_bytes": size}
+    return {"dir": get_str(args, "dir"), "size_bytes": size}
 
 
 # --- load -------------------------------------------------------------------------------------

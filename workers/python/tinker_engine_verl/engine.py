@@ -38,11 +38,11 @@ from tinker_engine import PROTOCOL_VERSION
 from tinker_engine.engine import device_memory
 from tinker_engine.errors import UserError
 from tinker_engine.models import ADAPTER_FILES, LoraSpec, seeded_lora_values
-from tinker_engine.params import get_bool, get_obj, get_str
+from tinker_engine.params import get_obj, get_str
 from tinker_engine.save import _normalise_config
 from tinker_engine.state import (MOMENTS, OPTIMIZER_META, OPTIMIZER_TENSORS, STATE_FILE, STATE_FORMAT, _check_tensor,
                                  _fsync_dir_tree, _fsync_path, _lora_json, _read_tensors, _write_json,
-                                 check_state_dir, read_optimizer_files)
+                                 check_state_dir, read_optimizer_files, save_state_target)
 from tinker_engine.tensors import tensor_to_json, wire
 from tinker_engine.train import AdamParams, max_batch_tokens, parse_forward_backward
 
@@ -395,7 +395,7 @@ class VerlEngine:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         self._barrier()
-        return {"dir": directory, "size_bytes": size}
+        return {"dir": get_str(args, "dir"), "size_bytes": size}
 
     def _optimizer_payload(self, model: VerlModel) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         opt = model.engine.optimizer
@@ -416,11 +416,7 @@ class VerlEngine:
         from safetensors.torch import save_file
 
         model = self.model(get_str(args, "model_id"))
-        directory = get_str(args, "dir")
-        with_optimizer = get_bool(args, "optimizer")
-        path = os.path.normpath(os.path.abspath(directory))
-        if os.path.lexists(path):
-            raise UserError(f"save_state: {path} already exists (delete it first to overwrite)")
+        path, with_optimizer = save_state_target(args)
         self._barrier()  # every rank checked before rank 0 creates it
         tensors = self._full_lora(model)
         opt_tensors, opt_meta = self._optimizer_payload(model) if with_optimizer else ({}, {})
@@ -445,7 +441,7 @@ class VerlEngine:
                 raise
             _fsync_path(os.path.dirname(path))
         self._barrier()
-        return {"dir": directory, "size_bytes": size}
+        return {"dir": get_str(args, "dir"), "size_bytes": size}
 
     def load_state(self, args: dict[str, Any]) -> dict[str, Any]:
         model = self.model(get_str(args, "model_id"))
