@@ -112,8 +112,10 @@ const pct = (xs: number[], p: number) => {
  * Where one op's time goes, p50 of each stage (ms; BullMQ stamps are whole milliseconds):
  * submit (client start → job added: HTTP, API, gate), pickup (added → the agent's worker took it),
  * before (taken → engine start: the agent's claim and checks), engine, after (engine end → job
- * finished: the agent's outcome record), reply (finished → the client has the result: signal,
- * retrieve_future, HTTP).
+ * finished: the agent's outcome record and, when the API shares the agent's process, the answer
+ * too, which is written before the BullMQ job is ended), reply (finished → the client has the
+ * result: with the API in another process the signal, retrieve_future and HTTP; in the same
+ * process only the answer's way to the client, and it can be negative).
  */
 function stages(ops: Op[]): Record<string, number> | null {
   const timed = ops.filter((o) => o.job && o.engine);
