@@ -395,7 +395,7 @@ class VerlEngine:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         self._barrier()
-        return {"dir": get_str(args, "dir"), "size_bytes": size}
+        return {"dir": directory, "size_bytes": size}
 
     def _optimizer_payload(self, model: VerlModel) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         opt = model.engine.optimizer
