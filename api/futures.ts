@@ -1,5 +1,5 @@
 import type { Redis } from 'ioredis';
-import { Completions } from '../queues/completions.js';
+import { Completions, type ReadOnceExpiry, type Wake } from '../queues/completions.js';
 import { decodeJobFailure, failure, outcomeUnknownMessage, recordedFailure, type Failure } from '../queues/errors.js';
 import { decodeRequestId, encodeRequestId, type FutureRef } from '../queues/futures.js';
 import type { OrderingGate } from '../queues/gate.js';
@@ -185,29 +185,37 @@ export class FutureResolver {
 
   /** The job and the owner record (and, with `outcome`, the outcome record) leave Redis `ttlAfterReadS` after this read. */
   private async expireOnceRead(ref: FutureRef, outcome = false): Promise<void> {
-    const ms = this.ttlAfterReadS * 1000;
-    const m = this.redis
-      .multi()
-      .call('PEXPIRE', this.queues.jobKey(ref.queue, ref.jobId), ms, 'LT')
-      .call('PEXPIRE', this.names.futureOwner(encodeRequestId(ref)), ms, 'LT');
-    if (outcome) m.call('PEXPIRE', this.outcomes.key(ref.jobId), ms, 'LT');
+    const m = this.redis.multi();
+    for (const k of this.readOnceKeys(ref, outcome)) m.call('PEXPIRE', k, this.ttlAfterReadS * 1000, 'LT');
     await m.exec();
+  }
+
+  private readOnceKeys(ref: FutureRef, outcome: boolean): string[] {
+    const keys = [this.queues.jobKey(ref.queue, ref.jobId), this.names.futureOwner(encodeRequestId(ref))];
+    return outcome ? [...keys, this.outcomes.key(ref.jobId)] : keys;
   }
 
   /**
    * The answer a completion signal carried (a training op's final outcome record, or a finished
    * sample's in the same shape), or null. The read-once expiry that the state scripts apply runs
-   * once this turn of the event loop is over, after the answer is on its way.
+   * once this turn of the event loop is over, after the answer is on its way, unless the signal's
+   * sender applies it with the record (`expiryTaken`: an agent in this process, queues/completions.ts).
    */
-  private signalled(ref: FutureRef, record: string | undefined): FutureState | null {
-    if (record === undefined) return null;
-    const o = Outcome.parse(JSON.parse(record));
+  private signalled(ref: FutureRef, wake: Wake | undefined): FutureState | null {
+    if (wake?.record === undefined) return null;
+    const o = typeof wake.record === 'string' ? Outcome.parse(JSON.parse(wake.record)) : wake.record;
     if (o.state === 'running') return null;
-    if (!this.keepsOutcome(ref)) {
+    if (!this.keepsOutcome(ref) && !wake.expiryTaken) {
       const training = ref.queue.startsWith('train-');
       setImmediate(() => this.expireOnceRead(ref, training).catch((e) => logger.debug('read-once expiry not set', { jobId: ref.jobId, error: String(e) })));
     }
     return this.fromOutcome(o);
+  }
+
+  /** What `expireOnceRead` does for a future, for a signal's sender to apply (none for a record kept). */
+  private onceRead(ref: FutureRef): ReadOnceExpiry | undefined {
+    if (this.keepsOutcome(ref)) return undefined;
+    return { keys: this.readOnceKeys(ref, ref.queue.startsWith('train-')), ms: this.ttlAfterReadS * 1000 };
   }
 
   /**
@@ -219,7 +227,7 @@ export class FutureResolver {
     if (!ref) return { kind: 'unknown' };
     // The waiter first, then the read: a completion signalled in between is not missed. Every
     // future's signal comes on one subscription, made once per process.
-    const { woken, cancel } = await this.completions.watch(ref);
+    const { woken, cancel } = await this.completions.watch(ref, this.onceRead(ref));
     let timer: NodeJS.Timeout | undefined;
     try {
       const second = await this.state(ref, tenant);
@@ -232,8 +240,8 @@ export class FutureResolver {
       }
       const timeout = new Promise<undefined>((resolve) => (timer = setTimeout(() => resolve(undefined), wait)));
       const aborted = new Promise<undefined>((resolve) => signal?.addEventListener('abort', () => resolve(undefined), { once: true }));
-      const record = await Promise.race([woken, timeout, aborted]);
-      return this.signalled(ref, record) ?? (await this.state(ref, tenant));
+      const wake = await Promise.race([woken, timeout, aborted]);
+      return this.signalled(ref, wake) ?? (await this.state(ref, tenant));
     } finally {
       clearTimeout(timer);
       cancel();

@@ -16,11 +16,23 @@ import type { Outcome } from './outcomes.js';
  * caller reads the state, so a signal sent between the two is not lost.
  *
  * When the agent runs in the same process as the API (`tinker-broker start`), whoever sends a signal
- * also hands it to this process's waiters at once (`signalLocally`), once the end is recorded in
- * Redis: the answer does not wait for the message to come back from Redis on the subscriber
- * connection. The message still goes to Redis for every other API process; a waiter woken twice
- * answers once.
+ * also hands it to this process's waiters at once: the answer does not wait for the message to come
+ * back from Redis on the subscriber connection. A sample's end is handed over once BullMQ has
+ * recorded it (`signalLocally`); a training op's outcome, by the agent that ran it, just before its
+ * record is sent to Redis (`handOverLocally`, queues/outcomes.ts Outcomes.finish with `early`): the
+ * waiter answers, then the script records it and applies the read-once expiry the waiter registered
+ * (`watch`), so a record read leaves Redis as it would after a read back. The message still goes to Redis for every other API
+ * process; a waiter woken twice answers once.
  */
+
+/** The keys a future's read leaves Redis by, within `ms` (its read-once expiry, api/futures.ts). */
+export type ReadOnceExpiry = { keys: string[]; ms: number };
+
+/**
+ * What wakes a waiter: the final record when the signal carried it (as JSON, or, handed over in this
+ * process, the record itself), and whether its sender applies the waiter's read-once expiry.
+ */
+export type Wake = { record?: string | Outcome; expiryTaken: boolean };
 
 /**
  * A final record up to this size travels in its completion signal (queues/lua/outcome-finish.lua,
@@ -60,9 +72,20 @@ export function signalLocally(channel: string, message: string): void {
   for (const c of local.get(channel) ?? []) c.deliver(message);
 }
 
+/**
+ * Hands a training op's final record to the waiters of this process on `channel` before it is
+ * recorded (queues/outcomes.ts Outcomes.finish, early); returns the read-once expiries of those it
+ * woke, for the script that records it to apply.
+ */
+export function handOverLocally(channel: string, jobId: string, record: Outcome): ReadOnceExpiry[] {
+  const taken: ReadOnceExpiry[] = [];
+  for (const c of local.get(channel) ?? []) c.wakeAll(jobId, record, taken);
+  return taken;
+}
+
 export class Completions {
   private subscriber: Promise<Redis> | null = null;
-  private readonly waiters = new Map<string, Set<(record?: string) => void>>();
+  private readonly waiters = new Map<string, Set<{ wake: (w: Wake) => void; expiry?: ReadOnceExpiry | undefined }>>();
 
   constructor(
     private readonly blockingConnection: () => Redis,
@@ -72,9 +95,17 @@ export class Completions {
   /** A signal's message: '<job id>' or '<job id> <final outcome record>' (job ids hold no space). */
   deliver(msg: string): void {
     const sp = msg.indexOf(' ');
-    const jobId = sp === -1 ? msg : msg.slice(0, sp);
-    const set = this.waiters.get(jobId);
-    if (set) for (const wake of set) wake(sp === -1 ? undefined : msg.slice(sp + 1));
+    if (sp === -1) this.wakeAll(msg);
+    else this.wakeAll(msg.slice(0, sp), msg.slice(sp + 1));
+  }
+
+  /** Wakes the job's waiters; with `expiries` (handOverLocally) each one woken with a record adds its read-once expiry. */
+  wakeAll(jobId: string, record?: string | Outcome, expiries?: ReadOnceExpiry[]): void {
+    for (const w of this.waiters.get(jobId) ?? []) {
+      const taken = expiries !== undefined && record !== undefined && w.expiry !== undefined;
+      if (taken) expiries.push(w.expiry!);
+      w.wake({ ...(record !== undefined ? { record } : {}), expiryTaken: taken });
+    }
   }
 
   private subscribe(): Promise<Redis> {
@@ -99,19 +130,21 @@ export class Completions {
   /**
    * Registers a waiter for the job's end; `woken` resolves on its signal, with the final record
    * (JSON) when the signal carried it. Resolves once the signal can no longer be missed (read the
-   * state after this). `cancel` removes the waiter.
+   * state after this). `expiry`: the read-once expiry an early signal's sender applies for this
+   * waiter (`expiryTaken` then). `cancel` removes the waiter.
    */
-  async watch(ref: FutureRef): Promise<{ woken: Promise<string | undefined>; cancel: () => void }> {
+  async watch(ref: FutureRef, expiry?: ReadOnceExpiry): Promise<{ woken: Promise<Wake>; cancel: () => void }> {
     await this.subscribe();
-    let wake!: (record?: string) => void;
-    const woken = new Promise<string | undefined>((resolve) => (wake = resolve));
+    let wake!: (w: Wake) => void;
+    const woken = new Promise<Wake>((resolve) => (wake = resolve));
     const set = this.waiters.get(ref.jobId) ?? new Set();
-    set.add(wake);
+    const w = { wake, expiry };
+    set.add(w);
     this.waiters.set(ref.jobId, set);
     return {
       woken,
       cancel: () => {
-        set.delete(wake);
+        set.delete(w);
         if (set.size === 0 && this.waiters.get(ref.jobId) === set) this.waiters.delete(ref.jobId);
       },
     };

@@ -6,6 +6,7 @@ import { jobIds, type Names } from './names.js';
 import type { QueueSet } from './queues.js';
 import { TrainJob } from './schemas.js';
 import { runScript } from './scripts.js';
+import { localTrainConsumer, type HandedJob, type HandOff } from './train-consumer.js';
 
 /**
  * The per-model ordering gate. A model's training ops must run in the client's `seq_id`
@@ -126,7 +127,7 @@ export class OrderingGate {
       throw new BrokerError('INVALID_REQUEST', `invalid ${job.op} request: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
     const data = JSON.stringify(parsed.data);
     const digest = createHash('sha256').update(data).digest('base64').slice(0, 22);
-    return this.admit(modelId, seqId, jobId, { queue, name: parsed.data.op, data, digest }, extras);
+    return this.admit(modelId, seqId, jobId, { queue, name: parsed.data.op, data, digest, parsed: parsed.data }, extras);
   }
 
   /**
@@ -141,11 +142,50 @@ export class OrderingGate {
     modelId: string,
     seqId: number,
     jobId: string,
-    op: { queue: string; name: string; data: string; digest: string } | null,
+    op: { queue: string; name: string; data: string; digest: string; parsed: TrainJob } | null,
     extras: SubmitExtras,
   ): Promise<AdmitOutcome> {
+    const now = Date.now();
+    // The queue's agent idle in this process: the script takes the job for it, handed over here.
+    const handOff = op ? (localTrainConsumer(`${this.names.bull}:${op.queue}:`)?.handOff() ?? null) : null;
+    let handed: HandedJob | null = null;
+    let r: number | [number, string];
+    try {
+      r = await this.admitScript(modelId, seqId, jobId, op, extras, now, handOff);
+      if (Array.isArray(r) && r[0] === 1) {
+        handed = r.slice(1) as unknown as HandedJob;
+        r = 1;
+      }
+    } finally {
+      handOff?.settle(handed, { id: jobId, data: op?.parsed, at: now });
+    }
+    if (Array.isArray(r)) throw new ModelLost(r[1]);
+    if (r === -7) throw new ModelGone(`model ${modelId} has no record`);
+    if (r === -1) throw new Error(`ordering gate of model ${modelId} is not open`);
+    // A refusal is recorded only where it can be; the request is refused either way.
+    if (op === null && r < 0) return 'duplicate';
+    if (r === -5) throw new AgentGone(`agent ${extras.agentId} is not alive`);
+    if (r === -2) {
+      const { next } = await this.state(modelId);
+      throw new BrokerError('INVALID_REQUEST', `seq_id ${seqId} of model ${modelId} is too far ahead: the next op to run is seq_id ${next}, and at most ${this.window} are accepted ahead of it`);
+    }
+    if (r === -3) throw new BrokerError('INVALID_REQUEST', `seq_id ${seqId} of model ${modelId} was already submitted with a different request; a seq_id names one op`);
+    if (r === -4) throw new BrokerError('INVALID_REQUEST', `seq_id ${seqId} of model ${modelId} is more than ${this.window} ops old; it cannot be submitted again`);
+    return r === 1 ? 'admitted' : 'duplicate';
+  }
+
+  /** queues/lua/gate-submit.lua, with a hand-off's take when there is one. */
+  private async admitScript(
+    modelId: string,
+    seqId: number,
+    jobId: string,
+    op: { queue: string; name: string; data: string; digest: string } | null,
+    extras: SubmitExtras,
+    now: number,
+    handOff: HandOff | null,
+  ): Promise<number | [number, string]> {
     const owner = op && extras.tenant !== undefined ? extras.tenant : '';
-    const r = (await runScript(
+    return (await runScript(
       this.redis,
       'gate-submit',
       [
@@ -169,32 +209,20 @@ export class OrderingGate {
         op?.name ?? '',
         op?.data ?? '',
         this.queues.storedJobOptions(),
-        Date.now(),
+        now,
         this.names.failedFuture(''),
         this.failedTtlS,
         String(this.gapTimeoutMs / 1000),
         jobIds.train(modelId, 0).slice(0, -1),
         owner,
         extras.ownerTtlS ?? 172_800,
-        new Date().toISOString(),
+        new Date(now).toISOString(),
         op && extras.agentId ? '1' : '0',
         this.modelTtlS * 1000,
         op && extras.checkModel ? '1' : '0',
+        ...(handOff?.args ?? []),
       ],
     )) as number | [number, string];
-    if (Array.isArray(r)) throw new ModelLost(r[1]);
-    if (r === -7) throw new ModelGone(`model ${modelId} has no record`);
-    if (r === -1) throw new Error(`ordering gate of model ${modelId} is not open`);
-    // A refusal is recorded only where it can be; the request is refused either way.
-    if (op === null && r < 0) return 'duplicate';
-    if (r === -5) throw new AgentGone(`agent ${extras.agentId} is not alive`);
-    if (r === -2) {
-      const { next } = await this.state(modelId);
-      throw new BrokerError('INVALID_REQUEST', `seq_id ${seqId} of model ${modelId} is too far ahead: the next op to run is seq_id ${next}, and at most ${this.window} are accepted ahead of it`);
-    }
-    if (r === -3) throw new BrokerError('INVALID_REQUEST', `seq_id ${seqId} of model ${modelId} was already submitted with a different request; a seq_id names one op`);
-    if (r === -4) throw new BrokerError('INVALID_REQUEST', `seq_id ${seqId} of model ${modelId} is more than ${this.window} ops old; it cannot be submitted again`);
-    return r === 1 ? 'admitted' : 'duplicate';
   }
 
   /** When the ops of `modelId` waiting behind a gap time out (ms since the epoch), or null. */

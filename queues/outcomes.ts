@@ -1,7 +1,7 @@
 import type { Redis } from 'ioredis';
 import { z } from 'zod';
 import type { Names } from './names.js';
-import { signalLocally, signalMessage, SIGNALLED_RECORD_MAX_BYTES } from './completions.js';
+import { handOverLocally, signalLocally, signalMessage, SIGNALLED_RECORD_MAX_BYTES } from './completions.js';
 import { runScript } from './scripts.js';
 
 /**
@@ -15,7 +15,9 @@ import { runScript } from './scripts.js';
  * The first final state wins: an agent that finishes after the reaper gave up on it does not turn
  * a reported failure into a success, and an op the reaper failed before it started is never run
  * (the agent's claim finds the record and skips it). So no op is run twice and no future reports
- * an outcome other than the one that happened (or says it cannot know).
+ * an outcome other than the one that happened (or says it cannot know). A waiter in the agent's own
+ * process is answered from the agent's result as its record is sent (`finish` with `early`): what
+ * ran, even in the rare case that the reaper's OUTCOME_UNKNOWN stands in Redis.
  */
 export const Outcome = z.object({
   state: z.enum(['running', 'done', 'failed']),
@@ -73,27 +75,35 @@ export class Outcomes {
     return (await runScript(this.redis, 'outcome-release', [this.key(jobId)], [token])) === 1;
   }
 
-  /** Records the final outcome unless another one is already final; returns the record that stands. */
+  /**
+   * Records the final outcome unless another one is already final; returns the record that stands.
+   * `early` (the agent, with the op's result in hand): this process's waiters are handed the record
+   * first and answer; it is sent once their answers are written (the next turn of the event loop),
+   * and the script applies the read-once expiries they registered (queues/completions.ts).
+   * Otherwise they are signalled once it is recorded.
+   */
   async finish(
     jobId: string,
     token: string | '',
     final: Omit<Outcome, 'token' | 'at'> & { state: 'done' | 'failed' },
+    early = false,
   ): Promise<Outcome> {
     // `state` first: queues/lua/outcome-read.lua tells a running record by its first bytes.
     const { state, ...rest } = final;
     const rec: Outcome = { state, ...rest, token: token || 'reaper', at: new Date().toISOString() };
+    const channel = this.names.outcomesChannel();
+    const expiries = early ? handOverLocally(channel, jobId, rec) : [];
+    if (expiries.length) await new Promise((r) => setImmediate(r));
     const json = JSON.stringify(rec);
-    const prev = (await runScript(this.redis, 'outcome-finish', [this.key(jobId)], [
-      json,
-      this.ttlS,
-      token,
-      this.names.outcomesChannel(),
-      jobId,
-      SIGNALLED_RECORD_MAX_BYTES,
-    ])) as string | null;
+    const prev = (await runScript(
+      this.redis,
+      'outcome-finish',
+      [this.key(jobId), ...new Set(expiries.flatMap((e) => e.keys))],
+      [json, this.ttlS, token, channel, jobId, SIGNALLED_RECORD_MAX_BYTES, Math.min(...expiries.map((e) => e.ms), 0x7fffffff)],
+    )) as string | null;
     if (prev !== null) return Outcome.parse(JSON.parse(prev));
-    // Recorded (and published): this process's waiters answer now (queues/completions.ts).
-    signalLocally(this.names.outcomesChannel(), signalMessage(jobId, json));
+    // Recorded (and published): this process's waiters answer now.
+    if (!early) signalLocally(channel, signalMessage(jobId, json));
     return rec;
   }
 

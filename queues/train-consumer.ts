@@ -24,6 +24,27 @@ export type TakenTrainJob = {
   token: string;
 };
 
+/**
+ * What a gate in this process needs to take a job for an idle consumer (TrainConsumer.handOff): the
+ * take's arguments for queues/lua/gate-submit.lua, and `settle`, which the gate calls exactly once with
+ * the script's take (or null: nothing taken, or the script failed).
+ */
+export type HandOff = {
+  args: (string | number)[];
+  settle: (taken: HandedJob | null, submitted: { id: string; data: unknown; at: number }) => void;
+};
+
+/** The take a submit made (queues/lua/gate-submit.lua's answer after its admit code). */
+export type HandedJob = [id: string, more: number, claim: number, prev: string | null, fields: (string | null)[]];
+
+/** The consumers of this process, by their queue's key prefix: a gate here hands them jobs (handOff). */
+const local = new Map<string, TrainConsumer>();
+
+/** The consumer of the training queue with this key prefix (`<prefix>-bull:<queue>:`) in this process, if any. */
+export function localTrainConsumer(queuePrefix: string): TrainConsumer | undefined {
+  return local.get(queuePrefix);
+}
+
 /** How a processed job ends: done, failed with a reason (stored as BullMQ's failedReason), or back on the queue unstarted. */
 export type TrainVerdict = { state: 'done' } | { state: 'failed'; reason: string } | { state: 'requeue' };
 
@@ -37,6 +58,8 @@ export type TrainConsumerOptions = {
   tokenPrefix: string;
   /** Whether the next job taken would start at once (its outcome is then claimed in the same script). */
   claimAtTake: () => boolean;
+  /** Whether a gate in this process may take jobs for it while it is idle (handOff). @defaultValue true */
+  handOff?: boolean;
   process: (job: TakenTrainJob) => Promise<TrainVerdict>;
   log: Logger;
 };
@@ -51,6 +74,12 @@ export type TrainConsumerOptions = {
  * blocking wait on the marker, one take and one moveToFinished, against a Worker's BZPOPMIN, three
  * moveToActive and the outcome's separate claim.
  *
+ * When an API in the consumer's process submits the op its queue runs next, the submit's script takes
+ * the job for it and the gate hands it over in memory (handOff): no wake on the marker, no take of its
+ * own, and the payload does not come back from Redis. The take is the same Redis-side step
+ * (queues/lua/train-take-lib.lua) and one take is in flight at a time (a hand-off's or the
+ * consumer's), so jobs run in the queue's order.
+ *
  * Like the Worker it replaces (`maxStalledCount: 0`, `skipStalledCheck`): no stalled check runs, a
  * job is never retried, a lock lost in a long Redis outage leaves the job active (its outcome record,
  * not BullMQ's state, is the op's truth, queues/outcomes.ts), and the reaper fails the ops of a dead
@@ -64,6 +93,9 @@ export class TrainConsumer {
   private closing = false;
   private loopDone: Promise<void> = Promise.resolve();
   private slotFreed: (() => void) | null = null;
+  /** A take of this consumer's (its own, or a hand-off's) is in flight. */
+  private taking = false;
+  private handing: Promise<void> | null = null;
   private drained: (() => void) | null = null;
   private lockTimer: NodeJS.Timeout | undefined;
   private readonly keys: { wait: string; active: string; events: string; marker: string; prefix: string };
@@ -88,6 +120,7 @@ export class TrainConsumer {
   async start(): Promise<void> {
     await this.queue.waitUntilReady();
     this.lockTimer = setInterval(() => void this.extendLocks(), Math.max(100, Math.floor(this.o.lockMs / 2)));
+    if (this.o.handOff !== false) local.set(this.keys.prefix, this);
     this.loopDone = this.loop();
   }
 
@@ -95,9 +128,11 @@ export class TrainConsumer {
   async close(): Promise<void> {
     if (this.closing) return this.loopDone;
     this.closing = true;
+    if (local.get(this.keys.prefix) === this) local.delete(this.keys.prefix);
     this.slotFreed?.();
     this.blocking.disconnect();
     await this.loopDone;
+    while (this.handing) await this.handing;
     if (this.held.size) await new Promise<void>((r) => (this.drained = r));
     clearInterval(this.lockTimer);
     await this.queue.close().catch(() => undefined);
@@ -114,8 +149,11 @@ export class TrainConsumer {
       }
       try {
         if (!more) await this.blocking.bzpopmin(this.keys.marker, 5);
+        // A hand-off's take went to Redis first: its job runs first.
+        while (this.handing) await this.handing;
         if (this.closing) break;
-        const t = await this.take();
+        this.taking = true;
+        const t = await this.take().finally(() => (this.taking = false));
         backoffMs = 0;
         more = t?.more ?? false;
         if (t?.job) this.run(t.job, t.taken);
@@ -143,11 +181,48 @@ export class TrainConsumer {
     const [hash, id, more, claimed, prev] = r;
     const raw: Record<string, string> = {};
     for (let i = 0; i + 1 < hash.length; i += 2) raw[hash[i]!] = hash[i + 1]!;
+    return this.received(id, more, claimed, prev, raw, raw.data === undefined ? undefined : JSON.parse(raw.data), now);
+  }
+
+  /**
+   * The take of a submit in this process (null while a take is in flight, with jobs held to the
+   * concurrency, or closing): the arguments for queues/lua/gate-submit.lua, and `settle`, which the
+   * gate must call once whatever the script did. Until then the consumer's own takes wait, so jobs
+   * run in the order Redis gave them out, whichever take took them.
+   */
+  handOff(): HandOff | null {
+    if (this.closing || this.taking || this.handing || this.held.size >= this.o.concurrency) return null;
+    let done!: () => void;
+    this.handing = new Promise<void>((r) => (done = r));
+    const claim = this.o.claimAtTake();
+    const [outcomeBefore, outcomeAfter] = this.names.outcomeParts();
+    return {
+      args: ['1', this.lockToken, this.o.lockMs, claim ? '1' : '0', outcomeBefore, outcomeAfter, this.o.agentId, this.o.tokenPrefix, this.outcomes.ttlS],
+      settle: (handed, submitted) => {
+        try {
+          // Run even when closing: the processor puts a job it will not start back (close waits for it).
+          if (!handed) return;
+          const [id, more, claimed, prev, f] = handed;
+          const raw: Record<string, string> = {};
+          if (claimed !== -1) ['name', 'opts', 'timestamp', 'ats', 'atm'].forEach((k, i) => f[i] != null && (raw[k] = f[i]!));
+          const data = id === submitted.id ? submitted.data : f[5] == null ? undefined : JSON.parse(f[5]);
+          const t = this.received(id, more, Math.max(claimed, 0), prev, raw, data, submitted.at);
+          if (t.job) this.run(t.job, t.taken);
+        } finally {
+          this.handing = null;
+          done();
+        }
+      },
+    };
+  }
+
+  /** A job as a take returned it (`raw`: the job hash's fields; `data`: its payload, parsed). */
+  private received(id: string, more: number, claimed: number, prev: string | null, raw: Record<string, string>, data: unknown, takenAt: number): { more: boolean; job: (() => Job) | null; taken: TakenTrainJob } {
     const taken: TakenTrainJob = {
       id,
       op: raw.name ?? '',
-      data: raw.data === undefined ? undefined : JSON.parse(raw.data),
-      timestamp: Number(raw.timestamp ?? now),
+      data,
+      timestamp: Number(raw.timestamp ?? takenAt),
       claim: claimed === 0 ? null : { prev: claimed === 2 && prev ? Outcome.parse(JSON.parse(prev)) : null },
       token: `${this.o.tokenPrefix}${id}`,
     };
@@ -155,13 +230,12 @@ export class TrainConsumer {
       this.o.log.warn('training queue: a queued job had no stored job; skipped', { queue: this.name, jobId: id });
       return { more: more === 1, job: null, taken };
     }
-    // The BullMQ Job that ends it, built once the op has run (off the path to the engine), from the
-    // payload parsed once, here.
+    // The BullMQ Job that ends it, built once the op has run (off the path to the engine).
     const name = raw.name;
     const job = () => {
       const j = new Job(this.queue, name, taken.data, Job.optsFromJSON(raw.opts), id);
       j.timestamp = taken.timestamp;
-      j.processedOn = now;
+      j.processedOn = takenAt;
       j.attemptsStarted = Number(raw.ats ?? 1);
       j.attemptsMade = Number(raw.atm ?? 0);
       return j;

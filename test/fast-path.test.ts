@@ -254,4 +254,37 @@ describe('fast path: a training op answered from its completion signal', () => {
     await other.publish(names.outcomesChannel(), signalMessage(jobId, record));
     expect(await within(answer, 'not answered from the Redis message')).to.deep.include({ kind: 'done', result: { metrics: { remote: 1 } } });
   });
+
+  it("hands a training op's outcome to a waiter in this process before recording it, and the record's script applies the waiter's read-once expiry", async () => {
+    const ctx = s.built.ctx;
+    const names = new Names(s.prefix);
+    const jobId = 't-fastpathearly-1';
+    const requestId = encodeRequestId({ queue: 'train-agent-fastpath', jobId });
+    const { answer } = await waitingFuture(jobId);
+    const redis = ctx.redis as Redis & { sendCommand: (c: { name: string; args: unknown[] }) => unknown };
+    const seen: string[] = [];
+    const orig = redis.sendCommand;
+    redis.sendCommand = function (this: Redis, c: { name: string; args: unknown[] }) {
+      seen.push(c.name);
+      return orig.call(this, c as never);
+    } as typeof redis.sendCommand;
+    let first: string;
+    try {
+      // The agent's finish (early: it has the result in hand), on a connection of its own.
+      const recorded = new Outcomes(other, names, 3_600).finish(jobId, '', { state: 'done', op: 'optim_step', agent_id: 'agent-fastpath', result: { metrics: { early: 1 } } }, true);
+      first = await Promise.race([answer.then(() => 'answered'), recorded.then(() => 'recorded')]);
+      expect(await within(answer, 'not answered from the hand-over')).to.deep.include({ kind: 'done', result: { metrics: { early: 1 } } });
+      expect((await recorded).state).to.equal('done');
+      await new Promise((r) => setTimeout(r, 50));
+    } finally {
+      redis.sendCommand = orig;
+    }
+    expect(first).to.equal('answered');
+    // Recorded whole, and read once: the record, its job and its owner leave within the read TTL,
+    // set by the record's own script (the API sent no expiry of its own).
+    expect(JSON.parse((await other.get(names.outcome(jobId)))!)).to.deep.include({ state: 'done', result: { metrics: { early: 1 } } });
+    for (const key of [names.outcome(jobId), ctx.queues.jobKey('train-agent-fastpath', jobId), names.futureOwner(requestId)])
+      expect(await other.pttl(key), key).to.be.within(1, 300_000);
+    expect(seen.filter((c) => c === 'multi' || c === 'pexpire')).to.deep.equal([]);
+  });
 });

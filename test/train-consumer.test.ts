@@ -35,8 +35,8 @@ describe('training queue consumer', () => {
   });
   const submit = (seq: number) => gate.submit(modelId, seq, queue, jobIds.train(modelId, seq), optim(seq));
 
-  const consumer = (process: (j: TakenTrainJob) => Promise<TrainVerdict>, claimAtTake: () => boolean = () => true) => {
-    const c = new TrainConsumer(redis, names, outcomes, queue, { concurrency: 2, lockMs: 30_000, agentId: 'a', tokenPrefix: 'inc/', claimAtTake, process, log: logger });
+  const consumer = (process: (j: TakenTrainJob) => Promise<TrainVerdict>, claimAtTake: () => boolean = () => true, handOff = true) => {
+    const c = new TrainConsumer(redis, names, outcomes, queue, { concurrency: 2, lockMs: 30_000, agentId: 'a', tokenPrefix: 'inc/', claimAtTake, process, log: logger, handOff });
     consumers.push(c);
     return c;
   };
@@ -148,5 +148,65 @@ describe('training queue consumer', () => {
     await closed;
     const q = qs.get(queue);
     expect(await q.getJobCounts('waiting', 'active')).to.deep.include({ waiting: 1, active: 0 });
+  });
+
+  it("hands a job submitted in its own process to the consumer in the submit's round trip: taken, locked and claimed there", async () => {
+    const seen: TakenTrainJob[] = [];
+    const c = consumer(async (j) => {
+      seen.push(j);
+      return { state: 'done' };
+    });
+    await c.start();
+    // The first may meet the consumer's first take in flight (it looks before it blocks).
+    await submit(1);
+    await until('the first job', () => seen.length === 1);
+    await submit(2);
+    // Handed over before the submit returned: no wake on the marker, no take of the consumer's own.
+    expect(seen.map((j) => j.id)).to.deep.equal([jobIds.train(modelId, 1), jobIds.train(modelId, 2)]);
+    expect(seen[1]!.data).to.deep.equal(optim(2));
+    expect(seen[1]!.claim).to.deep.equal({ prev: null });
+    expect((await outcomes.get(seen[1]!.id))?.state).to.equal('running');
+    expect(await redis.exists(`${names.bull}:${queue}:marker`)).to.equal(0);
+    const q = qs.get(queue);
+    await until('completed', async () => (await q.getJobCounts('completed')).completed === 2);
+    const job = await Job.fromId(q, seen[1]!.id);
+    expect(job?.processedOn).to.be.a('number');
+    expect(job?.attemptsStarted).to.equal(1);
+
+    // A consumer that takes no hand-offs takes the job itself, after the submit returned.
+    await c.close();
+    const mine: TakenTrainJob[] = [];
+    const d = consumer(async (j) => {
+      mine.push(j);
+      return { state: 'done' };
+    }, () => true, false);
+    await d.start();
+    await new Promise((r) => setTimeout(r, 100)); // its first look done: it blocks on the marker
+    await submit(3);
+    expect(mine.length).to.equal(0);
+    await until('the job taken', () => mine.length === 1);
+    expect(mine[0]!.data).to.deep.equal(optim(3));
+  });
+
+  it('runs jobs in seq_id order when hand-offs and its own takes race (ops submitted out of order, at once)', async () => {
+    const seen: number[] = [];
+    const c = consumer(async (j) => {
+      seen.push((j.data as { seq_id: number }).seq_id);
+      await new Promise((r) => setTimeout(r, Math.floor(Math.random() * 3)));
+      return { state: 'done' };
+    });
+    await c.start();
+    const n = 60;
+    // Bursts of ten seq_ids, each burst sent at once in a shuffled order, the bursts overlapping.
+    const bursts: Promise<unknown>[] = [];
+    for (let b = 0; b < n / 10; b++) {
+      const seqs = Array.from({ length: 10 }, (_, i) => b * 10 + i + 1).sort(() => Math.random() - 0.5);
+      bursts.push(Promise.all(seqs.map((q) => submit(q))));
+      await new Promise((r) => setTimeout(r, Math.floor(Math.random() * 4)));
+    }
+    await Promise.all(bursts);
+    await until('every job', () => seen.length === n, 15_000);
+    expect(seen).to.deep.equal(Array.from({ length: n }, (_, i) => i + 1));
+    await until('all completed', async () => (await qs.get(queue).getJobCounts('completed')).completed === n);
   });
 });

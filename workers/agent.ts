@@ -390,13 +390,14 @@ export class Agent {
         let f = this.failure(op, err);
         if (err instanceof OpTimeout || (epoch >= 0 && epoch !== this.engineEpoch))
           f = failure('OUTCOME_UNKNOWN', outcomeUnknownMessage(op, err instanceof OpTimeout ? err.message : `the engine process died while running it: ${f.message}`));
-        const stood = await this.outcomes.finish(jobId, token, { state: 'failed', op, agent_id: this.config.agentId, ...f });
+        const stood = await this.outcomes.finish(jobId, token, { state: 'failed', op, agent_id: this.config.agentId, ...f }, true);
         this.meter(job, parsed.data, start, f.category === 'user' ? 'user_error' : 'server_error');
         return await this.standing(jobId, op, stood);
       }
       endTurn();
-      const stood = await this.outcomes.finish(jobId, token, { state: 'done', op, agent_id: this.config.agentId, result, engine });
-      // An op finished after the reaper gave up on this agent keeps the reaper's verdict (the 'job failed' line says so).
+      // Early: an API in this process answers the op's future from this result, then it is recorded (queues/outcomes.ts).
+      const stood = await this.outcomes.finish(jobId, token, { state: 'done', op, agent_id: this.config.agentId, result, engine }, true);
+      // An op finished after the reaper gave up on this agent keeps the reaper's verdict in Redis (the 'job failed' line says so).
       if (stood.state === 'done') this.log.debug('job done', { queue: this.trainQueue, jobId, op, modelId: parsed.data?.model_id, ms: Date.now() - start });
       this.meter(job, parsed.data, start, stood.state === 'done' ? 'ok' : 'server_error', result);
       return await this.standing(jobId, op, stood);

@@ -29,6 +29,13 @@ export type EngineOptions = {
   args?: string[];
 };
 
+/** The Python logging level that shows what `log` shows. */
+function engineLogLevel(log: Logger): string {
+  if (log.isLevelEnabled('debug')) return 'DEBUG';
+  if (log.isLevelEnabled('info')) return 'INFO';
+  return log.isLevelEnabled('warn') ? 'WARNING' : 'ERROR';
+}
+
 const PYTHON_DIR = path.join(path.dirname(fileURLToPath(import.meta.url)), 'python');
 
 /**
@@ -55,6 +62,9 @@ export class EngineProcess extends EventEmitter<EngineEvents> {
 
   start(): void {
     const env: NodeJS.ProcessEnv = {
+      // The engine logs at the agent's level unless TB_ENGINE_LOG_LEVEL says otherwise: its line per
+      // op (info) is written, and woken for, only when the agent's log shows it.
+      TB_ENGINE_LOG_LEVEL: engineLogLevel(this.opts.log),
       ...process.env,
       ...this.opts.env,
       PYTHONPATH: [PYTHON_DIR, process.env.PYTHONPATH].filter(Boolean).join(path.delimiter),

@@ -21,14 +21,26 @@
   ARGV[20] now (ISO time, the model's last request)            ARGV[21] '1': refuse when the agent is not alive
   ARGV[22] the model's lifetime ms (its record and gate live at least this long after each op; never shortened)
   ARGV[23] '1': check the model's record (the caller used a copy read earlier): refuse when it is gone or lost
+  ARGV[24] '1': the queue's agent runs in the caller's process and is idle: when the op is released,
+           take the queue's next job for it (queues/lua/train-take-lib.lua) and return it, to be handed
+           over in memory (queues/train-consumer.ts TrainConsumer.handOff); then
+  ARGV[25] the lock token    ARGV[26] the lock's duration, ms    ARGV[27] '1' = claim the outcome
+  ARGV[28] the outcome key's text before the job id              ARGV[29] its text after the job id
+  ARGV[30] the agent id      ARGV[31] the claim token's text before the job id
+  ARGV[32] the outcome record's TTL, s
 
   Returns 1 admitted, 0 duplicate (same payload, or a seq_id already past), -1 gate not open,
   -2 beyond the window, -3 the seq_id was used with another payload, -4 too old to recognise,
   -5 the model's agent is not alive, nor drained with this model saved for its restart (nothing written),
-  -7 the model's record is gone, { -6, reason } the model is lost (with ARGV[23] = '1'; nothing written).
+  -7 the model's record is gone, { -6, reason } the model is lost (with ARGV[23] = '1'; nothing written),
+  or, admitted with a job taken (ARGV[24] = '1'), { 1, job id, 1 when more jobs wait else 0, claim, the
+  record found first or false (as train-take-lib's), { name, opts, timestamp, ats, atm, data } } where
+  data is false when the job taken is the one submitted (the caller has it) and claim is -1 when the
+  job's hash was gone (nothing held).
 ]]
 --- @include "bullmq-job"
 --- @include "gate-lib"
+--- @include "train-take-lib"
 
 local G = { next = KEYS[1], held = KEYS[2], index = KEYS[3], digests = KEYS[4], gaps = KEYS[5], jobIdPrefix = ARGV[17] }
 local seq = tonumber(ARGV[1])
@@ -87,6 +99,20 @@ end
 redis.call('HSET', G.index, jobId, modelId)
 if seq == nxt then
   gateDrain(G, modelId, ARGV[8], window, gapMs)
+  if ARGV[24] == '1' then
+    local q = ARGV[8] .. ARGV[9] .. ':'
+    local id, more, exists, claim, prev = trainTake({
+      q = q, now = ARGV[13], lockToken = ARGV[25], lockMs = ARGV[26], claim = ARGV[27],
+      outcomeBefore = ARGV[28], outcomeAfter = ARGV[29], agentId = ARGV[30], tokenPrefix = ARGV[31],
+      nowIso = ARGV[20], outcomeTtlS = ARGV[32],
+    })
+    if id then
+      if not exists then return owned({ 1, id, more, -1, false, {} }) end
+      local f = redis.call('HMGET', q .. id, 'name', 'opts', 'timestamp', 'ats', 'atm')
+      f[6] = id ~= jobId and redis.call('HGET', q .. id, 'data') or false
+      return owned({ 1, id, more, claim, prev, f })
+    end
+  end
 else
   redis.call('ZADD', G.gaps, 'NX', nowMs() + gapMs, modelId)
 end

@@ -4,19 +4,29 @@
   waiting retrieve_future answers at once): the message is '<job id> <record>' when the record is at
   most ARGV[6] bytes (the waiter answers from it, without reading it back), else the job id alone.
 
-  KEYS[1] the op's outcome record
+  When a waiter in the agent's own process has already answered from this record (an early signal,
+  queues/completions.ts), its read-once expiry is applied here, whichever record stands: KEYS[2..]
+  then leave Redis within ARGV[7] ms (PEXPIRE LT, as api/futures.ts does after a read).
+
+  KEYS[1] the op's outcome record   KEYS[2..] the keys of a read-once expiry (none: no expiry)
   ARGV[1] the final record (JSON)   ARGV[2] ttl s
   ARGV[3] the claim token that may finish; '' = the reaper, which may finish any running or absent record
   ARGV[4] the outcomes channel      ARGV[5] the job id
   ARGV[6] the largest record sent in the message, in bytes
+  ARGV[7] the read-once expiry, ms (with KEYS[2..])
 
   Returns false when recorded, else the record that stands.
 ]]
+local function expireRead()
+  for i = 2, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[7], 'LT') end
+end
 local v = redis.call('GET', KEYS[1])
 if v then
   local o = cjson.decode(v)
-  if o.state ~= 'running' then return v end
-  if ARGV[3] ~= '' and o.token ~= ARGV[3] then return v end
+  if o.state ~= 'running' or (ARGV[3] ~= '' and o.token ~= ARGV[3]) then
+    expireRead()
+    return v
+  end
 end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 if #ARGV[1] <= tonumber(ARGV[6]) then
@@ -24,4 +34,5 @@ if #ARGV[1] <= tonumber(ARGV[6]) then
 else
   redis.call('PUBLISH', ARGV[4], ARGV[5])
 end
+expireRead()
 return false
