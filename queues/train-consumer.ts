@@ -49,7 +49,7 @@ export function localTrainConsumer(queuePrefix: string): TrainConsumer | undefin
 export type TrainVerdict = { state: 'done' } | { state: 'failed'; reason: string } | { state: 'requeue' };
 
 export type TrainConsumerOptions = {
-  /** Jobs held at once: the one running and those taken ahead of it. */
+  /** Jobs held at once: the one running and those taken ahead of it (a job whose processing returned, ending in its queue, is not counted). */
   concurrency: number;
   /** The job lock's duration; it is renewed every half of it while the job is held. */
   lockMs: number;
@@ -93,6 +93,8 @@ export class TrainConsumer {
   private closing = false;
   private loopDone: Promise<void> = Promise.resolve();
   private slotFreed: (() => void) | null = null;
+  /** Jobs taken whose processing has not returned (one going back to its queue counts until it is back). */
+  private processing = 0;
   /** A take of this consumer's (its own, or a hand-off's) is in flight. */
   private taking = false;
   private handing: Promise<void> | null = null;
@@ -142,7 +144,7 @@ export class TrainConsumer {
     let more = true; // at start, look before blocking
     let backoffMs = 0;
     while (!this.closing) {
-      if (this.held.size >= this.o.concurrency) {
+      if (this.processing >= this.o.concurrency) {
         await new Promise<void>((r) => (this.slotFreed = r));
         this.slotFreed = null;
         continue;
@@ -185,13 +187,13 @@ export class TrainConsumer {
   }
 
   /**
-   * The take of a submit in this process (null while a take is in flight, with jobs held to the
-   * concurrency, or closing): the arguments for queues/lua/gate-submit.lua, and `settle`, which the
+   * The take of a submit in this process (null while a take is in flight, with jobs processing to
+   * the concurrency, or closing): the arguments for queues/lua/gate-submit.lua, and `settle`, which the
    * gate must call once whatever the script did. Until then the consumer's own takes wait, so jobs
    * run in the order Redis gave them out, whichever take took them.
    */
   handOff(): HandOff | null {
-    if (this.closing || this.taking || this.handing || this.held.size >= this.o.concurrency) return null;
+    if (this.closing || this.taking || this.handing || this.processing >= this.o.concurrency) return null;
     let done!: () => void;
     this.handing = new Promise<void>((r) => (done = r));
     const claim = this.o.claimAtTake();
@@ -246,6 +248,14 @@ export class TrainConsumer {
   /** Processes one job and ends it as the processor says; never throws. */
   private run(makeJob: () => Job, taken: TakenTrainJob): void {
     this.held.set(taken.id, { job: makeJob });
+    this.processing++;
+    let counted = true;
+    const uncount = () => {
+      if (!counted) return;
+      counted = false;
+      this.processing--;
+      this.slotFreed?.();
+    };
     void (async () => {
       let verdict: TrainVerdict;
       try {
@@ -253,10 +263,10 @@ export class TrainConsumer {
       } catch (e) {
         verdict = { state: 'failed', reason: e instanceof Error ? e.message : String(e) };
       }
+      // Ran: the next job may be taken while this one ends in its queue. One going back waits until
+      // it is back at the head, so the queue's order holds.
+      if (verdict.state !== 'requeue') uncount();
       try {
-        // After this turn of the event loop: an API in this process answers the op's future first
-        // (its outcome, not this, is what the future reads).
-        await new Promise((r) => setImmediate(r));
         const job = makeJob();
         if (verdict.state === 'done') await job.moveToCompleted(null, this.lockToken, false);
         else if (verdict.state === 'failed') await job.moveToFailed(Object.assign(new Error(verdict.reason), { name: 'UnrecoverableError' }), this.lockToken, false);
@@ -266,7 +276,7 @@ export class TrainConsumer {
         this.o.log.warn('training job not ended in its queue', { queue: this.name, jobId: taken.id, op: taken.op, verdict: verdict.state, error: String(e) });
       } finally {
         this.held.delete(taken.id);
-        this.slotFreed?.();
+        uncount();
         if (this.closing && this.held.size === 0) this.drained?.();
       }
     })();

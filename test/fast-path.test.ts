@@ -269,6 +269,16 @@ describe('fast path: a training op answered from its completion signal', () => {
       return orig.call(this, c as never);
     } as typeof redis.sendCommand;
     let first: string;
+    // The record is sent only once the answer is out (the answer is written in the promise jobs the hand-over queued).
+    let answered = false;
+    let sentAfterAnswer: boolean | undefined;
+    void answer.then(() => (answered = true));
+    const agentSide = other as Redis & { sendCommand: (c: { name: string; args: unknown[] }) => unknown };
+    const sendOther = agentSide.sendCommand;
+    agentSide.sendCommand = function (this: Redis, c: { name: string; args: unknown[] }) {
+      if (c.name === 'evalsha' && sentAfterAnswer === undefined) sentAfterAnswer = answered;
+      return sendOther.call(this, c as never);
+    } as typeof agentSide.sendCommand;
     try {
       // The agent's finish (early: it has the result in hand), on a connection of its own.
       const recorded = new Outcomes(other, names, 3_600).finish(jobId, '', { state: 'done', op: 'optim_step', agent_id: 'agent-fastpath', result: { metrics: { early: 1 } } }, true);
@@ -278,8 +288,10 @@ describe('fast path: a training op answered from its completion signal', () => {
       await new Promise((r) => setTimeout(r, 50));
     } finally {
       redis.sendCommand = orig;
+      agentSide.sendCommand = sendOther;
     }
     expect(first).to.equal('answered');
+    expect(sentAfterAnswer).to.equal(true);
     // Recorded whole, and read once: the record, its job and its owner leave within the read TTL,
     // set by the record's own script (the API sent no expiry of its own).
     expect(JSON.parse((await other.get(names.outcome(jobId)))!)).to.deep.include({ state: 'done', result: { metrics: { early: 1 } } });
