@@ -143,6 +143,11 @@ async function run(base: string, redis: Redis, prefix: string, clients: number, 
   const ops = per.flat();
   await engineTimes(redis, prefix, ops);
   const oh = overheads(ops);
+  if (process.env.GAPS) {
+    const bs = [...ops].sort((a, b) => a.engine![0] - b.engine![0]);
+    const gaps = bs.slice(1).map((o, i) => o.engine![0] - bs[i]!.engine![1]);
+    console.error(`GAPS clients=${clients} p50 ${pct(gaps, 0.5).toFixed(2)} p90 ${pct(gaps, 0.9).toFixed(2)} mean ${(gaps.reduce((a, b) => a + b, 0) / gaps.length).toFixed(2)} engine p50 ${pct(ops.map((o) => o.engine![1] - o.engine![0]), 0.5).toFixed(2)}`);
+  }
   return {
     clients,
     ops: ops.length,

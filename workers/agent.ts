@@ -79,8 +79,12 @@ export class Agent {
   private resolveStopped!: () => void;
   /** Resolves when the agent has stopped (a drain asked through Redis ends the process's agent too). */
   readonly stopped = new Promise<void>((r) => (this.resolveStopped = r));
-  /** Resolves when the engine is free for the next training op (see runTrain). */
-  private trainTurn: Promise<void> = Promise.resolve();
+  /**
+   * The engine's turn of the last training op taken (see runTrain): `done` resolves when the engine
+   * is free for the next one; `nextStarted` is set by the op waiting on it and resolves once that op
+   * has its engine call under way, or ended without one.
+   */
+  private trainTurn: { done: Promise<void>; nextStarted?: Promise<void> } = { done: Promise.resolve() };
   /** Training ops taken and not yet past the engine: none means the next one taken starts at once. */
   private trainAhead = 0;
   /** Models whose adapters live in the current engine process. */
@@ -352,6 +356,8 @@ export class Agent {
     const op = job.op;
     const parsed = TrainJob.safeParse(job.data);
     const before = this.trainTurn;
+    let started!: () => void;
+    before.nextStarted = new Promise<void>((r) => (started = r));
     let endTurn!: () => void;
     this.trainAhead++;
     let turnEnded = false;
@@ -362,9 +368,17 @@ export class Agent {
       }
       resolve();
     }));
-    this.trainTurn = turn;
+    const mine: { done: Promise<void>; nextStarted?: Promise<void> } = { done: turn };
+    this.trainTurn = mine;
+    // The engine is free: an op waiting on this one goes first (its claim's round trip, then its
+    // engine call), then this one's outcome is answered and recorded, which would otherwise hold up
+    // that round trip's reply in this process and keep the engine idle.
+    const handOn = async () => {
+      endTurn();
+      if (mine.nextStarted) await mine.nextStarted;
+    };
     try {
-      await before;
+      await before.done;
       const token = job.token;
       if (this.draining || this.stopping) {
         // Taken ahead but not started: back to the head of the queue, for whoever runs the model next.
@@ -378,15 +392,19 @@ export class Agent {
       let result: unknown;
       let engine: [number, number];
       try {
+        // An engine restarting takes seconds: the op before this one does not wait for it.
+        if (this.restarting) started();
         await this.ensureEngine();
         epoch = this.engineEpoch;
         if (!parsed.success) throw parsed.error;
         const t0 = performance.timeOrigin + performance.now();
-        result = await this.timed(op, this.trainOp(parsed.data));
+        const call = this.trainOp(parsed.data);
+        // Once the promise jobs that carry the call to the engine have run.
+        process.nextTick(started);
+        result = await this.timed(op, call);
         engine = [t0, performance.timeOrigin + performance.now()];
       } catch (err) {
-        // The engine is free: the next op starts while this outcome is recorded.
-        endTurn();
+        await handOn();
         let f = this.failure(op, err);
         if (err instanceof OpTimeout || (epoch >= 0 && epoch !== this.engineEpoch))
           f = failure('OUTCOME_UNKNOWN', outcomeUnknownMessage(op, err instanceof OpTimeout ? err.message : `the engine process died while running it: ${f.message}`));
@@ -394,7 +412,7 @@ export class Agent {
         this.meter(job, parsed.data, start, f.category === 'user' ? 'user_error' : 'server_error');
         return await this.standing(jobId, op, stood);
       }
-      endTurn();
+      await handOn();
       // Early: an API in this process answers the op's future from this result, then it is recorded (queues/outcomes.ts).
       const stood = await this.outcomes.finish(jobId, token, { state: 'done', op, agent_id: this.config.agentId, result, engine }, true);
       // An op finished after the reaper gave up on this agent keeps the reaper's verdict in Redis (the 'job failed' line says so).
@@ -403,6 +421,7 @@ export class Agent {
       return await this.standing(jobId, op, stood);
     } finally {
       endTurn();
+      started();
     }
   }
 
