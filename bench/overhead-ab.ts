@@ -17,7 +17,7 @@ const bench = path.resolve('bench/overhead.ts');
 
 type Out = {
   one: { p50: number; p99: number };
-  many: { p50: number; p99: number };
+  many: { p50: number; p99: number; gapP50: number };
   sdk: { sdk_p50_ms: number; plain_healthz_p50_ms: number; plain_404_p50_ms: number; ratio_healthz: number; ratio_404: number };
   load: number;
 };
@@ -42,6 +42,7 @@ const rows: [string, (o: Out) => number][] = [
   ['1 client overhead p99 (ms)', (o) => o.one.p99],
   ['64 clients overhead p50 (ms)', (o) => o.many.p50],
   ['64 clients overhead p99 (ms)', (o) => o.many.p99],
+  ['64 clients engine idle gap p50 (ms)', (o) => o.many.gapP50],
   ['SDK optim_step p50 (ms)', (o) => o.sdk.sdk_p50_ms],
   ['SDK optim_step / two healthz', (o) => o.sdk.ratio_healthz],
   ['SDK optim_step / two 404s', (o) => o.sdk.ratio_404],
@@ -50,5 +51,5 @@ console.log(`\nmedians of ${rounds} rounds (A = ${dirA}, B = ${dirB}); load aver
 for (const [name, get] of rows) {
   const a = med(runs.A.map(get));
   const b = med(runs.B.map(get));
-  console.log(`${name.padEnd(32)} A ${a.toFixed(2).padStart(8)}  B ${b.toFixed(2).padStart(8)}  B/A ${(b / a).toFixed(2)}`);
+  console.log(`${name.padEnd(36)} A ${a.toFixed(2).padStart(8)}  B ${b.toFixed(2).padStart(8)}  B/A ${(b / a).toFixed(2)}`);
 }

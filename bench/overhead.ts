@@ -30,7 +30,8 @@ import { BENCH_ADAM, benchBatch, post, result, runBench } from './client.js';
  * plain HTTP round trips to the same server (`GET /api/v1/healthz`, and a 404), interleaved in one
  * Python process (bench/sdk_optim_step.py).
  *
- * Each run also prints where an op's time goes, stage by stage (see stages()).
+ * Each run also prints where an op's time goes, stage by stage (see stages()), and, with many
+ * clients, the engine's idle time between one op's end and the next op's start.
  *
  *   node --import tsx bench/overhead.ts [opsPerClient1=200] [opsPerClient64=8] [sdkSteps=100] [--json]
  */
@@ -110,12 +111,13 @@ const pct = (xs: number[], p: number) => {
 
 /**
  * Where one op's time goes, p50 of each stage (ms; BullMQ stamps are whole milliseconds):
- * submit (client start → job added: HTTP, API, gate), pickup (added → the agent's worker took it),
- * before (taken → engine start: the agent's claim and checks), engine, after (engine end → job
- * finished: the agent's outcome record and, when the API shares the agent's process, the answer
- * too, which is written before the BullMQ job is ended), reply (finished → the client has the
- * result: with the API in another process the signal, retrieve_future and HTTP; in the same
- * process only the answer's way to the client, and it can be negative).
+ * submit (client start → job added: HTTP, API, up to the gate's script), pickup (added → the agent
+ * took it: 0 when the submit's script took it for the agent in the API's process, whose time stamps
+ * are both the submit's), before (taken → engine start: the take's or the submit script's round
+ * trip, the agent's claim and checks), engine, after (engine end → job finished: with the API in the
+ * agent's process the answer, then the outcome record, then the BullMQ end), reply (finished → the
+ * client has the result: with the API in another process the signal, retrieve_future and HTTP; in
+ * the same process the answer went out before the job finished, so it is near 0 or negative).
  */
 function stages(ops: Op[]): Record<string, number> | null {
   const timed = ops.filter((o) => o.job && o.engine);
@@ -131,7 +133,7 @@ function stages(ops: Op[]): Record<string, number> | null {
   };
 }
 
-type Figures = { clients: number; ops: number; p50: number; p99: number; engineP50: number; clientP50: number; stages: Record<string, number> | null };
+type Figures = { clients: number; ops: number; p50: number; p99: number; engineP50: number; clientP50: number; gapP50: number; gapP90: number; stages: Record<string, number> | null };
 
 async function run(base: string, redis: Redis, prefix: string, clients: number, n: number): Promise<Figures> {
   const session = (await post(base, '/create_session', { tags: [], user_metadata: {}, sdk_version: '0.38.0', type: 'create_session' })).session_id;
@@ -143,11 +145,9 @@ async function run(base: string, redis: Redis, prefix: string, clients: number, 
   const ops = per.flat();
   await engineTimes(redis, prefix, ops);
   const oh = overheads(ops);
-  if (process.env.GAPS) {
-    const bs = [...ops].sort((a, b) => a.engine![0] - b.engine![0]);
-    const gaps = bs.slice(1).map((o, i) => o.engine![0] - bs[i]!.engine![1]);
-    console.error(`GAPS clients=${clients} p50 ${pct(gaps, 0.5).toFixed(2)} p90 ${pct(gaps, 0.9).toFixed(2)} mean ${(gaps.reduce((a, b) => a + b, 0) / gaps.length).toFixed(2)} engine p50 ${pct(ops.map((o) => o.engine![1] - o.engine![0]), 0.5).toFixed(2)}`);
-  }
+  // The engine's idle time between one op and the next (with many clients: the broker's share of each hand-over).
+  const byStart = [...ops].sort((a, b) => a.engine![0] - b.engine![0]);
+  const gaps = byStart.slice(1).map((o, i) => o.engine![0] - byStart[i]!.engine![1]);
   return {
     clients,
     ops: ops.length,
@@ -155,6 +155,8 @@ async function run(base: string, redis: Redis, prefix: string, clients: number, 
     p99: pct(oh, 0.99),
     engineP50: pct(ops.map((o) => o.engine![1] - o.engine![0]), 0.5),
     clientP50: pct(ops.map((o) => o.end - o.start), 0.5),
+    gapP50: pct(gaps, 0.5),
+    gapP90: pct(gaps, 0.9),
     stages: stages(ops),
   };
 }
@@ -179,6 +181,7 @@ async function main(): Promise<void> {
         `${r.clients} client(s), ${r.ops} ops: broker overhead p50 ${f(r.p50)} ms, p99 ${f(r.p99)} ms (client-observed p50 ${f(r.clientP50)} ms, engine p50 ${f(r.engineP50)} ms)`,
       );
       if (r.stages) console.log(`  stages p50 (ms): ${Object.entries(r.stages).map(([k, v]) => `${k} ${f(v)}`).join(', ')}`);
+      if (r.clients > 1) console.log(`  engine idle between consecutive ops (ms): p50 ${f(r.gapP50)}, p90 ${f(r.gapP90)}`);
     }
     console.log(
       `SDK optim_step p50 ${f(sdk.sdk_p50_ms)} ms; two plain round trips p50: ${f(sdk.plain_healthz_p50_ms)} ms (healthz), ${f(sdk.plain_404_p50_ms)} ms (404); ratio ${f(sdk.ratio_healthz)}x / ${f(sdk.ratio_404)}x`,
