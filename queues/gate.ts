@@ -22,6 +22,8 @@ import { localTrainConsumer, type HandedJob, type HandOff } from './train-consum
  *   future's owner and the model's last request. A repeated `(model_id, seq_id)` gets the same future.
  * - the job is parsed against the job schema before the script runs: a job the agent cannot parse
  *   never reaches the gate, so it can never hold a model's later ops back.
+ * - when the queue's consumer runs in this process (`tinker-broker start`), the same script takes
+ *   the queue's next job for it, and the consumer is handed it here, parsed (`handOff`).
  *
  * The state is bounded: seq_ids past `window` ahead of the next are refused; a digest of each
  * admitted payload is kept for `window` seq_ids back, so a replay with another payload is refused;
@@ -146,7 +148,8 @@ export class OrderingGate {
     extras: SubmitExtras,
   ): Promise<AdmitOutcome> {
     const now = Date.now();
-    // The queue's agent idle in this process: the script takes the job for it, handed over here.
+    // The queue's agent in this process: the script takes the next job for it, handed over here
+    // (queues/train-consumer.ts TrainConsumer.handOff; none while its own take is in flight).
     const handOff = op ? (localTrainConsumer(`${this.names.bull}:${op.queue}:`)?.handOff() ?? null) : null;
     let handed: HandedJob | null = null;
     let r: number | [number, string];

@@ -25,7 +25,7 @@ export type TakenTrainJob = {
 };
 
 /**
- * What a gate in this process needs to take a job for an idle consumer (TrainConsumer.handOff): the
+ * What a gate in this process needs to take a job for the consumer (TrainConsumer.handOff): the
  * take's arguments for queues/lua/gate-submit.lua, and `settle`, which the gate calls exactly once with
  * the script's take (or null: nothing taken, or the script failed).
  */
@@ -58,7 +58,7 @@ export type TrainConsumerOptions = {
   tokenPrefix: string;
   /** Whether the next job taken would start at once (its outcome is then claimed in the same script). */
   claimAtTake: () => boolean;
-  /** Whether a gate in this process may take jobs for it while it is idle (handOff). @defaultValue true */
+  /** Whether a gate in this process may take jobs for it (handOff). @defaultValue true */
   handOff?: boolean;
   process: (job: TakenTrainJob) => Promise<TrainVerdict>;
   log: Logger;
