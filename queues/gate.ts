@@ -152,15 +152,17 @@ export class OrderingGate {
     // (queues/train-consumer.ts TrainConsumer.handOff; none while its own take is in flight).
     const handOff = op ? (localTrainConsumer(`${this.names.bull}:${op.queue}:`)?.handOff() ?? null) : null;
     let handed: HandedJob | null = null;
+    let answered = false;
     let r: number | [number, string];
     try {
       r = await this.admitScript(modelId, seqId, jobId, op, extras, now, handOff);
+      answered = true;
       if (Array.isArray(r) && r[0] === 1) {
         handed = r.slice(1) as unknown as HandedJob;
         r = 1;
       }
     } finally {
-      handOff?.settle(handed, { id: jobId, data: op?.parsed, at: now });
+      handOff?.settle(handed, { id: jobId, data: op?.parsed, at: now }, !answered);
     }
     if (Array.isArray(r)) throw new ModelLost(r[1]);
     if (r === -7) throw new ModelGone(`model ${modelId} has no record`);

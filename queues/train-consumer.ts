@@ -31,7 +31,7 @@ export type TakenTrainJob = {
  */
 export type HandOff = {
   args: (string | number)[];
-  settle: (taken: HandedJob | null, submitted: { id: string; data: unknown; at: number }) => void;
+  settle: (taken: HandedJob | null, submitted: { id: string; data: unknown; at: number }, failed: boolean) => void;
 };
 
 /** The take a submit made (queues/lua/gate-submit.lua's answer after its admit code). */
@@ -98,6 +98,10 @@ export class TrainConsumer {
   /** A take of this consumer's (its own, or a hand-off's) is in flight. */
   private taking = false;
   private handing: Promise<void> | null = null;
+  /** A take failed without an answer: it may have left a job active under this consumer's lock (recover). */
+  private orphans = false;
+  /** Jobs processed here whose BullMQ end failed: active under this lock, and never to be run again. */
+  private readonly unended = new Set<string>();
   private drained: (() => void) | null = null;
   private lockTimer: NodeJS.Timeout | undefined;
   private readonly keys: { wait: string; active: string; events: string; marker: string; prefix: string };
@@ -154,6 +158,7 @@ export class TrainConsumer {
         // A hand-off's take went to Redis first: its job runs first.
         while (this.handing) await this.handing;
         if (this.closing) break;
+        if (this.orphans) await this.recover();
         this.taking = true;
         const t = await this.take().finally(() => (this.taking = false));
         backoffMs = 0;
@@ -162,6 +167,7 @@ export class TrainConsumer {
       } catch (e) {
         if (this.closing) break;
         more = true;
+        this.orphans = true;
         backoffMs = Math.min(1_000, backoffMs * 2 || 50);
         this.o.log.debug('training queue: take failed (Redis unreachable?)', { queue: this.name, error: String(e) });
         await new Promise((r) => setTimeout(r, backoffMs));
@@ -193,14 +199,25 @@ export class TrainConsumer {
    * run in the order Redis gave them out, whichever take took them.
    */
   handOff(): HandOff | null {
-    if (this.closing || this.taking || this.handing || this.processing >= this.o.concurrency) return null;
+    if (this.closing || this.taking || this.handing || this.orphans || this.processing >= this.o.concurrency) return null;
     let done!: () => void;
     this.handing = new Promise<void>((r) => (done = r));
     const claim = this.o.claimAtTake();
     const [outcomeBefore, outcomeAfter] = this.names.outcomeParts();
     return {
       args: ['1', this.lockToken, this.o.lockMs, claim ? '1' : '0', outcomeBefore, outcomeAfter, this.o.agentId, this.o.tokenPrefix, this.outcomes.ttlS],
-      settle: (handed, submitted) => {
+      settle: (handed, submitted, failed) => {
+        if (failed) {
+          // The script may have taken a job: find it before anything else is taken.
+          this.orphans = true;
+          void this.recover()
+            .catch((e) => this.o.log.debug('training queue: recovery after a lost answer failed; retried before the next take', { queue: this.name, error: String(e) }))
+            .finally(() => {
+              this.handing = null;
+              done();
+            });
+          return;
+        }
         try {
           // Run even when closing: the processor puts a job it will not start back (close waits for it).
           if (!handed) return;
@@ -216,6 +233,29 @@ export class TrainConsumer {
         }
       },
     };
+  }
+
+  /**
+   * After a take whose answer was lost (the consumer's own, or a submit's for it): a take that ran in
+   * Redis left its job active under this consumer's lock, and nothing here holds it. Runs such jobs
+   * first, oldest first, with their claim as the take left it; then takes may go on.
+   */
+  private async recover(): Promise<void> {
+    // A take puts its job at the head of the active list: the oldest is last.
+    const ids = (await this.redis.lrange(this.keys.active, 0, -1)).reverse();
+    for (const id of ids) {
+      if (this.held.has(id) || this.unended.has(id)) continue;
+      const [lock, outcome] = await Promise.all([this.redis.get(`${this.keys.prefix}${id}:lock`), this.redis.get(this.names.outcome(id))]);
+      if (lock !== this.lockToken) continue;
+      const raw = await this.redis.hgetall(`${this.keys.prefix}${id}`);
+      // Claimed by the take (this consumer's token on a running record), by no one, or another record stands.
+      const rec = outcome === null ? null : Outcome.parse(JSON.parse(outcome));
+      const claimed = rec === null ? 0 : rec.state === 'running' && rec.token === `${this.o.tokenPrefix}${id}` ? 1 : 2;
+      this.o.log.warn('training queue: a job taken without its answer reaching this agent runs now', { queue: this.name, jobId: id });
+      const t = this.received(id, 0, claimed, outcome, raw, raw.data === undefined ? undefined : JSON.parse(raw.data), Number(raw.processedOn ?? Date.now()));
+      if (t.job) this.run(t.job, t.taken);
+    }
+    this.orphans = false;
   }
 
   /** A job as a take returned it (`raw`: the job hash's fields; `data`: its payload, parsed). */
@@ -274,6 +314,7 @@ export class TrainConsumer {
       } catch (e) {
         // A lock lost in a long Redis outage: the job stays active; its outcome record is the truth.
         this.o.log.warn('training job not ended in its queue', { queue: this.name, jobId: taken.id, op: taken.op, verdict: verdict.state, error: String(e) });
+        if (verdict.state !== 'requeue') this.unended.add(taken.id);
       } finally {
         this.held.delete(taken.id);
         uncount();

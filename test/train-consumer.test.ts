@@ -209,4 +209,41 @@ describe('training queue consumer', () => {
     expect(seen).to.deep.equal(Array.from({ length: n }, (_, i) => i + 1));
     await until('all completed', async () => (await qs.get(queue).getJobCounts('completed')).completed === n);
   });
+
+  it("runs a job the submit's script took for it when the script's answer was lost, before any later job", async () => {
+    const seen: TakenTrainJob[] = [];
+    const c = consumer(async (j) => {
+      seen.push(j);
+      return { state: 'done' };
+    });
+    await c.start();
+    await submit(1);
+    await until('the first job', () => seen.length === 1);
+    // The next script runs in Redis (it queues the op and takes it for the consumer), and its answer is lost.
+    const evalsha = redis.evalsha.bind(redis);
+    let lose = true;
+    (redis as unknown as { evalsha: unknown }).evalsha = async (...a: Parameters<typeof evalsha>) => {
+      const r = await evalsha(...a);
+      if (lose) {
+        lose = false;
+        throw new Error('Connection is closed.');
+      }
+      return r;
+    };
+    try {
+      let refused = false;
+      await submit(2).catch(() => (refused = true));
+      expect(refused).to.equal(true);
+    } finally {
+      (redis as unknown as { evalsha: unknown }).evalsha = evalsha;
+    }
+    await until('the job taken without its answer', () => seen.length === 2);
+    expect((seen[1]!.data as { seq_id: number }).seq_id).to.equal(2);
+    // Claimed by the script's take: this consumer's own running record, so it runs.
+    expect(seen[1]!.claim).to.deep.equal({ prev: null });
+    await submit(3);
+    await until('the third job', () => seen.length === 3);
+    expect(seen.map((j) => (j.data as { seq_id: number }).seq_id)).to.deep.equal([1, 2, 3]);
+    await until('all completed', async () => (await qs.get(queue).getJobCounts('completed')).completed === 3);
+  });
 });
