@@ -48,6 +48,19 @@ describe('training queue consumer', () => {
     }
   };
 
+  /** A consumer that records the jobs it runs, started, and past seq_id 1 (the first may meet its first look for jobs, which it makes before it blocks). */
+  const pastFirstJob = async () => {
+    const seen: TakenTrainJob[] = [];
+    const c = consumer(async (j) => {
+      seen.push(j);
+      return { state: 'done' };
+    });
+    await c.start();
+    await submit(1);
+    await until('the first job', () => seen.length === 1);
+    return { seen, c };
+  };
+
   beforeEach(async () => {
     prefix = `test-${randomUUID().slice(0, 8)}`;
     redis = new Redis(REDIS_URL, { maxRetriesPerRequest: null });
@@ -151,15 +164,7 @@ describe('training queue consumer', () => {
   });
 
   it("hands a job submitted in its own process to the consumer in the submit's round trip: taken, locked and claimed there", async () => {
-    const seen: TakenTrainJob[] = [];
-    const c = consumer(async (j) => {
-      seen.push(j);
-      return { state: 'done' };
-    });
-    await c.start();
-    // The first may meet the consumer's first take in flight (it looks before it blocks).
-    await submit(1);
-    await until('the first job', () => seen.length === 1);
+    const { seen, c } = await pastFirstJob();
     await submit(2);
     // Handed over before the submit returned: no wake on the marker, no take of the consumer's own.
     expect(seen.map((j) => j.id)).to.deep.equal([jobIds.train(modelId, 1), jobIds.train(modelId, 2)]);
@@ -211,14 +216,7 @@ describe('training queue consumer', () => {
   });
 
   it("runs a job the submit's script took for it when the script's answer was lost, before any later job", async () => {
-    const seen: TakenTrainJob[] = [];
-    const c = consumer(async (j) => {
-      seen.push(j);
-      return { state: 'done' };
-    });
-    await c.start();
-    await submit(1);
-    await until('the first job', () => seen.length === 1);
+    const { seen } = await pastFirstJob();
     // The next script runs in Redis (it queues the op and takes it for the consumer), and its answer is lost.
     const evalsha = redis.evalsha.bind(redis);
     let lose = true;
