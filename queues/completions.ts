@@ -21,8 +21,8 @@ import type { Outcome } from './outcomes.js';
  * recorded it (`signalLocally`); a training op's outcome, by the agent that ran it, just before its
  * record is sent to Redis (`handOverLocally`, queues/outcomes.ts Outcomes.finish with `early`): the
  * waiter answers, then the script records it and applies the read-once expiry the waiter registered
- * (`watch`), so a record read leaves Redis as it would after a read back. The message still goes to Redis for every other API
- * process; a waiter woken twice answers once.
+ * (`watch`), so a record read leaves Redis as it would after a read back. The message still goes to
+ * Redis for every other API process; a waiter woken twice answers once.
  */
 
 /** The keys a future's read leaves Redis by, within `ms` (its read-once expiry, api/futures.ts). */
@@ -74,13 +74,14 @@ export function signalLocally(channel: string, message: string): void {
 
 /**
  * Hands a training op's final record to the waiters of this process on `channel` before it is
- * recorded (queues/outcomes.ts Outcomes.finish, early); returns the read-once expiries of those it
- * woke, for the script that records it to apply.
+ * recorded (queues/outcomes.ts Outcomes.finish, early): how many it woke, and the read-once expiries
+ * they registered, for the script that records it to apply.
  */
-export function handOverLocally(channel: string, jobId: string, record: Outcome): ReadOnceExpiry[] {
-  const taken: ReadOnceExpiry[] = [];
-  for (const c of local.get(channel) ?? []) c.wakeAll(jobId, record, taken);
-  return taken;
+export function handOverLocally(channel: string, jobId: string, record: Outcome): { woken: number; expiries: ReadOnceExpiry[] } {
+  const expiries: ReadOnceExpiry[] = [];
+  let woken = 0;
+  for (const c of local.get(channel) ?? []) woken += c.wakeAll(jobId, record, expiries);
+  return { woken, expiries };
 }
 
 export class Completions {
@@ -99,13 +100,18 @@ export class Completions {
     else this.wakeAll(msg.slice(0, sp), msg.slice(sp + 1));
   }
 
-  /** Wakes the job's waiters; with `expiries` (handOverLocally) each one woken with a record adds its read-once expiry. */
-  wakeAll(jobId: string, record?: string | Outcome, expiries?: ReadOnceExpiry[]): void {
-    for (const w of this.waiters.get(jobId) ?? []) {
+  /**
+   * Wakes the job's waiters and returns how many; with `expiries` (handOverLocally) each one woken
+   * with a record adds its read-once expiry.
+   */
+  wakeAll(jobId: string, record?: string | Outcome, expiries?: ReadOnceExpiry[]): number {
+    const set = this.waiters.get(jobId) ?? new Set();
+    for (const w of set) {
       const taken = expiries !== undefined && record !== undefined && w.expiry !== undefined;
       if (taken) expiries.push(w.expiry!);
       w.wake({ ...(record !== undefined ? { record } : {}), expiryTaken: taken });
     }
+    return set.size;
   }
 
   private subscribe(): Promise<Redis> {

@@ -78,9 +78,9 @@ export class Outcomes {
   /**
    * Records the final outcome unless another one is already final; returns the record that stands.
    * `early` (the agent, with the op's result in hand): this process's waiters are handed the record
-   * first and answer; it is sent once their answers are written,
-   * and the script applies the read-once expiries they registered (queues/completions.ts).
-   * Otherwise they are signalled once it is recorded.
+   * first and answer; it is sent once their answers are written, and the script applies the
+   * read-once expiries they registered (queues/completions.ts). Otherwise they are signalled once it
+   * is recorded.
    */
   async finish(
     jobId: string,
@@ -92,10 +92,10 @@ export class Outcomes {
     const { state, ...rest } = final;
     const rec: Outcome = { state, ...rest, token: token || 'reaper', at: new Date().toISOString() };
     const channel = this.names.outcomesChannel();
-    const expiries = early ? handOverLocally(channel, jobId, rec) : [];
+    const { woken, expiries } = early ? handOverLocally(channel, jobId, rec) : { woken: 0, expiries: [] };
     // After the waiters' answers: they are written in the promise jobs that handing over queued
     // (the HTTP answer is a synchronous socket write), and a tick runs once those have run.
-    if (expiries.length) await new Promise((r) => process.nextTick(r));
+    if (woken) await new Promise((r) => process.nextTick(r));
     const json = JSON.stringify(rec);
     const prev = (await runScript(
       this.redis,

@@ -21,7 +21,7 @@
   ARGV[20] now (ISO time, the model's last request)            ARGV[21] '1': refuse when the agent is not alive
   ARGV[22] the model's lifetime ms (its record and gate live at least this long after each op; never shortened)
   ARGV[23] '1': check the model's record (the caller used a copy read earlier): refuse when it is gone or lost
-  ARGV[24] '1': the queue's agent runs in the caller's process and is idle: when the op is released,
+  ARGV[24] '1': the queue's agent runs in the caller's process and no take of its own is in flight: when the op is released,
            take the queue's next job for it (queues/lua/train-take-lib.lua) and return it, to be handed
            over in memory (queues/train-consumer.ts TrainConsumer.handOff); then
   ARGV[25] the lock token    ARGV[26] the lock's duration, ms    ARGV[27] '1' = claim the outcome

@@ -9,7 +9,7 @@
   moveToFinished ends the job.
 
   Used by queues/lua/train-take.lua (the agent's take) and queues/lua/gate-submit.lua (the take a
-  submit makes for an idle agent in the API's own process, which is then handed the job in memory).
+  submit makes for the agent in the API's own process, which is then handed the job in memory).
 
   `T` = { q (the queue's key prefix, `<prefix>-bull:train-<agent>:`), now (ms), lockToken, lockMs,
   claim ('1' = claim the outcome), outcomeBefore, outcomeAfter (the outcome key's text around the job
