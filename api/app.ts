@@ -27,6 +27,7 @@ import { ADMIN_PATH, adminRoutes } from './admin.js';
 import { metricsHandler } from './metrics.js';
 import { openApiDocument } from './openapi.js';
 import { forwardBackwardBody } from './train-body.js';
+import { jsonBody, sendJson } from './json-body.js';
 
 const VERSION: string = JSON.parse(readFileSync(new URL('../package.json', import.meta.url), 'utf8')).version;
 
@@ -109,12 +110,12 @@ export function buildApp(config: ApiConfig): BuiltApp {
     res.locals.log = logger.child({ requestId });
     let future: string | undefined;
     let modelId: string | undefined;
-    const json = res.json.bind(res);
+    // Every JSON answer is written by sendJson (api/json-body.ts), in place of Express's res.json.
     res.json = (body: unknown) => {
       const b = body as { request_id?: unknown; model_id?: unknown } | null;
       if (b && typeof b.request_id === 'string') future = b.request_id;
       if (b && typeof b.model_id === 'string') modelId = b.model_id;
-      return json(body);
+      return sendJson(req, res, body);
     };
     res.on('finish', () => {
       if (req.path === '/api/v1/retrieve_future' && res.statusCode < 400) return;
@@ -139,7 +140,7 @@ export function buildApp(config: ApiConfig): BuiltApp {
   // forward_backward's protobuf body is read here, watched while it arrives: a datum past every
   // served model's bounds is refused after its first bytes, not after buffering the whole body.
   v1.post('/forward_backward', forwardBackwardBody(ctx));
-  v1.use(express.json({ limit: '64mb', type: ['application/json', 'text/json'] }));
+  v1.use(jsonBody(64 * 2 ** 20));
   v1.use(serviceRoutes(ctx));
   v1.use(sessionRoutes(ctx));
   v1.use(modelRoutes(ctx));

@@ -5,8 +5,9 @@ import type { Logger } from './logger.js';
 import type { Names } from './names.js';
 import { Outcome, type Outcomes } from './outcomes.js';
 import { runScript } from './scripts.js';
+import type { TrainJob } from './schemas.js';
 
-/** A training job as its agent takes it: the payload is unparsed (it crossed Redis; the agent parses it). */
+/** A training job as its agent takes it: the payload is unparsed (it crossed Redis; the agent parses it) unless `parsed`. */
 export type TakenTrainJob = {
   id: string;
   /** The op (the BullMQ job's name). */
@@ -22,6 +23,8 @@ export type TakenTrainJob = {
   claim: { prev: Outcome | null } | null;
   /** The claim token of this job for this consumer (`<tokenPrefix><job id>`). */
   token: string;
+  /** `data` is the TrainJob the gate in this process parsed before admitting it (a submit's own op, handed over): not parsed again. */
+  parsed?: true;
 };
 
 /**
@@ -31,7 +34,8 @@ export type TakenTrainJob = {
  */
 export type HandOff = {
   args: (string | number)[];
-  settle: (taken: HandedJob | null, submitted: { id: string; data: unknown; at: number }, failed: boolean) => void;
+  /** `submitted`: the op the submit queued, its job as the gate parsed it. */
+  settle: (taken: HandedJob | null, submitted: { id: string; data: TrainJob | undefined; at: number }, failed: boolean) => void;
 };
 
 /** The take a submit made (queues/lua/gate-submit.lua's answer after its admit code). */
@@ -226,6 +230,7 @@ export class TrainConsumer {
           if (claimed !== -1) ['name', 'opts', 'timestamp', 'ats', 'atm'].forEach((k, i) => f[i] != null && (raw[k] = f[i]!));
           const data = id === submitted.id ? submitted.data : f[5] == null ? undefined : JSON.parse(f[5]);
           const t = this.received(id, more, Math.max(claimed, 0), prev, raw, data, submitted.at);
+          if (id === submitted.id && submitted.data !== undefined) t.taken.parsed = true;
           if (t.job) this.run(t.job, t.taken);
         } finally {
           this.handing = null;
