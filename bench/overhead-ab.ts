@@ -17,6 +17,8 @@ const bench = path.resolve('bench/overhead.ts');
 
 type Out = {
   one: { p50: number; p99: number };
+  /** The same hops without the broker (bench/floor.ts): the same code in A and B, so B/A shows the run's noise. */
+  floor: { p50: number };
   many: { p50: number; p99: number; gapP50: number };
   sdk: { sdk_p50_ms: number; plain_healthz_p50_ms: number; plain_404_p50_ms: number; ratio_healthz: number; ratio_404: number };
   load: number;
@@ -40,6 +42,7 @@ const med = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length
 const rows: [string, (o: Out) => number][] = [
   ['1 client overhead p50 (ms)', (o) => o.one.p50],
   ['1 client overhead p99 (ms)', (o) => o.one.p99],
+  ['1 client floor p50 (ms, control)', (o) => o.floor.p50],
   ['64 clients overhead p50 (ms)', (o) => o.many.p50],
   ['64 clients overhead p99 (ms)', (o) => o.many.p99],
   ['64 clients engine idle gap p50 (ms)', (o) => o.many.gapP50],

@@ -7,6 +7,7 @@ import { E2EServer } from '../test/e2e/server.js';
 import { REDIS_URL } from '../test/helpers/stack.js';
 import { encodeForwardBackward } from '../test/helpers/wire.js';
 import { BENCH_ADAM, benchBatch, post, result, runBench } from './client.js';
+import { floorOverheads } from './floor.js';
 
 /**
  * Broker overhead per training op, against the server as a user starts it (`tinker-broker start`:
@@ -31,7 +32,9 @@ import { BENCH_ADAM, benchBatch, post, result, runBench } from './client.js';
  * Python process (bench/sdk_optim_step.py).
  *
  * Each run also prints where an op's time goes, stage by stage (see stages()), and, with many
- * clients, the engine's idle time between one op's end and the next op's start.
+ * clients, the engine's idle time between one op's end and the next op's start. After the 1-client
+ * run, the floor under it: the same hops (HTTP, one Redis round trip, a pipe to an engine busy as
+ * long as that run's ops) with nothing of the broker in them (bench/floor.ts).
  *
  *   node --import tsx bench/overhead.ts [opsPerClient1=200] [opsPerClient64=8] [sdkSteps=100] [--json]
  */
@@ -48,7 +51,7 @@ const adam = BENCH_ADAM;
 const now = () => performance.timeOrigin + performance.now();
 
 
-type Op = { requestId: string; start: number; end: number; engine?: [number, number]; job?: { added: number; processed: number; finished: number } };
+type Op = { kind: 'fb' | 'os'; requestId: string; start: number; end: number; engine?: [number, number]; job?: { added: number; processed: number; finished: number } };
 
 async function createModel(base: string, session: string, i: number): Promise<string> {
   const cm = await post(base, '/create_model', { session_id: session, model_seq_id: i, base_model: TINY_MODEL_ALIAS, lora_config: { rank: 8, seed: i } });
@@ -65,7 +68,7 @@ async function client(base: string, modelId: string, from: number, n: number): P
         ? await post(base, '/forward_backward', undefined, encodeForwardBackward({ modelId, seqId: seq, data: batch }))
         : await post(base, '/optim_step', { model_id: modelId, seq_id: seq, adam_params: adam });
     await result(base, sub.request_id);
-    out.push({ requestId: sub.request_id, start, end: now() });
+    out.push({ kind: seq % 2 === 1 ? 'fb' : 'os', requestId: sub.request_id, start, end: now() });
   }
   return out;
 }
@@ -115,9 +118,10 @@ const pct = (xs: number[], p: number) => {
  * took it: 0 when the submit's script took it for the agent in the API's process, whose time stamps
  * are both the submit's), before (taken → engine start: the take's or the submit script's round
  * trip, the agent's claim and checks), engine, after (engine end → job finished: with the API in the
- * agent's process the answer, then the outcome record, then the BullMQ end), reply (finished → the
- * client has the result: with the API in another process the signal, retrieve_future and HTTP; in
- * the same process the answer went out before the job finished, so it is near 0 or negative).
+ * agent's process the answer, then the outcome record once the client's next op is on the engine,
+ * then the BullMQ end), reply (finished → the client has the result: with the API in another process
+ * the signal, retrieve_future and HTTP; in the same process the answer went out before the job
+ * finished, so it is negative: by about the time the client's next op takes to reach the engine).
  */
 function stages(ops: Op[]): Record<string, number> | null {
   const timed = ops.filter((o) => o.job && o.engine);
@@ -133,7 +137,7 @@ function stages(ops: Op[]): Record<string, number> | null {
   };
 }
 
-type Figures = { clients: number; ops: number; p50: number; p99: number; engineP50: number; clientP50: number; gapP50: number; gapP90: number; stages: Record<string, number> | null };
+type Figures = { clients: number; ops: number; p50: number; p99: number; engineP50: number; engineFbP50: number; engineOsP50: number; clientP50: number; gapP50: number; gapP90: number; stages: Record<string, number> | null };
 
 async function run(base: string, redis: Redis, prefix: string, clients: number, n: number): Promise<Figures> {
   const session = (await post(base, '/create_session', { tags: [], user_metadata: {}, sdk_version: '0.38.0', type: 'create_session' })).session_id;
@@ -154,6 +158,8 @@ async function run(base: string, redis: Redis, prefix: string, clients: number, 
     p50: pct(oh, 0.5),
     p99: pct(oh, 0.99),
     engineP50: pct(ops.map((o) => o.engine![1] - o.engine![0]), 0.5),
+    engineFbP50: pct(ops.filter((o) => o.kind === 'fb').map((o) => o.engine![1] - o.engine![0]), 0.5),
+    engineOsP50: pct(ops.filter((o) => o.kind === 'os').map((o) => o.engine![1] - o.engine![0]), 0.5),
     clientP50: pct(ops.map((o) => o.end - o.start), 0.5),
     gapP50: pct(gaps, 0.5),
     gapP90: pct(gaps, 0.9),
@@ -167,10 +173,13 @@ async function main(): Promise<void> {
   try {
     await server.start();
     const one = await run(server.baseUrl, redis, server.prefix, 1, ops1);
+    // The same hops without the broker, its engine busy as long as this run's ops were (bench/floor.ts).
+    const fl = await floorOverheads(ops1, one.engineFbP50, one.engineOsP50);
+    const floor = { p50: pct(fl, 0.5), p99: pct(fl, 0.99), engineMs: [one.engineFbP50, one.engineOsP50] };
     const many = await run(server.baseUrl, redis, server.prefix, 64, ops64);
     const sdk = server.runPython([fileURLToPath(new URL('./sdk_optim_step.py', import.meta.url)), TINY_MODEL_ALIAS, String(sdkSteps)]);
     const load = (await import('node:os')).loadavg()[0]!;
-    const out = { one, many, sdk, load };
+    const out = { one, floor, many, sdk, load };
     if (json) {
       console.log(JSON.stringify(out));
       return;
@@ -182,6 +191,10 @@ async function main(): Promise<void> {
       );
       if (r.stages) console.log(`  stages p50 (ms): ${Object.entries(r.stages).map(([k, v]) => `${k} ${f(v)}`).join(', ')}`);
       if (r.clients > 1) console.log(`  engine idle between consecutive ops (ms): p50 ${f(r.gapP50)}, p90 ${f(r.gapP90)}`);
+      if (r === one)
+        console.log(
+          `  floor (the same hops without the broker, bench/floor.ts, engine ${f(floor.engineMs[0]!)} / ${f(floor.engineMs[1]!)} ms): overhead p50 ${f(floor.p50)} ms, p99 ${f(floor.p99)} ms; the broker adds ${f(one.p50 - floor.p50)} ms at p50`,
+        );
     }
     console.log(
       `SDK optim_step p50 ${f(sdk.sdk_p50_ms)} ms; two plain round trips p50: ${f(sdk.plain_healthz_p50_ms)} ms (healthz), ${f(sdk.plain_404_p50_ms)} ms (404); ratio ${f(sdk.ratio_healthz)}x / ${f(sdk.ratio_404)}x`,
