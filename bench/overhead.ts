@@ -78,7 +78,13 @@ async function engineTimes(redis: Redis, prefix: string, ops: Op[]): Promise<voi
   const queues = new Map<string, Queue>();
   for (const op of ops) {
     const [queue, jobId] = op.requestId.split('/') as [string, string];
-    const rec = await redis.get(`${prefix}:outcome:${jobId}`);
+    // An op answered in the agent's process is recorded just after its answer: wait for the record.
+    let rec: string | null = null;
+    for (let tries = 0; tries < 200; tries++) {
+      rec = await redis.get(`${prefix}:outcome:${jobId}`);
+      if (rec && !rec.startsWith('{"state":"running"')) break;
+      await new Promise((r) => setTimeout(r, 10));
+    }
     const engine = rec ? (JSON.parse(rec).engine as [number, number] | undefined) : undefined;
     let q = queues.get(queue);
     if (!q) queues.set(queue, (q = new Queue(queue, { connection: redis, prefix: `${prefix}-bull` })));
@@ -118,10 +124,9 @@ const pct = (xs: number[], p: number) => {
  * took it: 0 when the submit's script took it for the agent in the API's process, whose time stamps
  * are both the submit's), before (taken → engine start: the take's or the submit script's round
  * trip, the agent's claim and checks), engine, after (engine end → job finished: with the API in the
- * agent's process the answer, then the outcome record once the client's next op is on the engine,
- * then the BullMQ end), reply (finished → the client has the result: with the API in another process
- * the signal, retrieve_future and HTTP; in the same process the answer went out before the job
- * finished, so it is negative: by about the time the client's next op takes to reach the engine).
+ * agent's process the answer, then the outcome record, then the BullMQ end), reply (finished → the
+ * client has the result: with the API in another process the signal, retrieve_future and HTTP; in
+ * the same process the answer went out before the job finished, so it is near 0 or negative).
  */
 function stages(ops: Op[]): Record<string, number> | null {
   const timed = ops.filter((o) => o.job && o.engine);

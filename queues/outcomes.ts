@@ -80,16 +80,13 @@ export class Outcomes {
    * `early` (the agent, with the op's result in hand): this process's waiters are handed the record
    * first and answer; it is sent once their answers are written, and the script applies the
    * read-once expiries they registered (queues/completions.ts). Otherwise they are signalled once it
-   * is recorded. `recordAfter` (with `early`, when a waiter was answered): the record is sent once it
-   * resolves, so its round trip and the job's end stay off the path of the next request that answer
-   * brings (the agent: once its engine has the next op, or after a short wait for one).
+   * is recorded.
    */
   async finish(
     jobId: string,
     token: string | '',
     final: Omit<Outcome, 'token' | 'at'> & { state: 'done' | 'failed' },
     early = false,
-    recordAfter?: () => Promise<void>,
   ): Promise<Outcome> {
     // `state` first: queues/lua/outcome-read.lua tells a running record by its first bytes.
     const { state, ...rest } = final;
@@ -98,10 +95,7 @@ export class Outcomes {
     const { woken, expiries } = early ? handOverLocally(channel, jobId, rec) : { woken: 0, expiries: [] };
     // After the waiters' answers: they are written in the promise jobs that handing over queued
     // (the HTTP answer is a synchronous socket write), and a tick runs once those have run.
-    if (woken) {
-      await new Promise((r) => process.nextTick(r));
-      if (recordAfter) await recordAfter();
-    }
+    if (woken) await new Promise((r) => process.nextTick(r));
     const json = JSON.stringify(rec);
     const prev = (await runScript(
       this.redis,

@@ -299,35 +299,4 @@ describe('fast path: a training op answered from its completion signal', () => {
       expect(await other.pttl(key), key).to.be.within(1, 300_000);
     expect(seen.filter((c) => c === 'multi' || c === 'pexpire')).to.deep.equal([]);
   });
-
-  it('records an op answered in this process only once `recordAfter` resolves (the agent: the next op is on the engine), and at once when no waiter was answered', async () => {
-    const names = new Names(s.prefix);
-    const outcomes = new Outcomes(other, names, 3_600);
-    const done = (early: number) => ({ state: 'done' as const, op: 'optim_step', agent_id: 'agent-fastpath', result: { metrics: { early } } });
-    const jobId = 't-fastpathafter-1';
-    const { answer } = await waitingFuture(jobId);
-    let release!: () => void;
-    let asked = 0;
-    const recorded = outcomes.finish(jobId, '', done(2), true, () => {
-      asked++;
-      return new Promise<void>((r) => (release = r));
-    });
-    expect(await within(answer, 'not answered before the record')).to.deep.include({ kind: 'done', result: { metrics: { early: 2 } } });
-    await new Promise((r) => setTimeout(r, 50));
-    expect(asked).to.equal(1);
-    expect(await other.get(names.outcome(jobId)), 'recorded before recordAfter resolved').to.equal(null);
-    release();
-    expect((await recorded).state).to.equal('done');
-    expect(JSON.parse((await other.get(names.outcome(jobId)))!)).to.deep.include({ state: 'done', result: { metrics: { early: 2 } } });
-    // Nobody waiting here: the record is the only way the answer gets out, so it goes at once.
-    const lone = 't-fastpathafter-2';
-    let askedLone = 0;
-    const rec = await outcomes.finish(lone, '', done(3), true, async () => {
-      askedLone++;
-      await new Promise(() => undefined);
-    });
-    expect(rec.state).to.equal('done');
-    expect(askedLone).to.equal(0);
-    expect(await other.exists(names.outcome(lone))).to.equal(1);
-  });
 });

@@ -31,16 +31,6 @@ import { SampleGatherer } from './sample-gather.js';
 import { engineMemory } from './stats.js';
 
 /**
- * The engine's turn of a training op (see Agent.trainVerdict): `done` resolves when the engine is
- * free for the next one; `nextStarted` is set by the op waiting on it (which then calls `nextTaken`)
- * and resolves once that op has its engine call under way, or ended without one.
- */
-type TrainTurn = { done: Promise<void>; nextStarted?: Promise<void>; nextTaken?: () => void };
-
-/** How long an op answered in this process waits for the next one to reach the engine before it is recorded (Agent.nextOnEngine). */
-const RECORD_WAITS_MS = 20;
-
-/**
  * A worker agent: registers in Redis, supervises its engine, and consumes
  * - its training queue (`train-<agentId>`, taken by queues/train-consumer.ts): the ordered ops of
  *   the models placed here, one at a time, never retried. Each op's outcome is recorded apart from
@@ -89,8 +79,12 @@ export class Agent {
   private resolveStopped!: () => void;
   /** Resolves when the agent has stopped (a drain asked through Redis ends the process's agent too). */
   readonly stopped = new Promise<void>((r) => (this.resolveStopped = r));
-  /** The engine's turn of the last training op taken (see trainVerdict). */
-  private trainTurn: TrainTurn = { done: Promise.resolve() };
+  /**
+   * The engine's turn of the last training op taken (see runTrain): `done` resolves when the engine
+   * is free for the next one; `nextStarted` is set by the op waiting on it and resolves once that op
+   * has its engine call under way, or ended without one.
+   */
+  private trainTurn: { done: Promise<void>; nextStarted?: Promise<void> } = { done: Promise.resolve() };
   /** Training ops taken and not yet past the engine: none means the next one taken starts at once. */
   private trainAhead = 0;
   /** Models whose adapters live in the current engine process. */
@@ -360,11 +354,11 @@ export class Agent {
   private async trainVerdict(job: TakenTrainJob): Promise<TrainVerdict> {
     const jobId = job.id;
     const op = job.op;
+    // A job the gate in this process parsed and handed over is not parsed again.
     const parsed = job.parsed ? { success: true as const, data: job.data as TrainJob } : TrainJob.safeParse(job.data);
     const before = this.trainTurn;
     let started!: () => void;
     before.nextStarted = new Promise<void>((r) => (started = r));
-    before.nextTaken?.();
     let endTurn!: () => void;
     this.trainAhead++;
     let turnEnded = false;
@@ -375,7 +369,7 @@ export class Agent {
       }
       resolve();
     }));
-    const mine: TrainTurn = { done: turn };
+    const mine: { done: Promise<void>; nextStarted?: Promise<void> } = { done: turn };
     this.trainTurn = mine;
     // The engine is free: an op waiting on this one goes first (its claim's round trip, then its
     // engine call), then this one's outcome is answered and recorded, which would otherwise hold up
@@ -415,16 +409,13 @@ export class Agent {
         let f = this.failure(op, err);
         if (err instanceof OpTimeout || (epoch >= 0 && epoch !== this.engineEpoch))
           f = failure('OUTCOME_UNKNOWN', outcomeUnknownMessage(op, err instanceof OpTimeout ? err.message : `the engine process died while running it: ${f.message}`));
-        const stood = await this.outcomes.finish(jobId, token, { state: 'failed', op, agent_id: this.config.agentId, ...f }, true, () => this.nextOnEngine(mine));
+        const stood = await this.outcomes.finish(jobId, token, { state: 'failed', op, agent_id: this.config.agentId, ...f }, true);
         this.meter(job, parsed.data, start, f.category === 'user' ? 'user_error' : 'server_error');
         return await this.standing(jobId, op, stood);
       }
       await handOn();
-      // Early: an API in this process answers the op's future from this result; it is recorded once
-      // the next op is on the engine, or briefly after when none comes (nextOnEngine, queues/outcomes.ts).
-      const stood = await this.outcomes.finish(jobId, token, { state: 'done', op, agent_id: this.config.agentId, result, engine }, true, () =>
-        this.nextOnEngine(mine),
-      );
+      // Early: an API in this process answers the op's future from this result, then it is recorded (queues/outcomes.ts).
+      const stood = await this.outcomes.finish(jobId, token, { state: 'done', op, agent_id: this.config.agentId, result, engine }, true);
       // An op finished after the reaper gave up on this agent keeps the reaper's verdict in Redis (the 'job failed' line says so).
       if (stood.state === 'done') this.log.debug('job done', { queue: this.trainQueue, jobId, op, modelId: parsed.data?.model_id, ms: Date.now() - start });
       this.meter(job, parsed.data, start, stood.state === 'done' ? 'ok' : 'server_error', result);
@@ -433,25 +424,6 @@ export class Agent {
       endTurn();
       started();
     }
-  }
-
-  /**
-   * Once the op after `turn` has its engine call under way (or ended without one), or after
-   * RECORD_WAITS_MS when no op follows: an op answered in this process is recorded then. Its client's
-   * next request follows the answer; without the wait, the record's round trip and the job's end
-   * (Redis, this process) run as it arrives and delay its submit and engine start; with it, they
-   * run while the engine works on that op. Not while the agent drains or stops.
-   */
-  private async nextOnEngine(turn: TrainTurn): Promise<void> {
-    if (!turn.nextStarted && !this.draining && !this.stopping)
-      await new Promise<void>((resolve) => {
-        const timer = setTimeout(resolve, RECORD_WAITS_MS);
-        turn.nextTaken = () => {
-          clearTimeout(timer);
-          resolve();
-        };
-      });
-    await turn.nextStarted;
   }
 
   /** Ends the BullMQ job as the recorded outcome says (which may be another's: the reaper's, an earlier run's). */

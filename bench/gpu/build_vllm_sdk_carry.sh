@@ -18,21 +18,8 @@ W=${1:-/tmp/vllm-sdk-carry}
 mkdir -p "$W"
 REF=${VLLM_CARRY_SCRIPT:-$REPO/../shared/reference/vllm-on-h200/build_vllm_carry.sh}
 [ -f "$W/vbuild/vsite.tar.xz" ] || PY=${PY:-python3} bash "$REF" "$W/vbuild" --drop-fa2
-[ -f "$W/node.xz" ] || xz -9 -T0 -c "$(readlink -f "$(command -v node)")" > "$W/node.xz"
-if [ ! -f "$W/redis.tar.xz" ]; then
-  rm -rf "$W/redis" && mkdir -p "$W/redis"
-  cp "$(command -v redis-server)" /lib/x86_64-linux-gnu/liblzf.so.1 /lib/x86_64-linux-gnu/libjemalloc.so.2 /lib/x86_64-linux-gnu/libatomic.so.1 "$W/redis/"
-  tar -C "$W" -cJf "$W/redis.tar.xz" redis
-fi
-if [ ! -f "$W/nm.tar.xz" ]; then
-  rm -rf "$W/nm" && mkdir -p "$W/nm" && cp package.json package-lock.json "$W/nm/"
-  (cd "$W/nm" && npm ci --omit=dev --ignore-scripts --no-audit --no-fund && tar -cf - node_modules | xz -9 -T0 > "$W/nm.tar.xz")
-fi
-PLAT=(--only-binary=:all: --no-deps --python-version 3.12 --implementation cp)
-for m in 17 27 28 31 34 35; do PLAT+=(--platform "manylinux_2_${m}_x86_64"); done
-PLAT+=(--platform manylinux2014_x86_64)
-[ -d "$W/whl/sdk" ] || python3 -m pip download -q "${PLAT[@]}" -d "$W/whl/sdk" \
-  tinker==0.38.0 pyqwest==0.12.0 orjson==3.13.0 zstandard==0.25.0 distro==1.9.0 h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0
+bash "$REPO/bench/gpu/build_stack_carry.sh" "$W"
+PLAT=(--only-binary=:all: --no-deps --python-version 3.12 --implementation cp --platform manylinux2014_x86_64)
 [ -d "$W/whl/eng" ] || python3 -m pip download -q "${PLAT[@]}" -d "$W/whl/eng" peft==0.21.2
 
 grep -q '^/.carry-\*/$' .git/info/exclude 2>/dev/null || echo '/.carry-*/' >> .git/info/exclude
