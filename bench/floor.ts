@@ -16,9 +16,9 @@ import { runBench } from './client.js';
  * one Redis round trip (a script that stores the op), hands the op to an engine process over a pipe,
  * and answers the submit; the client then asks for the result, which the server answers as soon as
  * the engine replies. The engine's time is stamped as the broker's agent stamps it: from the call
- * going out on the pipe to its answer read back. The engine (bench/floor_engine.py) keeps the CPU busy with torch for as long as
- * the tiny model's ops take (alternately `fbMs` and `osMs`), so the machine is as idle or as busy
- * between hops as under the real bench.
+ * going out on the pipe to its answer read back. The engine (bench/floor_engine.py) keeps the CPU
+ * busy with torch for as long as the tiny model's ops take (alternately `fbMs` and `osMs`), so the
+ * machine is as idle or as busy between hops as under the real bench.
  *
  *   overhead = client-observed time − the engine's own interval (as in bench/overhead.ts)
  *
@@ -67,10 +67,10 @@ export async function floorOverheads(ops: number, fbMs: number, osMs: number): P
   await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
   const port = (server.address() as AddressInfo).port;
   const agent = new http.Agent({ keepAlive: true });
-  const post = (path: string, body: unknown): Promise<any> =>
+  const post = (route: string, body: unknown): Promise<any> =>
     new Promise((resolve, reject) => {
       const payload = Buffer.from(JSON.stringify(body));
-      const req = http.request({ host: '127.0.0.1', port, path, method: 'POST', agent, headers: { 'content-type': 'application/json', 'content-length': payload.length } }, (res) => {
+      const req = http.request({ host: '127.0.0.1', port, path: route, method: 'POST', agent, headers: { 'content-type': 'application/json', 'content-length': payload.length } }, (res) => {
         const c: Buffer[] = [];
         res.on('data', (x: Buffer) => c.push(x));
         res.on('end', () => resolve(JSON.parse(Buffer.concat(c).toString('utf8'))));
