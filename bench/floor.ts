@@ -8,7 +8,7 @@ import { createInterface } from 'node:readline';
 import { Redis } from 'ioredis';
 import { PYTHON } from '../test/e2e/server.js';
 import { REDIS_URL } from '../test/helpers/stack.js';
-import { runBench } from './client.js';
+import { post, runBench } from './client.js';
 
 /**
  * The floor under bench/overhead.ts's 1-client figure on this machine: the same hops with nothing
@@ -51,7 +51,7 @@ export async function floorOverheads(ops: number, fbMs: number, osMs: number): P
     req.on('end', () => {
       const body = JSON.parse(Buffer.concat(chunks).toString('utf8')) as { id: number; ms?: number };
       const answer = (o: unknown) => res.setHeader('content-type', 'application/json').end(JSON.stringify(o));
-      if (req.url === '/submit') {
+      if (req.url === '/api/v1/submit') {
         void redis.eval(lua, 1, `${prefix}:${body.id}`, JSON.stringify(body)).then(() => {
           sent.set(body.id, now());
           engine.stdin!.write(JSON.stringify(body) + '\n');
@@ -65,30 +65,19 @@ export async function floorOverheads(ops: number, fbMs: number, osMs: number): P
     });
   });
   await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
-  const port = (server.address() as AddressInfo).port;
-  const agent = new http.Agent({ keepAlive: true });
-  const post = (route: string, body: unknown): Promise<any> =>
-    new Promise((resolve, reject) => {
-      const payload = Buffer.from(JSON.stringify(body));
-      const req = http.request({ host: '127.0.0.1', port, path: route, method: 'POST', agent, headers: { 'content-type': 'application/json', 'content-length': payload.length } }, (res) => {
-        const c: Buffer[] = [];
-        res.on('data', (x: Buffer) => c.push(x));
-        res.on('end', () => resolve(JSON.parse(Buffer.concat(c).toString('utf8'))));
-      });
-      req.on('error', reject);
-      req.end(payload);
-    });
+  // The benchmarks' own client (kept-alive node:http), as bench/overhead.ts's clients use it.
+  const base = `http://127.0.0.1:${(server.address() as AddressInfo).port}`;
   const overheads: number[] = [];
   for (let i = 0; i < ops + 10; i++) {
     const start = now();
-    await post('/submit', { id: i, ms: i % 2 ? fbMs : osMs });
-    const r = (await post('/result', { id: i })) as { engine: [number, number] };
+    await post(base, '/submit', { id: i, ms: i % 2 ? fbMs : osMs });
+    const r = (await post(base, '/result', { id: i })) as { engine: [number, number] };
     const end = now();
     if (i >= 10) overheads.push(end - start - (r.engine[1] - r.engine[0]));
   }
   engine.stdin!.end();
+  server.closeAllConnections();
   server.close();
-  agent.destroy();
   const keys = await redis.keys(`${prefix}:*`);
   if (keys.length) await redis.del(...keys);
   redis.disconnect();
