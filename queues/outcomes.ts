@@ -37,6 +37,16 @@ export type Outcome = z.infer<typeof Outcome>;
 
 export { SIGNALLED_RECORD_MAX_BYTES };
 
+/**
+ * A taken training job to end as completed in its queue by the script that records its outcome as
+ * done (queues/lua/outcome-finish.lua with bullmq-job.lua's bullCompleteJob), in place of BullMQ's
+ * own moveToFinished after it: one round trip at the op's end instead of two. Made by the job's
+ * consumer (queues/train-consumer.ts); `ended` is what the script did: 1 ended, 0 left for BullMQ (a
+ * job of another shape), negative not ended (BullMQ's codes: the lock lost, the job not active);
+ * undefined when no such script ran (the record was another's, or the op failed).
+ */
+export type CompletedEnd = { queuePrefix: string; lockToken: string; ended?: number };
+
 export class Outcomes {
   constructor(
     private readonly redis: Redis,
@@ -80,13 +90,15 @@ export class Outcomes {
    * `early` (the agent, with the op's result in hand): this process's waiters are handed the record
    * first and answer; it is sent once their answers are written, and the script applies the
    * read-once expiries they registered (queues/completions.ts). Otherwise they are signalled once it
-   * is recorded.
+   * is recorded. `end` (a done record): the op's job is ended as completed in the same script when
+   * the record is written (CompletedEnd).
    */
   async finish(
     jobId: string,
     token: string | '',
     final: Omit<Outcome, 'token' | 'at'> & { state: 'done' | 'failed' },
     early = false,
+    end?: CompletedEnd,
   ): Promise<Outcome> {
     // `state` first: queues/lua/outcome-read.lua tells a running record by its first bytes.
     const { state, ...rest } = final;
@@ -101,9 +113,13 @@ export class Outcomes {
       this.redis,
       'outcome-finish',
       [this.key(jobId), ...new Set(expiries.flatMap((e) => e.keys))],
-      [json, this.ttlS, token, channel, jobId, SIGNALLED_RECORD_MAX_BYTES, Math.min(...expiries.map((e) => e.ms), 0x7fffffff)],
-    )) as string | null;
-    if (prev !== null) return Outcome.parse(JSON.parse(prev));
+      [
+        json, this.ttlS, token, channel, jobId, SIGNALLED_RECORD_MAX_BYTES, Math.min(...expiries.map((e) => e.ms), 0x7fffffff),
+        ...(end && state === 'done' ? [end.queuePrefix, end.lockToken, Date.now()] : []),
+      ],
+    )) as string | number | null;
+    if (typeof prev === 'string') return Outcome.parse(JSON.parse(prev));
+    if (typeof prev === 'number') end!.ended = prev;
     // Recorded (and published): this process's waiters answer now.
     if (!early) signalLocally(channel, signalMessage(jobId, json));
     return rec;

@@ -3,7 +3,7 @@ import { Job, Queue } from 'bullmq';
 import type { Redis } from 'ioredis';
 import type { Logger } from './logger.js';
 import type { Names } from './names.js';
-import { Outcome, type Outcomes } from './outcomes.js';
+import { Outcome, type CompletedEnd, type Outcomes } from './outcomes.js';
 import { runScript } from './scripts.js';
 import type { TrainJob } from './schemas.js';
 
@@ -25,6 +25,8 @@ export type TakenTrainJob = {
   token: string;
   /** `data` is the TrainJob the gate in this process parsed before admitting it (a submit's own op, handed over): not parsed again. */
   parsed?: true;
+  /** For the op's done record (Outcomes.finish): the job then ends in the same script, not in BullMQ's after it. */
+  end: CompletedEnd;
 };
 
 /**
@@ -72,11 +74,14 @@ export type TrainConsumerOptions = {
  * The consumer of one agent's training queue (`train-<agentId>`), in place of a BullMQ Worker: its
  * jobs are BullMQ jobs on a BullMQ queue (the gate and the API write them as BullMQ does; BullMQ's
  * Queue, Job and the inspect tools read them), taken by one script that also claims the op's outcome
- * (queues/lua/train-take.lua) and ended by BullMQ's own moveToFinished (Job.moveToCompleted /
- * moveToFailed). A training queue has one consumer, its agent, so the take leaves no marker behind
- * (a BullMQ Worker pays an empty moveToActive per job for it, two with a job held ahead): per job one
- * blocking wait on the marker, one take and one moveToFinished, against a Worker's BZPOPMIN, three
- * moveToActive and the outcome's separate claim.
+ * (queues/lua/train-take.lua), and ended, when its op is recorded done, by the script that records
+ * it (Outcomes.finish with `TakenTrainJob.end`: queues/lua/bullmq-job.lua bullCompleteJob does what
+ * BullMQ's moveToFinished does for these jobs), else by BullMQ's own moveToFinished
+ * (Job.moveToCompleted / moveToFailed). A training queue has one consumer, its agent, so the take
+ * leaves no marker behind (a BullMQ Worker pays an empty moveToActive per job for it, two with a job
+ * held ahead): per job one blocking wait on the marker, one take and one record that ends the job,
+ * against a Worker's BZPOPMIN, three moveToActive, the outcome's separate claim and record, and
+ * moveToFinished.
  *
  * When an API in the consumer's process submits the op its queue runs next, the submit's script takes
  * the job for it and the gate hands it over in memory (handOff): no wake on the marker, no take of its
@@ -272,6 +277,7 @@ export class TrainConsumer {
       timestamp: Number(raw.timestamp ?? takenAt),
       claim: claimed === 0 ? null : { prev: claimed === 2 && prev ? Outcome.parse(JSON.parse(prev)) : null },
       token: `${this.o.tokenPrefix}${id}`,
+      end: { queuePrefix: this.keys.prefix, lockToken: this.lockToken },
     };
     if (raw.name === undefined) {
       this.o.log.warn('training queue: a queued job had no stored job; skipped', { queue: this.name, jobId: id });
@@ -312,6 +318,10 @@ export class TrainConsumer {
       // it is back at the head, so the queue's order holds.
       if (verdict.state !== 'requeue') uncount();
       try {
+        // Ended already by the script that recorded its outcome (Outcomes.finish with taken.end).
+        const ended = verdict.state === 'done' ? taken.end.ended : undefined;
+        if (ended === 1) return;
+        if (ended !== undefined && ended < 0) throw new Error(`the job was not active under this consumer's lock (code ${ended})`);
         const job = makeJob();
         if (verdict.state === 'done') await job.moveToCompleted(null, this.lockToken, false);
         else if (verdict.state === 'failed') await job.moveToFailed(Object.assign(new Error(verdict.reason), { name: 'UnrecoverableError' }), this.lockToken, false);

@@ -101,6 +101,63 @@ describe('training queue consumer', () => {
     expect(await q.getJobCounts('waiting', 'active')).to.deep.include({ waiting: 0, active: 0 });
   });
 
+  it("ends a job in the script that records its op done, leaving Redis as BullMQ's moveToFinished leaves it", async () => {
+    const q = qs.get(queue);
+    const p = `${names.bull}:${queue}:`;
+    const seen: TakenTrainJob[] = [];
+    const ends: (number | undefined)[] = [];
+    const c = consumer(async (j) => {
+      const seq = (j.data as { seq_id: number }).seq_id;
+      seen.push(j);
+      // seq 1 ends through BullMQ (its consumer's moveToCompleted); seq 4 finds its lock another's.
+      if (seq === 4) await redis.set(`${p}${j.id}:lock`, 'another');
+      if (seq !== 1) await outcomes.finish(j.id, j.token, { state: 'done', op: j.op, agent_id: 'a', result: { metrics: {} } }, true, j.end);
+      ends.push(j.end.ended);
+      return { state: 'done' };
+    });
+    await c.start();
+    const completed = (n: number) => until(`${n} completed`, async () => (await q.getJobCounts('completed')).completed === n);
+    const events = async (id: string) =>
+      (await redis.xrange(`${p}events`, '-', '+')).filter(([, f]) => f[f.indexOf('jobId') + 1] === id).map(([, f]) => Object.fromEntries(f.map((v, i) => (i % 2 ? null : [v, f[i + 1]])).filter((e) => e !== null) as [string, string][]));
+    const shape = async (id: string) => {
+      const h = await redis.hgetall(`${p}${id}`);
+      // What differs between two jobs: their payload and the times.
+      for (const k of ['data', 'timestamp', 'processedOn', 'finishedOn']) h[k] = typeof h[k];
+      return h;
+    };
+    await submit(1);
+    await completed(1);
+    await submit(2);
+    await completed(2);
+    const [one, two] = [seen[0]!.id, seen[1]!.id];
+    expect(ends.slice(0, 2)).to.deep.equal([undefined, 1]);
+    expect(await shape(two)).to.deep.equal(await shape(one));
+    expect((await events(two)).map((e) => ({ ...e, jobId: '' }))).to.deep.equal((await events(one)).map((e) => ({ ...e, jobId: '' })));
+    expect((await events(two)).at(-1)).to.deep.equal({ event: 'completed', jobId: two, returnvalue: 'null', prev: 'active' });
+    const job = await Job.fromId(q, two);
+    expect(await job!.getState()).to.equal('completed');
+    expect(job!.returnvalue).to.equal(null);
+    expect(job!.attemptsMade).to.equal(1);
+    expect(job!.finishedOn).to.be.at.least(job!.processedOn!);
+    expect(await redis.exists(`${p}${two}:lock`)).to.equal(0);
+    expect(await redis.lrange(`${p}active`, 0, -1)).to.deep.equal([]);
+    expect((await redis.xrange(`${p}events`, '-', '+')).filter(([, f]) => f[1] === 'drained')).to.have.length(2);
+    // A completed job past its removeOnComplete age leaves at the next end, as BullMQ removes it.
+    await redis.zadd(`${p}completed`, Date.now() - 3_601_000, one);
+    await submit(3);
+    await completed(2);
+    expect(ends[2]).to.equal(1);
+    expect(await redis.exists(`${p}${one}`)).to.equal(0);
+    expect(await redis.zrange(`${p}completed`, 0, -1)).to.have.members([two, seen[2]!.id]);
+    // A lock that is another's: the record stands, the job is not ended (it stays active, as after a failed moveToFinished).
+    await submit(4);
+    await until('the fourth job', () => ends.length === 4);
+    expect(ends[3]).to.equal(-6);
+    expect((await outcomes.get(seen[3]!.id))?.state).to.equal('done');
+    await until('the fourth job let go', async () => (await q.getJobCounts('active', 'completed')).active === 1);
+    expect(await redis.lrange(`${p}active`, 0, -1)).to.deep.equal([seen[3]!.id]);
+  });
+
   it('does not claim a job taken ahead, and stores a failure as the BullMQ failed reason', async () => {
     let release!: () => void;
     const held = new Promise<void>((r) => (release = r));

@@ -414,8 +414,9 @@ export class Agent {
         return await this.standing(jobId, op, stood);
       }
       await handOn();
-      // Early: an API in this process answers the op's future from this result, then it is recorded (queues/outcomes.ts).
-      const stood = await this.outcomes.finish(jobId, token, { state: 'done', op, agent_id: this.config.agentId, result, engine }, true);
+      // Early: an API in this process answers the op's future from this result, then it is recorded,
+      // and its job ended in its queue, in one script (queues/outcomes.ts).
+      const stood = await this.outcomes.finish(jobId, token, { state: 'done', op, agent_id: this.config.agentId, result, engine }, true, job.end);
       // An op finished after the reaper gave up on this agent keeps the reaper's verdict in Redis (the 'job failed' line says so).
       if (stood.state === 'done') this.log.debug('job done', { queue: this.trainQueue, jobId, op, modelId: parsed.data?.model_id, ms: Date.now() - start });
       this.meter(job, parsed.data, start, stood.state === 'done' ? 'ok' : 'server_error', result);

@@ -33,3 +33,51 @@ local function bullPushJob(q, jobId)
   if not blocked then redis.call('ZADD', q .. 'marker', 0, '0') end
   redis.call('XADD', q .. 'events', 'MAXLEN', '~', bullMaxEvents(q), '*', 'event', 'waiting', 'jobId', jobId)
 end
+
+--[[
+  Ends an active job as completed with a null return value, as BullMQ 6.7's moveToFinished does for
+  Job.moveToCompleted(null, token, false) on a job with no parent, no deduplication id and
+  removeOnComplete { age } (the training jobs, queues/queues.ts jobOptions): the lock released, the
+  job off the active list, attemptsMade counted, the job on the completed set with its finishedOn and
+  returnvalue, completed jobs past the age removed, the 'completed' event (and 'drained' once nothing
+  waits or runs). A job of any other shape is left for BullMQ (returns 0). Returns 1 ended, 0 left for
+  BullMQ, or BullMQ's codes: -1 no job, -2 no lock, -6 the lock is another's, -3 not active.
+]]
+local function bullCompleteJob(q, jobId, token, timestamp)
+  local jobKey = q .. jobId
+  local f = redis.call('HMGET', jobKey, 'opts', 'parentKey', 'parent', 'deid')
+  if not f[1] then return -1 end
+  if f[2] or f[3] or f[4] then return 0 end
+  local keep = cjson.decode(f[1]).removeOnComplete
+  if type(keep) ~= 'table' or type(keep.age) ~= 'number' or keep.count ~= nil then return 0 end
+  local lock = redis.call('GET', jobKey .. ':lock')
+  if lock ~= token then return lock and -6 or -2 end
+  redis.call('DEL', jobKey .. ':lock')
+  redis.call('SREM', q .. 'stalled', jobId)
+  if redis.call('LREM', q .. 'active', -1, jobId) < 1 then return -3 end
+  local events = q .. 'events'
+  redis.call('XTRIM', events, 'MAXLEN', '~', bullMaxEvents(q))
+  redis.call('HINCRBY', jobKey, 'atm', 1)
+  local completed = q .. 'completed'
+  redis.call('ZADD', completed, timestamp, jobId)
+  redis.call('HSET', jobKey, 'returnvalue', 'null', 'finishedOn', timestamp)
+  local limit = keep.limit or 1000
+  local before = tonumber(timestamp) - keep.age * 1000
+  local old = redis.call('ZREVRANGEBYSCORE', completed, before, '-inf', 'LIMIT', 0, limit)
+  for _, id in ipairs(old) do
+    local k = q .. id
+    redis.call('DEL', k, k .. ':logs', k .. ':dependencies', k .. ':processed', k .. ':failed', k .. ':unsuccessful')
+  end
+  if #old > 0 then
+    if #old < limit then
+      redis.call('ZREMRANGEBYSCORE', completed, '-inf', before)
+    else
+      redis.call('ZREM', completed, unpack(old))
+    end
+  end
+  redis.call('XADD', events, '*', 'event', 'completed', 'jobId', jobId, 'returnvalue', 'null', 'prev', 'active')
+  if redis.call('LLEN', q .. 'wait') == 0 and redis.call('LLEN', q .. 'active') == 0 and redis.call('ZCARD', q .. 'prioritized') == 0 then
+    redis.call('XADD', events, '*', 'event', 'drained')
+  end
+  return 1
+end

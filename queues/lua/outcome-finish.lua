@@ -14,9 +14,15 @@
   ARGV[4] the outcomes channel      ARGV[5] the job id
   ARGV[6] the largest record sent in the message, in bytes
   ARGV[7] the read-once expiry, ms (with KEYS[2..])
+  ARGV[8] '' or, to end the op's BullMQ job as completed once this (done) record is written, its
+          queue's key prefix ('<prefix>-bull:<queue>:'; queues/lua/bullmq-job.lua bullCompleteJob)
+  ARGV[9] the job lock's token      ARGV[10] the job's finishedOn, ms
 
-  Returns false when recorded, else the record that stands.
+  Returns false when recorded (with ARGV[8]: bullCompleteJob's code: 1 ended, 0 left for BullMQ,
+  negative not ended), else the record that stands (the job is not ended).
 ]]
+--- @include "bullmq-job"
+
 local function expireRead()
   for i = 2, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[7], 'LT') end
 end
@@ -35,4 +41,5 @@ else
   redis.call('PUBLISH', ARGV[4], ARGV[5])
 end
 expireRead()
+if ARGV[8] ~= nil and ARGV[8] ~= '' then return bullCompleteJob(ARGV[8], ARGV[5], ARGV[9], ARGV[10]) end
 return false
