@@ -1,5 +1,5 @@
 import type { Redis } from 'ioredis';
-import { Completions, type ReadOnceExpiry, type Wake } from '../queues/completions.js';
+import { Completions, handOverExpected, type ReadOnceExpiry, type Wake } from '../queues/completions.js';
 import { decodeJobFailure, failure, outcomeUnknownMessage, recordedFailure, type Failure } from '../queues/errors.js';
 import { decodeRequestId, encodeRequestId, type FutureRef } from '../queues/futures.js';
 import type { OrderingGate } from '../queues/gate.js';
@@ -105,6 +105,8 @@ export class FutureResolver {
 
   /** A training op's future: its owner, its outcome, else what keeps it pending or failed, read in one round trip. */
   private async trainState(ref: FutureRef, tenant: string): Promise<FutureState> {
+    // Running in this process's agent, submitted by this tenant: it is handed over here when it ends.
+    if (handOverExpected(this.names.outcomesChannel(), ref.jobId) === tenant) return { kind: 'pending', queueState: 'active' };
     const agentId = ref.queue.slice('train-'.length);
     const read = (await runScript(
       this.redis,

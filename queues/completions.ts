@@ -73,11 +73,41 @@ export function signalLocally(channel: string, message: string): void {
 }
 
 /**
+ * Training ops that an agent of this process runs and will hand over (handOverLocally) when it ends
+ * them: a submit here handed the op's job to its consumer here (queues/train-consumer.ts handOff).
+ * By `<channel> <job id>`, the tenant the future was issued to. A retrieve_future here for such an
+ * op waits for the hand-over without reading Redis (api/futures.ts); nothing else can end the op
+ * first, since its outcome is recorded only by this agent (or, once this agent is dead, by a reaper
+ * elsewhere, when this process is gone too).
+ */
+const expected = new Map<string, string>();
+
+/** An op this process's agent now runs, submitted by `tenant` through this process. */
+export function expectHandOver(channel: string, jobId: string, tenant: string): void {
+  expected.set(`${channel} ${jobId}`, tenant);
+}
+
+/** The tenant of an op this process's agent runs and will hand over, if it is one. */
+export function handOverExpected(channel: string, jobId: string): string | undefined {
+  return expected.get(`${channel} ${jobId}`);
+}
+
+/**
+ * The agent is done with the op (its consumer let the job go): when it was not handed over (not run,
+ * or ended without an early record), the waiters here are woken without a record, to read Redis.
+ */
+export function handOverDone(channel: string, jobId: string): void {
+  if (!expected.delete(`${channel} ${jobId}`)) return;
+  for (const c of local.get(channel) ?? []) c.wakeAll(jobId);
+}
+
+/**
  * Hands a training op's final record to the waiters of this process on `channel` before it is
  * recorded (queues/outcomes.ts Outcomes.finish, early): how many it woke, and the read-once expiries
  * they registered, for the script that records it to apply.
  */
 export function handOverLocally(channel: string, jobId: string, record: Outcome): { woken: number; expiries: ReadOnceExpiry[] } {
+  expected.delete(`${channel} ${jobId}`);
   const expiries: ReadOnceExpiry[] = [];
   let woken = 0;
   for (const c of local.get(channel) ?? []) woken += c.wakeAll(jobId, record, expiries);

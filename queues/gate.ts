@@ -162,7 +162,7 @@ export class OrderingGate {
         r = 1;
       }
     } finally {
-      handOff?.settle(handed, { id: jobId, data: op?.parsed, at: now }, !answered);
+      handOff?.settle(handed, { id: jobId, data: op?.parsed, at: now, tenant: extras.tenant }, !answered);
     }
     if (Array.isArray(r)) throw new ModelLost(r[1]);
     if (r === -7) throw new ModelGone(`model ${modelId} has no record`);

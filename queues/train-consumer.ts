@@ -1,6 +1,7 @@
 import { randomUUID } from 'node:crypto';
 import { Job, Queue } from 'bullmq';
 import type { Redis } from 'ioredis';
+import { expectHandOver, handOverDone } from './completions.js';
 import type { Logger } from './logger.js';
 import type { Names } from './names.js';
 import { Outcome, type CompletedEnd, type Outcomes } from './outcomes.js';
@@ -36,8 +37,8 @@ export type TakenTrainJob = {
  */
 export type HandOff = {
   args: (string | number)[];
-  /** `submitted`: the op the submit queued, its job as the gate parsed it. */
-  settle: (taken: HandedJob | null, submitted: { id: string; data: TrainJob | undefined; at: number }, failed: boolean) => void;
+  /** `submitted`: the op the submit queued, its job as the gate parsed it, and the tenant its future was issued to. */
+  settle: (taken: HandedJob | null, submitted: { id: string; data: TrainJob | undefined; at: number; tenant?: string | undefined }, failed: boolean) => void;
 };
 
 /** The take a submit made (queues/lua/gate-submit.lua's answer after its admit code). */
@@ -236,6 +237,8 @@ export class TrainConsumer {
           const data = id === submitted.id ? submitted.data : f[5] == null ? undefined : JSON.parse(f[5]);
           const t = this.received(id, more, Math.max(claimed, 0), prev, raw, data, submitted.at);
           if (id === submitted.id && submitted.data !== undefined) t.taken.parsed = true;
+          // Its future, asked for here, waits for this agent's hand-over without reading Redis.
+          if (id === submitted.id && t.job && submitted.tenant) expectHandOver(this.names.outcomesChannel(), id, submitted.tenant);
           if (t.job) this.run(t.job, t.taken);
         } finally {
           this.handing = null;
@@ -332,6 +335,7 @@ export class TrainConsumer {
         if (verdict.state !== 'requeue') this.unended.add(taken.id);
       } finally {
         this.held.delete(taken.id);
+        handOverDone(this.names.outcomesChannel(), taken.id);
         uncount();
         if (this.closing && this.held.size === 0) this.drained?.();
       }

@@ -3,7 +3,7 @@ import { Redis as RedisClient, type Redis } from 'ioredis';
 import { tenantId } from '../api/auth.js';
 import { encodeRequestId } from '../queues/futures.js';
 import { Names } from '../queues/names.js';
-import { sampleEndSignal, signalLocally, signalMessage } from '../queues/completions.js';
+import { expectHandOver, handOverDone, sampleEndSignal, signalLocally, signalMessage } from '../queues/completions.js';
 import { Outcomes, SIGNALLED_RECORD_MAX_BYTES } from '../queues/outcomes.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
 import { API_KEY, API_KEY_B, awaitFuture, call, REDIS_URL, startStack, type TestStack } from './helpers/stack.js';
@@ -28,7 +28,7 @@ describe('fast path', () => {
     const seen: string[] = [];
     const orig = redis.sendCommand;
     redis.sendCommand = function (this: Redis, c: { name: string; args: unknown[] }) {
-      seen.push(`${c.name} ${String(c.args[0] ?? '')}`);
+      seen.push(`${c.name} ${c.args.map(String).join(' ').slice(0, 500)}`);
       return orig.call(this, c as never);
     } as typeof redis.sendCommand;
     try {
@@ -66,6 +66,26 @@ describe('fast path', () => {
       }
     }
     for (const op of ['forward_backward', 'optim_step']) expect(counts[op]!.length, `${op}: ${counts[op]!.join(', ')}`).to.be.at.most(3);
+  });
+
+  it("answers the future of an op its own agent runs without reading Redis, and another tenant's from Redis", async () => {
+    const session = (await call(s.baseUrl, 'POST', '/create_session', { tags: [] })).json.session_id;
+    const cm = await call(s.baseUrl, 'POST', '/create_model', { session_id: session, model_seq_id: 0, base_model: TINY_MODEL_ALIAS, lora_config: { rank: 4 } });
+    const modelId = (await awaitFuture(s.baseUrl, cm.json.request_id)).json.model_id;
+    const datum = { tokens: [1, 2, 3, 4], targets: [2, 3, 4, 5], weights: [1, 1, 1, 1] };
+    const reaped = new Names(s.prefix).agentReaped(`agent-${s.prefix}`);
+    for (let seqId = 1; seqId <= 3; seqId++) {
+      const r = await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: encodeForwardBackward({ modelId, seqId, data: [datum] }) });
+      expect(r.status, JSON.stringify(r.json)).to.equal(200);
+      // Another tenant asks first: it reads Redis (the future's owner) and finds nothing of its own.
+      expect((await s.built.ctx.futures.retrieve(r.json.request_id, tenantId(API_KEY_B), 10)).kind).to.equal('unknown');
+      let st: { kind: string; result?: { loss_fn_outputs: unknown[] } } | undefined;
+      const seen = await commands(async () => (st = (await s.built.ctx.futures.retrieve(r.json.request_id, tenantId(API_KEY), 30_000)) as typeof st));
+      expect(st?.kind, JSON.stringify(st)).to.equal('done');
+      expect(st!.result!.loss_fn_outputs).to.have.length(1);
+      // No read of the future (its script names the agent's reaped key); the record's own script may follow.
+      expect(seen.filter((c) => c.includes(reaped)), seen.join(', ')).to.deep.equal([]);
+    }
   });
 
   /**
@@ -242,6 +262,19 @@ describe('fast path: a training op answered from its completion signal', () => {
     expect(early).to.equal('waiting');
     signalLocally(names.outcomesChannel(), signalMessage(jobId, record));
     expect(await within(answer, 'not answered from the local signal')).to.deep.include({ kind: 'done', result: { metrics: { local: 1 } } });
+  });
+
+  it("wakes a waiter on an op this process's agent let go without handing it over, to read Redis", async () => {
+    const names = new Names(s.prefix);
+    const jobId = 't-fastpathletgo-1';
+    expectHandOver(names.outcomesChannel(), jobId, tenantId(API_KEY));
+    const { answer } = await waitingFuture(jobId);
+    // Recorded elsewhere (a reaper, say), not published: only the agent letting the op go wakes the waiter.
+    await other.set(names.outcome(jobId), doneRecord({ elsewhere: 1 }), 'EX', 600);
+    const early = await Promise.race([answer.then(() => 'answered'), new Promise((r) => setTimeout(() => r('waiting'), 200))]);
+    expect(early).to.equal('waiting');
+    handOverDone(names.outcomesChannel(), jobId);
+    expect(await within(answer, 'not woken when the agent let the op go')).to.deep.include({ kind: 'done', result: { metrics: { elsewhere: 1 } } });
   });
 
   it('answers from the message on Redis alone (the agent in another process)', async () => {
