@@ -103,15 +103,17 @@ export function handOverDone(channel: string, jobId: string): void {
 
 /**
  * Hands a training op's final record to the waiters of this process on `channel` before it is
- * recorded (queues/outcomes.ts Outcomes.finish, early): how many it woke, and the read-once expiries
- * they registered, for the script that records it to apply.
+ * recorded (queues/outcomes.ts Outcomes.finish, early): how many it woke, the read-once expiries
+ * they registered, for the script that records it to apply, and how many subscriptions of this
+ * process it went through (the script sends no message when they are the channel's only ones).
  */
-export function handOverLocally(channel: string, jobId: string, record: Outcome): { woken: number; expiries: ReadOnceExpiry[] } {
+export function handOverLocally(channel: string, jobId: string, record: Outcome): { woken: number; expiries: ReadOnceExpiry[]; subscriptions: number } {
   expected.delete(`${channel} ${jobId}`);
   const expiries: ReadOnceExpiry[] = [];
   let woken = 0;
-  for (const c of local.get(channel) ?? []) woken += c.wakeAll(jobId, record, expiries);
-  return { woken, expiries };
+  const mine = local.get(channel) ?? new Set();
+  for (const c of mine) woken += c.wakeAll(jobId, record, expiries);
+  return { woken, expiries, subscriptions: mine.size };
 }
 
 export class Completions {

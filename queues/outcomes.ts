@@ -88,9 +88,10 @@ export class Outcomes {
   /**
    * Records the final outcome unless another one is already final; returns the record that stands.
    * `early` (the agent, with the op's result in hand): this process's waiters are handed the record
-   * first and answer; it is sent once their answers are written, and the script applies the
-   * read-once expiries they registered (queues/completions.ts). Otherwise they are signalled once it
-   * is recorded. `end` (a done record): the op's job is ended as completed in the same script when
+   * first and answer; it is sent once their answers are written, the script applies the read-once
+   * expiries they registered and publishes no message when this process's subscriptions are the
+   * channel's only ones (queues/completions.ts). This process's waiters not handed it (none without
+   * `early`) are signalled once it is recorded. `end` (a done record): the op's job is ended as completed in the same script when
    * the record is written (CompletedEnd).
    */
   async finish(
@@ -104,7 +105,7 @@ export class Outcomes {
     const { state, ...rest } = final;
     const rec: Outcome = { state, ...rest, token: token || 'reaper', at: new Date().toISOString() };
     const channel = this.names.outcomesChannel();
-    const { woken, expiries } = early ? handOverLocally(channel, jobId, rec) : { woken: 0, expiries: [] };
+    const { woken, expiries, subscriptions } = early ? handOverLocally(channel, jobId, rec) : { woken: 0, expiries: [], subscriptions: 0 };
     // After the waiters' answers: they are written in the promise jobs that handing over queued
     // (the HTTP answer is a synchronous socket write), and a tick runs once those have run.
     if (woken) await new Promise((r) => process.nextTick(r));
@@ -114,14 +115,15 @@ export class Outcomes {
       'outcome-finish',
       [this.key(jobId), ...new Set(expiries.flatMap((e) => e.keys))],
       [
-        json, this.ttlS, token, channel, jobId, SIGNALLED_RECORD_MAX_BYTES, Math.min(...expiries.map((e) => e.ms), 0x7fffffff),
+        json, this.ttlS, token, channel, jobId, SIGNALLED_RECORD_MAX_BYTES, Math.min(...expiries.map((e) => e.ms), 0x7fffffff), subscriptions,
         ...(end && state === 'done' ? [end.queuePrefix, end.lockToken, Date.now()] : []),
       ],
     )) as string | number | null;
     if (typeof prev === 'string') return Outcome.parse(JSON.parse(prev));
     if (typeof prev === 'number') end!.ended = prev;
-    // Recorded (and published): this process's waiters answer now.
-    if (!early) signalLocally(channel, signalMessage(jobId, json));
+    // Recorded (and published, unless only this process listens): this process's waiters answer now,
+    // after a hand-over those that came since (they found the record running, and no message comes).
+    signalLocally(channel, signalMessage(jobId, json));
     return rec;
   }
 

@@ -277,6 +277,39 @@ describe('fast path: a training op answered from its completion signal', () => {
     expect(await within(answer, 'not woken when the agent let the op go')).to.deep.include({ kind: 'done', result: { metrics: { elsewhere: 1 } } });
   });
 
+  it("sends no message back to the process whose waiters it handed the record to, unless another process listens", async () => {
+    const names = new Names(s.prefix);
+    const channel = names.outcomesChannel();
+    // A pattern subscription sees every message and is not counted as one of the channel's subscribers.
+    const observer = new RedisClient(REDIS_URL);
+    const listener = new RedisClient(REDIS_URL);
+    const messages: string[] = [];
+    const heard: string[] = [];
+    try {
+      observer.on('pmessage', (_p: string, _c: string, m: string) => messages.push(m.split(' ')[0]!));
+      await observer.psubscribe(channel);
+      const finishEarly = async (jobId: string) => {
+        const { answer } = await waitingFuture(jobId);
+        await new Outcomes(other, names, 3_600).finish(jobId, '', { state: 'done', op: 'optim_step', agent_id: 'agent-fastpath', result: { metrics: {} } }, true);
+        expect(await within(answer, 'not answered')).to.deep.include({ kind: 'done' });
+      };
+      await finishEarly('t-fastpathquiet-1');
+      // Another API process listening: it gets the message.
+      listener.on('message', (_c: string, m: string) => heard.push(m.split(' ')[0]!));
+      await listener.subscribe(channel);
+      await finishEarly('t-fastpathquiet-2');
+      // A record not handed over here (the reaper's) always goes out.
+      await new Outcomes(other, names, 3_600).failUnknown('t-fastpathquiet-3', 'optim_step', 'agent-fastpath', 'reaped');
+      for (let i = 0; i < 50 && messages.length < 2; i++) await new Promise((r) => setTimeout(r, 20));
+      await new Promise((r) => setTimeout(r, 50));
+      expect(messages).to.deep.equal(['t-fastpathquiet-2', 't-fastpathquiet-3']);
+      expect(heard).to.deep.equal(['t-fastpathquiet-2', 't-fastpathquiet-3']);
+    } finally {
+      observer.disconnect();
+      listener.disconnect();
+    }
+  });
+
   it('answers from the message on Redis alone (the agent in another process)', async () => {
     const names = new Names(s.prefix);
     const jobId = 't-fastpathremote-1';
