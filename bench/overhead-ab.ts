@@ -16,7 +16,7 @@ const rounds = Number(roundsArg ?? 3);
 const bench = path.resolve('bench/overhead.ts');
 
 type Out = {
-  one: { p50: number; p99: number };
+  one: { p50: number; p99: number; cpuPerOp: { server: number; engine: number | null; redis: number | null } | null };
   /** The same hops without the broker (bench/floor.ts): the same code in A and B, so B/A shows the run's noise. */
   floor: { p50: number };
   many: { p50: number; p99: number; gapP50: number };
@@ -43,6 +43,9 @@ const rows: [string, (o: Out) => number][] = [
   ['1 client overhead p50 (ms)', (o) => o.one.p50],
   ['1 client overhead p99 (ms)', (o) => o.one.p99],
   ['1 client floor p50 (ms, control)', (o) => o.floor.p50],
+  ['1 client CPU per op, API+agent (ms)', (o) => o.one.cpuPerOp?.server ?? NaN],
+  ['1 client CPU per op, Redis (ms)', (o) => o.one.cpuPerOp?.redis ?? NaN],
+  ['1 client CPU per op, engine (ms)', (o) => o.one.cpuPerOp?.engine ?? NaN],
   ['64 clients overhead p50 (ms)', (o) => o.many.p50],
   ['64 clients overhead p99 (ms)', (o) => o.many.p99],
   ['64 clients engine idle gap p50 (ms)', (o) => o.many.gapP50],

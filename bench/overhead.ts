@@ -1,3 +1,4 @@
+import { readdirSync, readFileSync } from 'node:fs';
 import { performance } from 'node:perf_hooks';
 import { fileURLToPath } from 'node:url';
 import { Job, Queue } from 'bullmq';
@@ -31,8 +32,10 @@ import { floorOverheads } from './floor.js';
  * plain HTTP round trips to the same server (`GET /api/v1/healthz`, and a 404), interleaved in one
  * Python process (bench/sdk_optim_step.py).
  *
- * Each run also prints where an op's time goes, stage by stage (see stages()), and, with many
- * clients, the engine's idle time between one op's end and the next op's start. After the 1-client
+ * Each run also prints where an op's time goes, stage by stage (see stages()), the CPU time an op
+ * costs the server's process, its engine and Redis (from /proc: a figure that a shared machine's
+ * noise moves far less than latency), and, with many clients, the engine's idle time between one
+ * op's end and the next op's start. After the 1-client
  * run, the floor under it: the same hops (HTTP, one Redis round trip, a pipe to an engine busy as
  * long as that run's ops) with nothing of the broker in them (bench/floor.ts).
  *
@@ -142,16 +145,71 @@ function stages(ops: Op[]): Record<string, number> | null {
   };
 }
 
-type Figures = { clients: number; ops: number; p50: number; p99: number; engineP50: number; engineFbP50: number; engineOsP50: number; clientP50: number; gapP50: number; gapP90: number; stages: Record<string, number> | null };
+type Figures = {
+  clients: number;
+  ops: number;
+  p50: number;
+  p99: number;
+  engineP50: number;
+  engineFbP50: number;
+  engineOsP50: number;
+  clientP50: number;
+  gapP50: number;
+  gapP90: number;
+  stages: Record<string, number> | null;
+  cpuPerOp: CpuPerOp | null;
+};
 
-async function run(base: string, redis: Redis, prefix: string, clients: number, n: number): Promise<Figures> {
+/**
+ * CPU time (user + system) per op of the server's process (API and agent), its engine and Redis,
+ * over the measured ops: what each op costs the machine, which a busy or noisy machine moves far
+ * less than it moves latency. null where /proc cannot tell (not Linux, or Redis elsewhere).
+ */
+type CpuPerOp = { server: number; engine: number | null; redis: number | null };
+type Pids = { server: number; redis: number | null };
+
+const TICK_MS = 10; // USER_HZ is 100 on every Linux this runs on
+function cpuMs(pid: number): number | null {
+  try {
+    const st = readFileSync(`/proc/${pid}/stat`, 'utf8');
+    const f = st.slice(st.lastIndexOf(')') + 2).split(' ');
+    return (Number(f[11]) + Number(f[12])) * TICK_MS;
+  } catch {
+    return null;
+  }
+}
+/** The server's engine: its child process whose command line names the engine module. */
+function enginePid(server: number): number | null {
+  for (const d of readdirSync('/proc')) {
+    if (!/^\d+$/.test(d)) continue;
+    try {
+      const st = readFileSync(`/proc/${d}/stat`, 'utf8');
+      if (Number(st.slice(st.lastIndexOf(')') + 2).split(' ')[1]) === server && readFileSync(`/proc/${d}/cmdline`, 'utf8').includes('tinker_engine')) return Number(d);
+    } catch {
+      // gone meanwhile
+    }
+  }
+  return null;
+}
+function cpuSnapshot(p: Pids): { server: number | null; engine: number | null; redis: number | null; enginePid: number | null } {
+  const e = enginePid(p.server);
+  return { server: cpuMs(p.server), engine: e === null ? null : cpuMs(e), redis: p.redis === null ? null : cpuMs(p.redis), enginePid: e };
+}
+
+async function run(base: string, redis: Redis, prefix: string, clients: number, n: number, pids: Pids | null): Promise<Figures> {
   const session = (await post(base, '/create_session', { tags: [], user_metadata: {}, sdk_version: '0.38.0', type: 'create_session' })).session_id;
   const models: string[] = [];
   for (let i = 0; i < clients; i++) models.push(await createModel(base, session, i));
   // Warm-up: one op pair per model (first calls compile paths in the engine and the API).
   await Promise.all(models.map((m) => client(base, m, 1, 2)));
+  const before = pids && cpuSnapshot(pids);
   const per = await Promise.all(models.map((m) => client(base, m, 3, n)));
+  const after = pids && cpuSnapshot(pids);
   const ops = per.flat();
+  const perOp = (a: number | null | undefined, b: number | null | undefined) => (a == null || b == null ? null : (b - a) / ops.length);
+  const cpu = before && after && before.server !== null && after.server !== null
+    ? { server: perOp(before.server, after.server)!, engine: before.enginePid === after.enginePid ? perOp(before.engine, after.engine) : null, redis: perOp(before.redis, after.redis) }
+    : null;
   await engineTimes(redis, prefix, ops);
   const oh = overheads(ops);
   // The engine's idle time between one op and the next (with many clients: the broker's share of each hand-over).
@@ -169,6 +227,7 @@ async function run(base: string, redis: Redis, prefix: string, clients: number, 
     gapP50: pct(gaps, 0.5),
     gapP90: pct(gaps, 0.9),
     stages: stages(ops),
+    cpuPerOp: cpu,
   };
 }
 
@@ -177,11 +236,14 @@ async function main(): Promise<void> {
   const redis = new Redis(REDIS_URL);
   try {
     await server.start();
-    const one = await run(server.baseUrl, redis, server.prefix, 1, ops1);
+    // Redis's own process, when it runs on this machine (the bench's default, loopback).
+    const redisPid = Number(/process_id:(\d+)/.exec(await redis.info('server'))?.[1]);
+    const pids = server.pid ? { server: server.pid, redis: redisPid && cpuMs(redisPid) !== null ? redisPid : null } : null;
+    const one = await run(server.baseUrl, redis, server.prefix, 1, ops1, pids);
     // The same hops without the broker, its engine busy as long as this run's ops were (bench/floor.ts).
     const fl = await floorOverheads(ops1, one.engineFbP50, one.engineOsP50);
     const floor = { p50: pct(fl, 0.5), p99: pct(fl, 0.99), engineMs: [one.engineFbP50, one.engineOsP50] };
-    const many = await run(server.baseUrl, redis, server.prefix, 64, ops64);
+    const many = await run(server.baseUrl, redis, server.prefix, 64, ops64, pids);
     const sdk = server.runPython([fileURLToPath(new URL('./sdk_optim_step.py', import.meta.url)), TINY_MODEL_ALIAS, String(sdkSteps)]);
     const load = (await import('node:os')).loadavg()[0]!;
     const out = { one, floor, many, sdk, load };
@@ -196,6 +258,8 @@ async function main(): Promise<void> {
       );
       if (r.stages) console.log(`  stages p50 (ms): ${Object.entries(r.stages).map(([k, v]) => `${k} ${f(v)}`).join(', ')}`);
       if (r.clients > 1) console.log(`  engine idle between consecutive ops (ms): p50 ${f(r.gapP50)}, p90 ${f(r.gapP90)}`);
+      const c = r.cpuPerOp;
+      if (c) console.log(`  CPU per op (ms, user + system): API and agent ${f(c.server)}, engine ${c.engine === null ? '-' : f(c.engine)}, Redis ${c.redis === null ? '-' : f(c.redis)}`);
       if (r === one)
         console.log(
           `  floor (the same hops without the broker, bench/floor.ts, engine ${f(floor.engineMs[0]!)} / ${f(floor.engineMs[1]!)} ms): overhead p50 ${f(floor.p50)} ms, p99 ${f(floor.p99)} ms; the broker adds ${f(one.p50 - floor.p50)} ms at p50`,
