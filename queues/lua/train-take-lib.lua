@@ -5,8 +5,8 @@
   is free, so the op starts now), its outcome's claim as queues/lua/outcome-claim.lua makes it. The
   queue has one consumer, its agent: the marker that wakes a blocked consumer is removed once the wait
   list is empty (BullMQ's moveToActive leaves one behind for other workers, which costs the one
-  consumer an empty moveToActive per job). Only queues/ may know this layout; BullMQ's own
-  moveToFinished ends the job.
+  consumer an empty moveToActive per job). Only queues/ may know this layout; the op's done record
+  ends the job (bullmq-job.lua bullCompleteJob), else BullMQ's own moveToFinished.
 
   Used by queues/lua/train-take.lua (the agent's take) and queues/lua/gate-submit.lua (the take a
   submit makes for the agent in the API's own process, which is then handed the job in memory).
