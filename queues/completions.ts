@@ -76,9 +76,10 @@ export function signalLocally(channel: string, message: string): void {
  * Training ops that an agent of this process runs and will hand over (handOverLocally) when it ends
  * them: a submit here handed the op's job to its consumer here (queues/train-consumer.ts handOff).
  * By `<channel> <job id>`, the tenant the future was issued to. A retrieve_future here for such an
- * op waits for the hand-over without reading Redis (api/futures.ts); nothing else can end the op
- * first, since its outcome is recorded only by this agent (or, once this agent is dead, by a reaper
- * elsewhere, when this process is gone too).
+ * op waits for the hand-over without reading Redis (api/futures.ts): the agent ends every op it
+ * runs with one (a failure too), or lets it go (handOverDone). As for any early hand-over, the
+ * answer is what ran, even in the rare case that a reaper elsewhere counted this process's agent
+ * dead meanwhile and failed the op in Redis.
  */
 const expected = new Map<string, string>();
 

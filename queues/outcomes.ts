@@ -91,8 +91,8 @@ export class Outcomes {
    * first and answer; it is sent once their answers are written, the script applies the read-once
    * expiries they registered and publishes no message when this process's subscriptions are the
    * channel's only ones (queues/completions.ts). This process's waiters not handed it (none without
-   * `early`) are signalled once it is recorded. `end` (a done record): the op's job is ended as completed in the same script when
-   * the record is written (CompletedEnd).
+   * `early`) are signalled once it is recorded. `end` (a done record): the op's job is ended as
+   * completed in the same script when the record is written (CompletedEnd).
    */
   async finish(
     jobId: string,
