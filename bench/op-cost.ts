@@ -1,10 +1,10 @@
-import { readFileSync } from 'node:fs';
 import { Redis } from 'ioredis';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
 import { E2EServer } from '../test/e2e/server.js';
 import { REDIS_URL } from '../test/helpers/stack.js';
 import { encodeForwardBackward } from '../test/helpers/wire.js';
 import { BENCH_ADAM, benchBatch, post, result, runBench } from './client.js';
+import { children, cpuMs } from './proc.js';
 
 /**
  * What one training op costs the machine, in figures that its load hardly moves (bench/overhead.ts
@@ -28,16 +28,6 @@ const sampleMode = positional[0] === 'sample';
 const ops = Number((sampleMode ? positional[1] : positional[0]) ?? (sampleMode ? 32 : 200));
 const rounds = Number((sampleMode ? positional[2] : undefined) ?? 5);
 const json = process.argv.includes('--json');
-
-/** CPU ms a process has used (utime + stime; clock ticks of 10 ms). */
-function cpuMs(pid: number): number {
-  const f = readFileSync(`/proc/${pid}/stat`, 'utf8').split(') ')[1]!.split(' ');
-  return (Number(f[11]) + Number(f[12])) * 10;
-}
-
-function children(pid: number): number[] {
-  return readFileSync(`/proc/${pid}/task/${pid}/children`, 'utf8').trim().split(/\s+/).filter(Boolean).map(Number);
-}
 
 /** Counts the round trips of the clients whose commands name `prefix`, until `stop()`. */
 async function countRoundTrips(prefix: string): Promise<{ count: () => number; lines: () => number; stop: () => void }> {
@@ -93,14 +83,14 @@ async function sampleCost(): Promise<void> {
     const broker = server.pid!;
     const engine = children(broker)[0]!;
     const trips = await countRoundTrips(server.prefix);
-    const [b0, e0] = [cpuMs(broker), cpuMs(engine)];
+    const [b0, e0] = [cpuMs(broker)!, cpuMs(engine)!];
     const times: number[] = [];
     for (let r = 0; r < rounds; r++) {
       const t = performance.now();
       await round();
       times.push(performance.now() - t);
     }
-    const [b1, e1] = [cpuMs(broker), cpuMs(engine)];
+    const [b1, e1] = [cpuMs(broker)!, cpuMs(engine)!];
     await new Promise((r) => setTimeout(r, 300));
     trips.stop();
     const reqs = n * rounds;
@@ -148,14 +138,14 @@ async function main(): Promise<void> {
     const broker = server.pid!;
     const engine = children(broker)[0]!;
     const trips = await countRoundTrips(server.prefix);
-    const [b0, e0] = [cpuMs(broker), cpuMs(engine)];
+    const [b0, e0] = [cpuMs(broker)!, cpuMs(engine)!];
     const times: number[] = [];
     for (let seq = 11; seq < 11 + ops; seq++) {
       const t = performance.now();
       await op(seq);
       times.push(performance.now() - t);
     }
-    const [b1, e1] = [cpuMs(broker), cpuMs(engine)];
+    const [b1, e1] = [cpuMs(broker)!, cpuMs(engine)!];
     // The last op's trailing commands (metrics, the read-once expiry) land after its answer.
     await new Promise((r) => setTimeout(r, 300));
     trips.stop();

@@ -1,4 +1,3 @@
-import { readdirSync, readFileSync } from 'node:fs';
 import { performance } from 'node:perf_hooks';
 import { fileURLToPath } from 'node:url';
 import { Job, Queue } from 'bullmq';
@@ -9,6 +8,7 @@ import { REDIS_URL } from '../test/helpers/stack.js';
 import { encodeForwardBackward } from '../test/helpers/wire.js';
 import { BENCH_ADAM, benchBatch, post, result, runBench } from './client.js';
 import { floorOverheads } from './floor.js';
+import { children, cmdline, cpuMs } from './proc.js';
 
 /**
  * Broker overhead per training op, against the server as a user starts it (`tinker-broker start`:
@@ -168,28 +168,9 @@ type Figures = {
 type CpuPerOp = { server: number; engine: number | null; redis: number | null };
 type Pids = { server: number; redis: number | null };
 
-const TICK_MS = 10; // USER_HZ is 100 on every Linux this runs on
-function cpuMs(pid: number): number | null {
-  try {
-    const st = readFileSync(`/proc/${pid}/stat`, 'utf8');
-    const f = st.slice(st.lastIndexOf(')') + 2).split(' ');
-    return (Number(f[11]) + Number(f[12])) * TICK_MS;
-  } catch {
-    return null;
-  }
-}
-/** The server's engine: its child process whose command line names the engine module. */
+/** The server's engine: its child process running the engine module. */
 function enginePid(server: number): number | null {
-  for (const d of readdirSync('/proc')) {
-    if (!/^\d+$/.test(d)) continue;
-    try {
-      const st = readFileSync(`/proc/${d}/stat`, 'utf8');
-      if (Number(st.slice(st.lastIndexOf(')') + 2).split(' ')[1]) === server && readFileSync(`/proc/${d}/cmdline`, 'utf8').includes('tinker_engine')) return Number(d);
-    } catch {
-      // gone meanwhile
-    }
-  }
-  return null;
+  return children(server).find((c) => cmdline(c).includes('tinker_engine')) ?? null;
 }
 function cpuSnapshot(p: Pids): { server: number | null; engine: number | null; redis: number | null; enginePid: number | null } {
   const e = enginePid(p.server);

@@ -1,4 +1,3 @@
-import { readFileSync } from 'node:fs';
 import os from 'node:os';
 import { performance } from 'node:perf_hooks';
 import { spawnSync } from 'node:child_process';
@@ -7,6 +6,7 @@ import { logger } from '../queues/logger.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
 import { E2EServer } from '../test/e2e/server.js';
 import { awaitFuture, call, startStack, type TestStack } from '../test/helpers/stack.js';
+import { children } from './proc.js';
 
 /**
  * Sampling throughput through the whole stack (HTTP → BullMQ → agent → torch engine on the CPU).
@@ -104,15 +104,8 @@ async function ratio(n: number, maxTokens: number, promptLen: number, rounds: nu
 /** `name=pid` of the start command's process (API + agent), its engine child and a local redis-server, where /proc shows them. */
 function benchPids(serverPid: number | undefined): string {
   if (serverPid === undefined) return '';
-  const read = (f: string) => {
-    try {
-      return readFileSync(f, 'utf8');
-    } catch {
-      return '';
-    }
-  };
   const pids = [`api+agent=${serverPid}`];
-  const engine = read(`/proc/${serverPid}/task/${serverPid}/children`).trim().split(/\s+/).filter(Boolean)[0];
+  const engine = children(serverPid)[0];
   if (engine) pids.push(`engine=${engine}`);
   const redis = spawnSync('pgrep', ['-x', 'redis-server'], { encoding: 'utf8' }).stdout?.trim().split(/\s+/)[0];
   if (redis) pids.push(`redis=${redis}`);
