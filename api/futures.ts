@@ -1,5 +1,5 @@
 import type { Redis } from 'ioredis';
-import { Completions, handOverExpected, type ReadOnceExpiry, type Wake } from '../queues/completions.js';
+import { Completions, handOverExpected, takeKept, type ReadOnceExpiry, type Wake } from '../queues/completions.js';
 import { decodeJobFailure, failure, outcomeUnknownMessage, recordedFailure, type Failure } from '../queues/errors.js';
 import { decodeRequestId, encodeRequestId, type FutureRef } from '../queues/futures.js';
 import type { OrderingGate } from '../queues/gate.js';
@@ -106,7 +106,11 @@ export class FutureResolver {
   /** A training op's future: its owner, its outcome, else what keeps it pending or failed, read in one round trip. */
   private async trainState(ref: FutureRef, tenant: string): Promise<FutureState> {
     // Running in this process's agent, submitted by this tenant: it is handed over here when it ends.
-    if (handOverExpected(this.names.outcomesChannel(), ref.jobId) === tenant) return { kind: 'pending', queueState: 'active' };
+    const channel = this.names.outcomesChannel();
+    if (handOverExpected(channel, ref.jobId) === tenant) return { kind: 'pending', queueState: 'active' };
+    // Handed over a moment ago by this process's agent, with no one waiting here then: answered from the record kept here.
+    const kept = takeKept(channel, ref.jobId, tenant);
+    if (kept) return this.answered(ref, kept.record, kept.written);
     const agentId = ref.queue.slice('train-'.length);
     const read = (await runScript(
       this.redis,
@@ -207,9 +211,21 @@ export class FutureResolver {
     if (wake?.record === undefined) return null;
     const o = typeof wake.record === 'string' ? Outcome.parse(JSON.parse(wake.record)) : wake.record;
     if (o.state === 'running') return null;
-    if (!this.keepsOutcome(ref) && !wake.expiryTaken) {
+    return this.answered(ref, o, wake.expiryTaken ? null : Promise.resolve());
+  }
+
+  /**
+   * The answer from a final record this process was given (a signal, or a record kept here). Its
+   * read-once expiry is applied once this turn of the event loop is over, after `written` (the
+   * record's own write, which would otherwise set its full lifetime over the expiry), unless the
+   * record's sender applies it (`written` null).
+   */
+  private answered(ref: FutureRef, o: Outcome, written: Promise<void> | null): FutureState {
+    if (!this.keepsOutcome(ref) && written) {
       const training = ref.queue.startsWith('train-');
-      setImmediate(() => this.expireOnceRead(ref, training).catch((e) => logger.debug('read-once expiry not set', { jobId: ref.jobId, error: String(e) })));
+      void written.then(() =>
+        setImmediate(() => this.expireOnceRead(ref, training).catch((e) => logger.debug('read-once expiry not set', { jobId: ref.jobId, error: String(e) }))),
+      );
     }
     return this.fromOutcome(o);
   }

@@ -105,16 +105,67 @@ export function handOverDone(channel: string, jobId: string): void {
 /**
  * Hands a training op's final record to the waiters of this process on `channel` before it is
  * recorded (queues/outcomes.ts Outcomes.finish, early): how many it woke, the read-once expiries
- * they registered, for the script that records it to apply, and how many subscriptions of this
- * process it went through (the script sends no message when they are the channel's only ones).
+ * they registered, for the script that records it to apply, how many subscriptions of this
+ * process it went through (the script sends no message when they are the channel's only ones), and
+ * the tenant its future was issued to when a submit here handed the op to this process's agent.
  */
-export function handOverLocally(channel: string, jobId: string, record: Outcome): { woken: number; expiries: ReadOnceExpiry[]; subscriptions: number } {
-  expected.delete(`${channel} ${jobId}`);
+export function handOverLocally(
+  channel: string,
+  jobId: string,
+  record: Outcome,
+): { woken: number; expiries: ReadOnceExpiry[]; subscriptions: number; tenant: string | undefined } {
+  const key = `${channel} ${jobId}`;
+  const tenant = expected.get(key);
+  expected.delete(key);
   const expiries: ReadOnceExpiry[] = [];
   let woken = 0;
   const mine = local.get(channel) ?? new Set();
   for (const c of mine) woken += c.wakeAll(jobId, record, expiries);
-  return { woken, expiries, subscriptions: mine.size };
+  return { woken, expiries, subscriptions: mine.size, tenant };
+}
+
+/**
+ * Final records of ops that this process's agent ran for a submit here and handed over while no
+ * waiter here waited for them: the client's retrieve_future usually comes a moment later (the SDK
+ * asks for the result after its submit's answer, and a short op ends first) and answers from here
+ * without reading Redis (`takeKept`). Kept from the hand-over, while the record is on its way to
+ * Redis (`written` settles once the script that records it has answered; a read-once expiry goes
+ * after it), until the first read, for at most KEPT_RECORD_MS; the newest KEPT_RECORDS_MAX of them,
+ * each small enough to travel in a completion signal (a larger one is read from Redis). A record
+ * that lost to another one standing in Redis (the reaper's OUTCOME_UNKNOWN) is no longer kept once
+ * that is known (`dropKept`): a read before that answers what ran, as a waiter handed it does. By
+ * `<channel> <job id>`, in the order kept.
+ */
+const kept = new Map<string, { tenant: string; record: Outcome; written: Promise<void>; until: number }>();
+export const KEPT_RECORD_MS = 10_000;
+export const KEPT_RECORDS_MAX = 256;
+
+/** Keeps a record handed over with no one waiting for the first read of its future here, by `tenant` (Outcomes.finish). */
+export function keepHandedOver(channel: string, jobId: string, tenant: string, record: Outcome, written: Promise<void>, now = Date.now()): void {
+  const key = `${channel} ${jobId}`;
+  kept.delete(key);
+  kept.set(key, { tenant, record, written, until: now + KEPT_RECORD_MS });
+  for (const [k, v] of kept) {
+    if (kept.size <= KEPT_RECORDS_MAX && v.until > now) break;
+    kept.delete(k);
+  }
+}
+
+/** The record is not kept any longer (another record stands in Redis). */
+export function dropKept(channel: string, jobId: string): void {
+  kept.delete(`${channel} ${jobId}`);
+}
+
+/**
+ * The record kept for the op's first read, when `tenant` is the one its future was issued to (it is
+ * then no longer kept), and when its write to Redis has settled.
+ */
+export function takeKept(channel: string, jobId: string, tenant: string, now = Date.now()): { record: Outcome; written: Promise<void> } | undefined {
+  const key = `${channel} ${jobId}`;
+  const k = kept.get(key);
+  if (!k || k.tenant !== tenant) return undefined;
+  kept.delete(key);
+  return k.until > now ? { record: k.record, written: k.written } : undefined;
 }
 
 export class Completions {

@@ -1,7 +1,7 @@
 import type { Redis } from 'ioredis';
 import { z } from 'zod';
 import type { Names } from './names.js';
-import { handOverLocally, signalLocally, signalMessage, SIGNALLED_RECORD_MAX_BYTES } from './completions.js';
+import { dropKept, handOverLocally, keepHandedOver, signalLocally, signalMessage, SIGNALLED_RECORD_MAX_BYTES } from './completions.js';
 import { runScript } from './scripts.js';
 
 /**
@@ -90,8 +90,9 @@ export class Outcomes {
    * `early` (the agent, with the op's result in hand): this process's waiters are handed the record
    * first and answer; it is sent once their answers are written, the script applies the read-once
    * expiries they registered and publishes no message when this process's subscriptions are the
-   * channel's only ones (queues/completions.ts). This process's waiters not handed it (none without
-   * `early`) are signalled once it is recorded. `end` (a done record): the op's job is ended as
+   * channel's only ones (queues/completions.ts). With no waiter here to hand it to, it is kept here
+   * for the first read of its future (keepHandedOver), when a submit here gave the op to this agent.
+   * This process's waiters not handed it (none without `early`) are signalled once it is recorded. `end` (a done record): the op's job is ended as
    * completed in the same script when the record is written (CompletedEnd).
    */
   async finish(
@@ -105,25 +106,38 @@ export class Outcomes {
     const { state, ...rest } = final;
     const rec: Outcome = { state, ...rest, token: token || 'reaper', at: new Date().toISOString() };
     const channel = this.names.outcomesChannel();
-    const { woken, expiries, subscriptions } = early ? handOverLocally(channel, jobId, rec) : { woken: 0, expiries: [], subscriptions: 0 };
-    // After the waiters' answers: they are written in the promise jobs that handing over queued
-    // (the HTTP answer is a synchronous socket write), and a tick runs once those have run.
-    if (woken) await new Promise((r) => process.nextTick(r));
     const json = JSON.stringify(rec);
-    const prev = (await runScript(
-      this.redis,
-      'outcome-finish',
-      [this.key(jobId), ...new Set(expiries.flatMap((e) => e.keys))],
-      [
-        json, this.ttlS, token, channel, jobId, SIGNALLED_RECORD_MAX_BYTES, Math.min(...expiries.map((e) => e.ms), 0x7fffffff), subscriptions,
-        ...(end && state === 'done' ? [end.queuePrefix, end.lockToken, Date.now()] : []),
-      ],
-    )) as string | number | null;
-    if (typeof prev === 'string') return Outcome.parse(JSON.parse(prev));
+    const message = signalMessage(jobId, json);
+    const { woken, expiries, subscriptions, tenant } = early ? handOverLocally(channel, jobId, rec) : { woken: 0, expiries: [], subscriptions: 0, tenant: undefined };
+    // No one here has it yet: a record small enough for a message is kept for the first read of its
+    // future here, from now on (queues/completions.ts keepHandedOver).
+    let written = (): void => undefined;
+    if (!woken && tenant !== undefined && message !== jobId) keepHandedOver(channel, jobId, tenant, rec, new Promise<void>((r) => (written = r)));
+    let prev: string | number | null;
+    try {
+      // After the waiters' answers: they are written in the promise jobs that handing over queued
+      // (the HTTP answer is a synchronous socket write), and a tick runs once those have run.
+      if (woken) await new Promise((r) => process.nextTick(r));
+      prev = (await runScript(
+        this.redis,
+        'outcome-finish',
+        [this.key(jobId), ...new Set(expiries.flatMap((e) => e.keys))],
+        [
+          json, this.ttlS, token, channel, jobId, SIGNALLED_RECORD_MAX_BYTES, Math.min(...expiries.map((e) => e.ms), 0x7fffffff), subscriptions,
+          ...(end && state === 'done' ? [end.queuePrefix, end.lockToken, Date.now()] : []),
+        ],
+      )) as string | number | null;
+    } finally {
+      written();
+    }
+    if (typeof prev === 'string') {
+      dropKept(channel, jobId);
+      return Outcome.parse(JSON.parse(prev));
+    }
     if (typeof prev === 'number') end!.ended = prev;
     // Recorded (and published, unless only this process listens): this process's waiters answer now,
     // after a hand-over those that came since (they found the record running, and no message comes).
-    signalLocally(channel, signalMessage(jobId, json));
+    signalLocally(channel, message);
     return rec;
   }
 

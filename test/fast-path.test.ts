@@ -3,11 +3,28 @@ import { Redis as RedisClient, type Redis } from 'ioredis';
 import { tenantId } from '../api/auth.js';
 import { encodeRequestId } from '../queues/futures.js';
 import { Names } from '../queues/names.js';
-import { expectHandOver, handOverDone, sampleEndSignal, signalLocally, signalMessage } from '../queues/completions.js';
+import { expectHandOver, handOverDone, KEPT_RECORD_MS, KEPT_RECORDS_MAX, keepHandedOver, sampleEndSignal, signalLocally, signalMessage, takeKept } from '../queues/completions.js';
 import { Outcomes, SIGNALLED_RECORD_MAX_BYTES } from '../queues/outcomes.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
 import { API_KEY, API_KEY_B, awaitFuture, call, REDIS_URL, startStack, type TestStack } from './helpers/stack.js';
 import { encodeForwardBackward } from './helpers/wire.js';
+
+/** Redis commands the API of `s` sends while `fn` runs. */
+async function commands(s: TestStack, fn: () => Promise<unknown>): Promise<string[]> {
+  const redis = s.built.ctx.redis as Redis & { sendCommand: (c: { name: string; args: unknown[] }) => unknown };
+  const seen: string[] = [];
+  const orig = redis.sendCommand;
+  redis.sendCommand = function (this: Redis, c: { name: string; args: unknown[] }) {
+    seen.push(`${c.name} ${c.args.map(String).join(' ').slice(0, 500)}`);
+    return orig.call(this, c as never);
+  } as typeof redis.sendCommand;
+  try {
+    await fn();
+  } finally {
+    redis.sendCommand = orig;
+  }
+  return seen;
+}
 
 /**
  * The submit of a training op is at most 3 Redis round trips (issue 10): the route reads the model,
@@ -22,23 +39,6 @@ describe('fast path', () => {
   });
   after(async () => s?.stop());
 
-  /** Redis commands the API sends while `fn` runs. */
-  async function commands(fn: () => Promise<unknown>): Promise<string[]> {
-    const redis = s.built.ctx.redis as Redis & { sendCommand: (c: { name: string; args: unknown[] }) => unknown };
-    const seen: string[] = [];
-    const orig = redis.sendCommand;
-    redis.sendCommand = function (this: Redis, c: { name: string; args: unknown[] }) {
-      seen.push(`${c.name} ${c.args.map(String).join(' ').slice(0, 500)}`);
-      return orig.call(this, c as never);
-    } as typeof redis.sendCommand;
-    try {
-      await fn();
-    } finally {
-      redis.sendCommand = orig;
-    }
-    return seen;
-  }
-
   it('submits forward_backward and optim_step in at most 3 Redis round trips each', async () => {
     const session = (await call(s.baseUrl, 'POST', '/create_session', { tags: [] })).json.session_id;
     const cm = await call(s.baseUrl, 'POST', '/create_model', { session_id: session, model_seq_id: 0, base_model: TINY_MODEL_ALIAS, lora_config: { rank: 4 } });
@@ -51,7 +51,7 @@ describe('fast path', () => {
       for (const op of ['forward_backward', 'optim_step'] as const) {
         const seqId = seq++;
         let requestId = '';
-        const seen = await commands(async () => {
+        const seen = await commands(s, async () => {
           const r =
             op === 'forward_backward'
               ? await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: encodeForwardBackward({ modelId, seqId, data: [datum] }) })
@@ -80,7 +80,7 @@ describe('fast path', () => {
       // Another tenant asks first: it reads Redis (the future's owner) and finds nothing of its own.
       expect((await s.built.ctx.futures.retrieve(r.json.request_id, tenantId(API_KEY_B), 10)).kind).to.equal('unknown');
       let st: { kind: string; result?: { loss_fn_outputs: unknown[] } } | undefined;
-      const seen = await commands(async () => (st = (await s.built.ctx.futures.retrieve(r.json.request_id, tenantId(API_KEY), 30_000)) as typeof st));
+      const seen = await commands(s, async () => (st = (await s.built.ctx.futures.retrieve(r.json.request_id, tenantId(API_KEY), 30_000)) as typeof st));
       expect(st?.kind, JSON.stringify(st)).to.equal('done');
       expect(st!.result!.loss_fn_outputs).to.have.length(1);
       // No read of the future (its script names the agent's reaped key); the record's own script may follow.
@@ -102,7 +102,7 @@ describe('fast path', () => {
     let signalled = 0;
     for (let seqId = 0; seqId < 5; seqId++) {
       let requestId = '';
-      const sub = await commands(async () => {
+      const sub = await commands(s, async () => {
         const r = await call(s.baseUrl, 'POST', '/asample', {
           prompt: { chunks: [{ type: 'encoded_text', tokens: [5, 17, 42, 99] }] },
           num_samples: 1,
@@ -115,7 +115,7 @@ describe('fast path', () => {
       });
       if (!submit || sub.length < submit.length) submit = sub;
       const tenant = tenantId(API_KEY);
-      const ret = await commands(async () => {
+      const ret = await commands(s, async () => {
         const st = await s.built.ctx.futures.retrieve(requestId, tenant, 5_000);
         expect(st.kind, JSON.stringify(st)).to.equal('done');
         expect((st as { result: { sequences: unknown[] } }).result.sequences).to.have.length(1);
@@ -308,6 +308,71 @@ describe('fast path: a training op answered from its completion signal', () => {
       observer.disconnect();
       listener.disconnect();
     }
+  });
+
+  for (const when of ['recorded', 'on its way to Redis'] as const)
+    it(`answers an op this process's agent ended before its client asked (${when}) from the record kept here, once, for its own tenant`, async () => {
+      const ctx = s.built.ctx;
+      const names = new Names(s.prefix);
+      const tenant = tenantId(API_KEY);
+      const jobId = `t-fastpathkept-${when === 'recorded' ? 1 : 2}`;
+      const requestId = encodeRequestId({ queue: 'train-agent-fastpath', jobId });
+      await ctx.registry.futures.setOwner(requestId, tenant, 600);
+      await other.hset(ctx.queues.jobKey('train-agent-fastpath', jobId), 'name', 'optim_step');
+      const reads = async (who: string) => {
+        const seen = await commands(s, async () =>
+          expect(await ctx.futures.retrieve(requestId, who, 1_000)).to.deep.include(who === tenant ? { kind: 'done', result: { metrics: { kept: 1 } } } : { kind: 'unknown' }),
+        );
+        return seen.filter((c) => c.startsWith('evalsha ') && c.includes(jobId)).length;
+      };
+      // A submit here handed the op to this process's agent, which ran it and hands it over with no one waiting.
+      expectHandOver(names.outcomesChannel(), jobId, tenant);
+      const recorded = new Outcomes(other, names, 3_600).finish(jobId, 'x', { state: 'done', op: 'optim_step', agent_id: 'agent-fastpath', result: { metrics: { kept: 1 } } }, true);
+      if (when === 'recorded') {
+        await recorded;
+        // Another tenant reads Redis, finds nothing of its own, and leaves the record kept for its owner.
+        expect(await reads(tenantId(API_KEY_B))).to.equal(1);
+        expect(await other.pttl(names.outcome(jobId))).to.be.above(300_000);
+      }
+      // The owner's first read answers from here; the read-once expiry follows the answer, and the record's own write.
+      expect(await reads(tenant)).to.equal(0);
+      await recorded;
+      for (let i = 0; i < 50 && (await other.pttl(names.outcome(jobId))) > 300_000; i++) await new Promise((r) => setTimeout(r, 20));
+      expect(JSON.parse((await other.get(names.outcome(jobId)))!)).to.deep.include({ state: 'done', result: { metrics: { kept: 1 } } });
+      for (const key of [names.outcome(jobId), ctx.queues.jobKey('train-agent-fastpath', jobId), names.futureOwner(requestId)])
+        expect(await other.pttl(key), key).to.be.within(1, 300_000);
+      // A second read (a client's retry) reads Redis, which holds the same record.
+      expect(await reads(tenant)).to.equal(1);
+    });
+
+  it('keeps an op handed over for its first read for a while, and the newest ones only', () => {
+    const channel = new Names(`${s.prefix}-kept`).outcomesChannel();
+    const rec = (i: number) => ({ state: 'done' as const, op: 'optim_step', agent_id: 'a', token: 't', at: 'now', result: { i } });
+    const t0 = 1_000_000;
+    const keep = (jobId: string, i: number) => keepHandedOver(channel, jobId, 'k1', rec(i), Promise.resolve(), t0);
+    keep('t-old-1', 0);
+    expect(takeKept(channel, 't-old-1', 'k1', t0 + KEPT_RECORD_MS)).to.equal(undefined);
+    for (let i = 0; i <= KEPT_RECORDS_MAX; i++) keep(`t-many-${i}`, i);
+    expect(takeKept(channel, 't-many-0', 'k1', t0), 'the oldest past the bound').to.equal(undefined);
+    expect(takeKept(channel, 't-many-1', 'k2', t0), 'another tenant').to.equal(undefined);
+    expect(takeKept(channel, 't-many-1', 'k1', t0)?.record).to.deep.include({ result: { i: 1 } });
+    expect(takeKept(channel, 't-many-1', 'k1', t0), 'taken once').to.equal(undefined);
+    expect(takeKept(channel, `t-many-${KEPT_RECORDS_MAX}`, 'k1', t0 + KEPT_RECORD_MS - 1)?.record).to.deep.include({ result: { i: KEPT_RECORDS_MAX } });
+    for (let i = 0; i <= KEPT_RECORDS_MAX; i++) takeKept(channel, `t-many-${i}`, 'k1', t0);
+  });
+
+  it("keeps no record that lost to another standing in Redis (the reaper's)", async () => {
+    const ctx = s.built.ctx;
+    const names = new Names(s.prefix);
+    const tenant = tenantId(API_KEY);
+    const jobId = 't-fastpathlost-1';
+    const requestId = encodeRequestId({ queue: 'train-agent-fastpath', jobId });
+    await ctx.registry.futures.setOwner(requestId, tenant, 600);
+    await new Outcomes(other, names, 3_600).failUnknown(jobId, 'optim_step', 'agent-fastpath', 'reaped');
+    expectHandOver(names.outcomesChannel(), jobId, tenant);
+    const stands = await new Outcomes(other, names, 3_600).finish(jobId, 'x', { state: 'done', op: 'optim_step', agent_id: 'agent-fastpath', result: { metrics: {} } }, true);
+    expect(stands).to.deep.include({ state: 'failed', code: 'OUTCOME_UNKNOWN' });
+    expect(await ctx.futures.retrieve(requestId, tenant, 1_000)).to.deep.include({ kind: 'failed', code: 'OUTCOME_UNKNOWN' });
   });
 
   it('answers from the message on Redis alone (the agent in another process)', async () => {
