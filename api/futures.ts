@@ -35,6 +35,9 @@ export type FutureState =
   | { kind: 'pending'; queueState: 'active'; heldModel?: string }
   | { kind: 'unknown' };
 
+/** How long a read-once expiry given without a read of Redis waits for others to go with it (FutureResolver.expireLater). */
+export const EXPIRY_BATCH_MS = 20;
+
 const QUEUE_NAME = /^(train|sample)-[A-Za-z0-9_.-]{1,128}$/;
 /** The job ids the API issues (queues/names.ts jobIds); anything else names no future. */
 const JOB_ID = /^[ctuls]-[A-Za-z0-9-]{1,200}$/;
@@ -222,12 +225,35 @@ export class FutureResolver {
    */
   private answered(ref: FutureRef, o: Outcome, written: Promise<void> | null): FutureState {
     if (!this.keepsOutcome(ref) && written) {
-      const training = ref.queue.startsWith('train-');
-      void written.then(() =>
-        setImmediate(() => this.expireOnceRead(ref, training).catch((e) => logger.debug('read-once expiry not set', { jobId: ref.jobId, error: String(e) }))),
-      );
+      const keys = this.readOnceKeys(ref, ref.queue.startsWith('train-'));
+      void written.then(() => this.expireLater(keys));
     }
     return this.fromOutcome(o);
+  }
+
+  /**
+   * Read-once expiries of answers given without a read of Redis, sent together: the first one waits
+   * EXPIRY_BATCH_MS for others, then all go in one pipeline (one write and one round trip for the
+   * reads of many ops, after their answers are out). By key; a process that stops first sends them
+   * on close, or, killed, leaves those keys their full lifetime.
+   */
+  private expiries = new Set<string>();
+  private expiryTimer: NodeJS.Timeout | null = null;
+
+  private expireLater(keys: string[]): void {
+    for (const k of keys) this.expiries.add(k);
+    this.expiryTimer ??= setTimeout(() => void this.sendExpiries(), EXPIRY_BATCH_MS);
+  }
+
+  private async sendExpiries(): Promise<void> {
+    const keys = [...this.expiries];
+    this.expiries.clear();
+    if (this.expiryTimer) clearTimeout(this.expiryTimer);
+    this.expiryTimer = null;
+    if (keys.length === 0) return;
+    const p = this.redis.pipeline();
+    for (const k of keys) p.call('PEXPIRE', k, this.ttlAfterReadS * 1000, 'LT');
+    await p.exec().catch((e) => logger.debug('read-once expiries not set', { keys: keys.length, error: String(e) }));
   }
 
   /** What `expireOnceRead` does for a future, for a signal's sender to apply (none for a record kept). */
@@ -266,7 +292,8 @@ export class FutureResolver {
     }
   }
 
-  close(): Promise<void> {
+  async close(): Promise<void> {
+    await this.sendExpiries();
     return this.completions.close();
   }
 }

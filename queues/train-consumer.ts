@@ -26,6 +26,13 @@ export type TakenTrainJob = {
   token: string;
   /** `data` is the TrainJob the gate in this process parsed before admitting it (a submit's own op, handed over): not parsed again. */
   parsed?: true;
+  /**
+   * Handed over by a submit in this process whose HTTP answer is written in this turn of the event
+   * loop, once the handing over returns: the agent starts the engine's call after it (the client has
+   * its answer, and sends its next request, a fraction of a millisecond sooner; the engine starts as
+   * much later).
+   */
+  answering?: true;
   /** For the op's done record (Outcomes.finish): the job then ends in the same script, not in BullMQ's after it. */
   end: CompletedEnd;
 };
@@ -236,7 +243,7 @@ export class TrainConsumer {
           if (claimed !== -1) ['name', 'opts', 'timestamp', 'ats', 'atm'].forEach((k, i) => f[i] != null && (raw[k] = f[i]!));
           const data = id === submitted.id ? submitted.data : f[5] == null ? undefined : JSON.parse(f[5]);
           const t = this.received(id, more, Math.max(claimed, 0), prev, raw, data, submitted.at);
-          if (id === submitted.id && submitted.data !== undefined) t.taken.parsed = true;
+          if (id === submitted.id && submitted.data !== undefined) t.taken.parsed = t.taken.answering = true;
           // Its future, asked for here, waits for this agent's hand-over without reading Redis.
           if (id === submitted.id && t.job && submitted.tenant) expectHandOver(this.names.outcomesChannel(), id, submitted.tenant);
           if (t.job) this.run(t.job, t.taken);

@@ -1,3 +1,4 @@
+import http from 'node:http';
 import { expect } from 'chai';
 import { Redis as RedisClient, type Redis } from 'ioredis';
 import { tenantId } from '../api/auth.js';
@@ -8,6 +9,7 @@ import { Outcomes, SIGNALLED_RECORD_MAX_BYTES } from '../queues/outcomes.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
 import { API_KEY, API_KEY_B, awaitFuture, call, REDIS_URL, startStack, type TestStack } from './helpers/stack.js';
 import { encodeForwardBackward } from './helpers/wire.js';
+import { EngineProcess } from '../workers/engine.js';
 
 /** Redis commands the API of `s` sends while `fn` runs. */
 async function commands(s: TestStack, fn: () => Promise<unknown>): Promise<string[]> {
@@ -66,6 +68,36 @@ describe('fast path', () => {
       }
     }
     for (const op of ['forward_backward', 'optim_step']) expect(counts[op]!.length, `${op}: ${counts[op]!.join(', ')}`).to.be.at.most(3);
+  });
+
+  it('answers the submit of an op it hands to its own agent before the engine is called', async () => {
+    const session = (await call(s.baseUrl, 'POST', '/create_session', { tags: [] })).json.session_id;
+    const cm = await call(s.baseUrl, 'POST', '/create_model', { session_id: session, model_seq_id: 0, base_model: TINY_MODEL_ALIAS, lora_config: { rank: 4 } });
+    const modelId = (await awaitFuture(s.baseUrl, cm.json.request_id)).json.model_id;
+    const events: string[] = [];
+    const end = http.ServerResponse.prototype.end;
+    const engineCall = EngineProcess.prototype.call;
+    http.ServerResponse.prototype.end = function (this: http.ServerResponse, ...a: unknown[]) {
+      events.push(`answer ${(this.req as { originalUrl?: string }).originalUrl}`);
+      return (end as (...x: unknown[]) => http.ServerResponse).apply(this, a);
+    } as typeof end;
+    EngineProcess.prototype.call = function (this: EngineProcess, op: string, args: unknown) {
+      events.push(`engine ${op}`);
+      return (engineCall as (o: string, x: unknown) => Promise<unknown>).call(this, op, args);
+    } as typeof engineCall;
+    try {
+      const adam = { learning_rate: 1e-4, beta1: 0.9, beta2: 0.95, eps: 1e-12, weight_decay: 0, grad_clip_norm: 0 };
+      for (let seqId = 1; seqId <= 2; seqId++) {
+        const r = await call(s.baseUrl, 'POST', '/optim_step', { model_id: modelId, seq_id: seqId, adam_params: adam });
+        expect(r.status, JSON.stringify(r.json)).to.equal(200);
+        expect((await awaitFuture(s.baseUrl, r.json.request_id)).json.error).to.equal(undefined);
+      }
+    } finally {
+      http.ServerResponse.prototype.end = end;
+      EngineProcess.prototype.call = engineCall;
+    }
+    const relevant = events.filter((e) => e === 'answer /api/v1/optim_step' || e === 'engine optim_step');
+    expect(relevant).to.deep.equal(['answer /api/v1/optim_step', 'engine optim_step', 'answer /api/v1/optim_step', 'engine optim_step']);
   });
 
   it("answers the future of an op its own agent runs without reading Redis, and another tenant's from Redis", async () => {

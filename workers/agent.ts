@@ -380,6 +380,8 @@ export class Agent {
     };
     try {
       await before.done;
+      // The submit that handed this op over answers its client first (queues/train-consumer.ts `answering`).
+      if (job.answering) await new Promise((r) => setImmediate(r));
       const token = job.token;
       if (this.draining || this.stopping) {
         // Taken ahead but not started: back to the head of the queue, for whoever runs the model next.
