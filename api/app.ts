@@ -1,6 +1,7 @@
 import { randomUUID } from 'node:crypto';
 import { readFileSync } from 'node:fs';
-import express, { type Express } from 'express';
+import { createServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
+import express, { type Express, type RequestHandler } from 'express';
 import type { Redis } from 'ioredis';
 import type { ApiConfig } from '../queues/config.js';
 import { OrderingGate } from '../queues/gate.js';
@@ -28,6 +29,7 @@ import { metricsHandler } from './metrics.js';
 import { openApiDocument } from './openapi.js';
 import { forwardBackwardBody } from './train-body.js';
 import { jsonBody, sendJson } from './json-body.js';
+import { DirectRoutes } from './direct.js';
 
 const VERSION: string = JSON.parse(readFileSync(new URL('../package.json', import.meta.url), 'utf8')).version;
 
@@ -37,7 +39,25 @@ const VERSION: string = JSON.parse(readFileSync(new URL('../package.json', impor
  * `/healthz`, `/metrics` (Prometheus, api/metrics.ts), `/admin` (queue dashboard, api/admin.ts)
  * and `/api/v1/openapi.json` (api/openapi.ts).
  */
-export type BuiltApp = { app: Express; ctx: ApiContext; close: () => Promise<void> };
+export type BuiltApp = {
+  app: Express;
+  /** The HTTP server's request listener: the hot routes served directly (api/direct.ts), the rest by `app`. */
+  listener: (req: IncomingMessage, res: ServerResponse) => void;
+  ctx: ApiContext;
+  close: () => Promise<void>;
+};
+
+/** Serves a built app on `port` (0: any free one) and `host`. */
+export function listen(built: BuiltApp, port: number, host: string): Promise<Server> {
+  return new Promise<Server>((resolve, reject) => {
+    const server = createServer(built.listener);
+    server.once('error', reject);
+    server.listen(port, host, () => {
+      server.off('error', reject);
+      resolve(server);
+    });
+  });
+}
 
 /**
  * Logs a connection's errors (ioredis emits 'error' on every failed reconnect; without a listener
@@ -103,7 +123,7 @@ export function buildApp(config: ApiConfig): BuiltApp {
   app.set('etag', false);
   // Every request gets an id (the caller's X-Request-Id, or a new one), echoed in the reply and
   // carried by its log lines with the model and the future (queue/job) it touched.
-  app.use((req, res, next) => {
+  const requestContext: RequestHandler = (req, res, next) => {
     const start = Date.now();
     const requestId = /^[\w.:-]{1,128}$/.test(req.header('x-request-id') ?? '') ? req.header('x-request-id')! : randomUUID();
     res.setHeader('x-request-id', requestId);
@@ -131,22 +151,30 @@ export function buildApp(config: ApiConfig): BuiltApp {
       });
     });
     next();
-  });
+  };
   // While Redis is unreachable every route (healthz included) answers 503 with Retry-After at once,
   // instead of waiting for the command to give up; the error handler maps errors that slip through.
-  app.use((_req, _res, next) => next(redisDown.has(redis) || redis.status === 'end' ? redisUnavailable() : undefined));
-  const v1 = express.Router();
-  v1.use(apiKeyAuth(config.apiKeys));
-  // forward_backward's protobuf body is read here, watched while it arrives: a datum past every
+  const redisCheck: RequestHandler = (_req, _res, next) => next(redisDown.has(redis) || redis.status === 'end' ? redisUnavailable() : undefined);
+  const auth = apiKeyAuth(config.apiKeys);
+  // forward_backward's protobuf body is read first, watched while it arrives: a datum past every
   // served model's bounds is refused after its first bytes, not after buffering the whole body.
-  v1.post('/forward_backward', forwardBackwardBody(ctx));
-  v1.use(jsonBody(64 * 2 ** 20));
+  const fbBody = forwardBackwardBody(ctx);
+  const json = jsonBody(64 * 2 ** 20);
+  // The hot routes are also served without Express's router, behind the same middleware (api/direct.ts).
+  const direct = new DirectRoutes();
+  const v1Before = (path: string): RequestHandler[] => [auth, ...(path === '/forward_backward' ? [fbBody] : []), json];
+  app.use(requestContext);
+  app.use(redisCheck);
+  const v1 = express.Router();
+  v1.use(auth);
+  v1.post('/forward_backward', fbBody);
+  v1.use(json);
   v1.use(serviceRoutes(ctx));
   v1.use(sessionRoutes(ctx));
   v1.use(modelRoutes(ctx));
-  v1.use(trainingRoutes(ctx));
-  v1.use(samplingRoutes(ctx));
-  v1.use(futureRoutes(ctx));
+  v1.use(trainingRoutes(ctx, direct));
+  v1.use(samplingRoutes(ctx, direct));
+  v1.use(futureRoutes(ctx, direct));
   v1.use(checkpointRoutes(ctx));
   v1.use(unknownEndpointGuard(ctx));
   // The OpenAPI document is open, like /healthz: it describes the API, nothing of its state.
@@ -187,5 +215,6 @@ export function buildApp(config: ApiConfig): BuiltApp {
     await Promise.all(blocking.map((c) => c.quit().catch(() => undefined)));
     await redis.quit().catch(() => undefined);
   };
-  return { app, ctx, close };
+  const listener = direct.listener(app, (path) => [requestContext, redisCheck, ...v1Before(path)], errorHandler);
+  return { app, listener, ctx, close };
 }

@@ -1,7 +1,7 @@
 import type { Server } from 'node:http';
 import { loadApiConfig, type ApiConfig } from '../queues/config.js';
 import { logger } from '../queues/logger.js';
-import { buildApp } from './app.js';
+import { buildApp, listen } from './app.js';
 import { assertSafeKeys, StartRefused } from './auth.js';
 
 /** The API process: `tsx api/main.ts`. Configuration from the environment (queues/config.ts) or a preset's plan. */
@@ -10,10 +10,9 @@ export async function startApi(
 ): Promise<{ server: Server; port: number; stop: () => Promise<void> }> {
   const config = 'config' in from ? from.config : loadApiConfig(from.env);
   assertSafeKeys(config, 'env' in from ? from.env : process.env);
-  const { app, close } = buildApp(config);
-  const server = await new Promise<Server>((resolve, reject) => {
-    const s = app.listen(config.port, config.host, (err?: Error) => (err ? reject(err) : resolve(s)));
-  });
+  const built = buildApp(config);
+  const { close } = built;
+  const server = await listen(built, config.port, config.host);
   const addr = server.address();
   const port = typeof addr === 'object' && addr ? addr.port : config.port;
   logger.info('api listening', { url: `http://${config.host}:${port}/api/v1`, prefix: config.prefix });

@@ -2,15 +2,16 @@ import { Router } from 'express';
 import { BrokerError } from '../../queues/errors.js';
 import { ForwardBackwardResult, ResultSchemas, SampleResult } from '../../queues/schemas.js';
 import type { ApiContext } from '../context.js';
+import type { DirectRoutes } from '../direct.js';
 import { tenantOf } from '../auth.js';
 import { parseBody, RetrieveFutureBody } from '../http-schemas.js';
 import { encodeForwardBackwardOutput, encodeSampleResponse, PROTOBUF_CONTENT_TYPE } from '../wire/proto.js';
 
 /** retrieve_future: a long-poll on the job behind a request_id. */
-export function futureRoutes(ctx: ApiContext): Router {
+export function futureRoutes(ctx: ApiContext, direct: DirectRoutes): Router {
   const r = Router();
 
-  r.post('/retrieve_future', async (req, res) => {
+  direct.post(r, '/retrieve_future', async (req, res) => {
     const body = parseBody(RetrieveFutureBody, req.body, 'retrieve_future');
     const abort = new AbortController();
     res.on('close', () => abort.abort());

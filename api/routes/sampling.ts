@@ -1,11 +1,12 @@
 import { Router } from 'express';
 import type { ApiContext } from '../context.js';
+import type { DirectRoutes } from '../direct.js';
 import { CreateSamplingSessionBody, JoinSamplingSessionBody, parseBody, SampleBody } from '../http-schemas.js';
 import { createSamplingSession, sample } from '../services/sampling.js';
 import { requireSamplingSession } from '../tenants.js';
 
 /** Sampling sessions and asample (api/services/sampling.ts). */
-export function samplingRoutes(ctx: ApiContext): Router {
+export function samplingRoutes(ctx: ApiContext, direct: DirectRoutes): Router {
   const r = Router();
 
   r.post('/create_sampling_session', async (req, res) => {
@@ -26,7 +27,7 @@ export function samplingRoutes(ctx: ApiContext): Router {
     res.json({ sampler_id: s.sampling_session_id, base_model: s.base_model, model_path: s.model_path });
   });
 
-  r.post('/asample', async (req, res) => {
+  direct.post(r, '/asample', async (req, res) => {
     res.json(await sample(ctx, req, parseBody(SampleBody, req.body, 'asample')));
   });
 

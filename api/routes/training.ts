@@ -9,6 +9,7 @@ import { jobIds, resourceIds } from '../../queues/names.js';
 import type { ModelRecord } from '../../queues/registry/models.js';
 import type { TrainJob } from '../../queues/schemas.js';
 import type { ApiContext } from '../context.js';
+import type { DirectRoutes } from '../direct.js';
 import {
   CreateViaLoadBody,
   LoadWeightsBody,
@@ -124,11 +125,12 @@ function savePath(ctx: ApiContext, model: ModelRecord, kind: 'weights' | 'sample
   return { tinker_path: formatTinkerPath(tp), dir: storageDirFor(ctx.config.storageDir, tp) };
 }
 
-export function trainingRoutes(ctx: ApiContext): Router {
+export function trainingRoutes(ctx: ApiContext, direct: DirectRoutes): Router {
   const r = Router();
 
   // The body is read only up to its bound (express answers past it before buffering the rest).
-  r.post(
+  direct.post(
+    r,
     '/forward_backward',
     express.raw({ type: () => true, limit: `${ctx.config.maxTrainBodyMb ?? 64}mb` }),
     orderedOp(
@@ -144,7 +146,8 @@ export function trainingRoutes(ctx: ApiContext): Router {
     ),
   );
 
-  r.post(
+  direct.post(
+    r,
     '/optim_step',
     orderedOp(ctx, json(OptimStepBody, 'optim_step'), (b) => ({ op: 'optim_step', model_id: b.model_id, seq_id: b.seq_id, adam: (b.adam_params ?? b.optim_params)! })),
   );

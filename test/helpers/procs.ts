@@ -1,11 +1,10 @@
 import { spawn, type ChildProcess } from 'node:child_process';
 import { randomUUID } from 'node:crypto';
 import { mkdirSync, mkdtempSync, rmSync } from 'node:fs';
-import type { Server } from 'node:http';
 import os from 'node:os';
 import path from 'node:path';
 import { Redis } from 'ioredis';
-import { buildApp, type BuiltApp } from '../../api/app.js';
+import { buildApp, listen, type BuiltApp } from '../../api/app.js';
 import { loadApiConfig } from '../../queues/config.js';
 import { defaultPython, ensureTinyModel, TINY_MODEL_ALIAS, TINY_MODEL_DIR } from '../../scripts/stack.js';
 import { freePort } from '../e2e/server.js';
@@ -112,9 +111,7 @@ export type Api = { baseUrl: string; built: BuiltApp; stop: () => Promise<void> 
 export async function startApi(env: Record<string, string>): Promise<Api> {
   const built = buildApp(loadApiConfig({ TB_API_KEYS: 'tml-test-key', TB_LONG_POLL_MS: '1000', ...env }));
   built.ctx.redis.on('error', () => undefined); // the tests stop Redis on purpose
-  const server = await new Promise<Server>((resolve) => {
-    const s = built.app.listen(0, '127.0.0.1', () => resolve(s));
-  });
+  const server = await listen(built, 0, '127.0.0.1');
   const port = (server.address() as { port: number }).port;
   return {
     baseUrl: `http://127.0.0.1:${port}`,

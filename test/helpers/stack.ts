@@ -1,10 +1,9 @@
 import { randomUUID } from 'node:crypto';
 import { mkdtempSync, rmSync } from 'node:fs';
-import type { Server } from 'node:http';
 import os from 'node:os';
 import path from 'node:path';
 import { Redis } from 'ioredis';
-import { buildApp, type BuiltApp } from '../../api/app.js';
+import { buildApp, listen, type BuiltApp } from '../../api/app.js';
 import { loadAgentConfig, loadApiConfig } from '../../queues/config.js';
 import { Agent } from '../../workers/agent.js';
 import { defaultPython, ensureTinyModel, TINY_MODEL_ALIAS, TINY_MODEL_DIR } from '../../scripts/stack.js';
@@ -47,9 +46,7 @@ export async function startStack(
     await agent.start();
   }
   const built = buildApp(loadApiConfig(env));
-  const server = await new Promise<Server>((resolve) => {
-    const s = built.app.listen(0, '127.0.0.1', () => resolve(s));
-  });
+  const server = await listen(built, 0, '127.0.0.1');
   const addr = server.address();
   const port = typeof addr === 'object' && addr ? addr.port : 0;
   return {
