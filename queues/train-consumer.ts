@@ -28,9 +28,9 @@ export type TakenTrainJob = {
   parsed?: true;
   /**
    * Handed over by a submit in this process whose HTTP answer is written in this turn of the event
-   * loop, once the handing over returns: the agent starts the engine's call after it (the client has
-   * its answer, and sends its next request, a fraction of a millisecond sooner; the engine starts as
-   * much later).
+   * loop, once the handing over returns: the agent may start the engine's call after it (the client
+   * has its answer, and sends its next request, a fraction of a millisecond sooner; the engine starts
+   * as much later), which it does for a short op (workers/agent.ts).
    */
   answering?: true;
   /** For the op's done record (Outcomes.finish): the job then ends in the same script, not in BullMQ's after it. */

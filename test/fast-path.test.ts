@@ -70,7 +70,7 @@ describe('fast path', () => {
     for (const op of ['forward_backward', 'optim_step']) expect(counts[op]!.length, `${op}: ${counts[op]!.join(', ')}`).to.be.at.most(3);
   });
 
-  it('answers the submit of an op it hands to its own agent before the engine is called', async () => {
+  it("answers an optim_step it hands to its own agent before the engine is called, and calls the engine first for a forward_backward", async () => {
     const session = (await call(s.baseUrl, 'POST', '/create_session', { tags: [] })).json.session_id;
     const cm = await call(s.baseUrl, 'POST', '/create_model', { session_id: session, model_seq_id: 0, base_model: TINY_MODEL_ALIAS, lora_config: { rank: 4 } });
     const modelId = (await awaitFuture(s.baseUrl, cm.json.request_id)).json.model_id;
@@ -87,8 +87,12 @@ describe('fast path', () => {
     } as typeof engineCall;
     try {
       const adam = { learning_rate: 1e-4, beta1: 0.9, beta2: 0.95, eps: 1e-12, weight_decay: 0, grad_clip_norm: 0 };
-      for (let seqId = 1; seqId <= 2; seqId++) {
-        const r = await call(s.baseUrl, 'POST', '/optim_step', { model_id: modelId, seq_id: seqId, adam_params: adam });
+      const datum = { tokens: [1, 2, 3, 4], targets: [2, 3, 4, 5], weights: [1, 1, 1, 1] };
+      for (let seqId = 1; seqId <= 4; seqId++) {
+        const r =
+          seqId % 2 === 1
+            ? await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: encodeForwardBackward({ modelId, seqId, data: [datum] }) })
+            : await call(s.baseUrl, 'POST', '/optim_step', { model_id: modelId, seq_id: seqId, adam_params: adam });
         expect(r.status, JSON.stringify(r.json)).to.equal(200);
         expect((await awaitFuture(s.baseUrl, r.json.request_id)).json.error).to.equal(undefined);
       }
@@ -96,8 +100,9 @@ describe('fast path', () => {
       http.ServerResponse.prototype.end = end;
       EngineProcess.prototype.call = engineCall;
     }
-    const relevant = events.filter((e) => e === 'answer /api/v1/optim_step' || e === 'engine optim_step');
-    expect(relevant).to.deep.equal(['answer /api/v1/optim_step', 'engine optim_step', 'answer /api/v1/optim_step', 'engine optim_step']);
+    const relevant = events.filter((e) => /^answer \/api\/v1\/(optim_step|forward_backward)$|^engine (optim_step|forward_backward)$/.test(e));
+    const pair = ['engine forward_backward', 'answer /api/v1/forward_backward', 'answer /api/v1/optim_step', 'engine optim_step'];
+    expect(relevant).to.deep.equal([...pair, ...pair]);
   });
 
   it("answers the future of an op its own agent runs without reading Redis, and another tenant's from Redis", async () => {

@@ -380,8 +380,10 @@ export class Agent {
     };
     try {
       await before.done;
-      // The submit that handed this op over answers its client first (queues/train-consumer.ts `answering`).
-      if (job.answering) await new Promise((r) => setImmediate(r));
+      // A short op (optim_step: an elementwise update of the adapter) starts once the submit that
+      // handed it over has answered its client (queues/train-consumer.ts `answering`): the client's
+      // turnaround is most of its round trip. A longer one starts first: its engine time is.
+      if (job.answering && op === 'optim_step') await new Promise((r) => setImmediate(r));
       const token = job.token;
       if (this.draining || this.stopping) {
         // Taken ahead but not started: back to the head of the queue, for whoever runs the model next.
