@@ -23,11 +23,6 @@ export class DirectRoutes {
     this.routes.set(path, handlers);
   }
 
-  /** The paths served directly (under /api/v1). */
-  paths(): string[] {
-    return [...this.routes.keys()];
-  }
-
   /**
    * The server's request listener: a POST of a direct route runs `before(path)` and the route's
    * handlers, an error `onError`; everything else goes to `app`.

@@ -33,22 +33,27 @@ describe('direct routes', () => {
     headers: Object.fromEntries([...r.headers.entries()].filter(([k]) => !['date', 'x-request-id', 'keep-alive', 'connection'].includes(k))),
   });
 
-  /** Sends the request to the listener, then to Express, and returns what the listener answered; Express must answer alike. */
-  async function same(...args: Parameters<typeof call> extends [string, ...infer R] ? R : never): Promise<HttpReply> {
-    let expressCalls = 0;
+  /** How many requests Express's app handled while `fn` ran. */
+  async function throughExpress(fn: () => Promise<unknown>): Promise<number> {
+    let n = 0;
     const app = s.built.app as unknown as { handle: (...a: unknown[]) => unknown };
     const handle = app.handle;
     app.handle = function (this: unknown, ...a: unknown[]) {
-      expressCalls++;
+      n++;
       return handle.apply(this, a);
     };
-    let direct: HttpReply;
     try {
-      direct = await call(s.baseUrl, ...args);
+      await fn();
     } finally {
       app.handle = handle;
     }
-    expect(expressCalls, `${args[0]} ${args[1]} went through Express`).to.equal(0);
+    return n;
+  }
+
+  /** Sends the request to the listener, then to Express, and returns what the listener answered; Express must answer alike. */
+  async function same(...args: Parameters<typeof call> extends [string, ...infer R] ? R : never): Promise<HttpReply> {
+    let direct!: HttpReply;
+    expect(await throughExpress(async () => (direct = await call(s.baseUrl, ...args))), `${args[0]} ${args[1]} went through Express`).to.equal(0);
     const viaApp = await call(expressUrl, ...args);
     expect(seen(direct), `${args[0]} ${args[1]}`).to.deep.equal(seen(viaApp));
     return direct;
@@ -92,20 +97,11 @@ describe('direct routes', () => {
   });
 
   it('leaves other requests to Express: other paths, methods and query strings', async () => {
-    let expressCalls = 0;
-    const app = s.built.app as unknown as { handle: (...a: unknown[]) => unknown };
-    const handle = app.handle;
-    app.handle = function (this: unknown, ...a: unknown[]) {
-      expressCalls++;
-      return handle.apply(this, a);
-    };
-    try {
+    const n = await throughExpress(async () => {
       expect((await call(s.baseUrl, 'POST', '/retrieve_future?x=1', { request_id: 'train-x/t-nothing-1' })).status).to.equal(404);
       expect((await call(s.baseUrl, 'GET', '/optim_step')).status).to.equal(404);
       expect((await call(s.baseUrl, 'POST', '/create_session', { tags: [] })).status).to.equal(200);
-    } finally {
-      app.handle = handle;
-    }
-    expect(expressCalls).to.equal(3);
+    });
+    expect(n).to.equal(3);
   });
 });

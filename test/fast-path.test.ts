@@ -218,14 +218,7 @@ describe('fast path: a training op answered from its completion signal', () => {
       // Its job, queued and not finished: the future is pending.
       await other.hset(ctx.queues.jobKey('train-agent-fastpath', jobId), 'name', 'optim_step');
       const result = { metrics: {}, pad: 'x'.repeat(size) };
-      const redis = ctx.redis as Redis & { sendCommand: (c: { name: string; args: unknown[] }) => unknown };
-      const seen: string[] = [];
-      const orig = redis.sendCommand;
-      redis.sendCommand = function (this: Redis, c: { name: string; args: unknown[] }) {
-        seen.push(`${c.name} ${c.args.map(String).join(' ').slice(0, 300)}`);
-        return orig.call(this, c as never);
-      } as typeof redis.sendCommand;
-      try {
+      const seen = await commands(s, async () => {
         const answer = ctx.futures.retrieve(requestId, tenant, 5_000);
         await new Promise((r) => setTimeout(r, 200));
         // The agent's finish, on a connection of its own.
@@ -233,9 +226,7 @@ describe('fast path: a training op answered from its completion signal', () => {
         const st = await answer;
         expect(st.kind).to.equal('done');
         expect((st as { result: unknown }).result).to.deep.equal(result);
-      } finally {
-        redis.sendCommand = orig;
-      }
+      });
       const scripts = seen.filter((c) => /^evalsha /.test(c) && c.includes(jobId));
       expect(scripts.length, seen.join('\n')).to.equal(reads);
       expect(seen.filter((c) => c.startsWith('get ') && c.includes('future-owner')), 'the owner is checked inside the read').to.deep.equal([]);
