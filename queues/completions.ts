@@ -158,7 +158,7 @@ export function dropKept(channel: string, jobId: string): void {
 
 /**
  * The record kept for the op's first read, when `tenant` is the one its future was issued to (it is
- * then no longer kept), and when its write to Redis has settled.
+ * then no longer kept), with `written`, which settles once the script writing it to Redis has answered.
  */
 export function takeKept(channel: string, jobId: string, tenant: string, now = Date.now()): { record: Outcome; written: Promise<void> } | undefined {
   const key = `${channel} ${jobId}`;
