@@ -1,4 +1,5 @@
 import { execFile } from 'node:child_process';
+import { readdirSync, readFileSync } from 'node:fs';
 import { readdir, readFile } from 'node:fs/promises';
 import { promisify } from 'node:util';
 
@@ -9,8 +10,64 @@ import { promisify } from 'node:util';
  */
 const run = promisify(execFile);
 
-/** The pids and all their descendants. */
+/**
+ * The pids and all their descendants. Each process's children come from its threads' `children`
+ * files (Linux with CONFIG_PROC_CHILDREN): a few small reads for an engine's tree, where a scan of
+ * every process's `stat` (`scanTree`, the fallback) reads them all: 85 processes took 26 ms and 16 ms
+ * of CPU on the 2-core bench machine, at every heartbeat, beside the ops being served.
+ */
 export async function processTree(roots: number[]): Promise<number[]> {
+  const out: number[] = [];
+  const todo = [...roots];
+  while (todo.length) {
+    const p = todo.pop()!;
+    const kids = childrenOf(p);
+    if (kids === null) return scanTree(roots);
+    out.push(p);
+    todo.push(...kids);
+  }
+  return out;
+}
+
+/** A live process's children, from its threads' `children` files; [] once it is gone, null where the kernel has no such files. */
+function childrenOf(pid: number): number[] | null {
+  let tasks: string[];
+  try {
+    tasks = readdirSync(`/proc/${pid}/task`);
+  } catch {
+    return haveChildrenFiles() ? [] : null;
+  }
+  const out: number[] = [];
+  for (const t of tasks) {
+    let text: string;
+    try {
+      text = readFileSync(`/proc/${pid}/task/${t}/children`, 'utf8');
+    } catch {
+      // A thread that ended since the listing; no file at all where the kernel lacks CONFIG_PROC_CHILDREN.
+      if (!haveChildrenFiles()) return null;
+      continue;
+    }
+    for (const c of text.split(' ')) if (c.trim()) out.push(Number(c));
+  }
+  return out;
+}
+
+/** Whether this kernel has the `children` files (asked once, of this process's own main thread). */
+let childrenFiles: boolean | undefined;
+function haveChildrenFiles(): boolean {
+  if (childrenFiles === undefined) {
+    try {
+      readFileSync(`/proc/${process.pid}/task/${process.pid}/children`);
+      childrenFiles = true;
+    } catch {
+      childrenFiles = false;
+    }
+  }
+  return childrenFiles;
+}
+
+/** The pids and all their descendants, from a scan of every process's parent (`/proc/<pid>/stat`). */
+export async function scanTree(roots: number[]): Promise<number[]> {
   if (roots.length === 0) return [];
   const children = new Map<number, number[]>();
   for (const d of await readdir('/proc').catch(() => [] as string[])) {
