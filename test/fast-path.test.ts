@@ -10,6 +10,7 @@ import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
 import { API_KEY, API_KEY_B, awaitFuture, call, REDIS_URL, startStack, type TestStack } from './helpers/stack.js';
 import { encodeForwardBackward } from './helpers/wire.js';
 import { EngineProcess } from '../workers/engine.js';
+import { localTrainConsumer, type TrainConsumer } from '../queues/train-consumer.js';
 
 /** Redis commands the API of `s` sends while `fn` runs. */
 async function commands(s: TestStack, fn: () => Promise<unknown>): Promise<string[]> {
@@ -110,19 +111,40 @@ describe('fast path', () => {
     const cm = await call(s.baseUrl, 'POST', '/create_model', { session_id: session, model_seq_id: 0, base_model: TINY_MODEL_ALIAS, lora_config: { rank: 4 } });
     const modelId = (await awaitFuture(s.baseUrl, cm.json.request_id)).json.model_id;
     const datum = { tokens: [1, 2, 3, 4], targets: [2, 3, 4, 5], weights: [1, 1, 1, 1] };
-    const reaped = new Names(s.prefix).agentReaped(`agent-${s.prefix}`);
-    for (let seqId = 1; seqId <= 3; seqId++) {
-      const r = await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: encodeForwardBackward({ modelId, seqId, data: [datum] }) });
-      expect(r.status, JSON.stringify(r.json)).to.equal(200);
-      // Another tenant asks first: it reads Redis (the future's owner) and finds nothing of its own.
-      expect((await s.built.ctx.futures.retrieve(r.json.request_id, tenantId(API_KEY_B), 10)).kind).to.equal('unknown');
-      let st: { kind: string; result?: { loss_fn_outputs: unknown[] } } | undefined;
-      const seen = await commands(s, async () => (st = (await s.built.ctx.futures.retrieve(r.json.request_id, tenantId(API_KEY), 30_000)) as typeof st));
-      expect(st?.kind, JSON.stringify(st)).to.equal('done');
-      expect(st!.result!.loss_fn_outputs).to.have.length(1);
-      // No read of the future (its script names the agent's reaped key); the record's own script may follow.
-      expect(seen.filter((c) => c.includes(reaped)), seen.join(', ')).to.deep.equal([]);
+    const names = new Names(s.prefix);
+    const reaped = names.agentReaped(`agent-${s.prefix}`);
+    // Whether each submit handed its op to the agent here: one made while the agent's own take is in
+    // flight (it has just ended an op) leaves the op to that take, and its future is read from Redis.
+    const consumer = localTrainConsumer(`${names.bull}:train-agent-${s.prefix}:`)!;
+    const handOff = consumer.handOff;
+    let handed = 0;
+    consumer.handOff = function (this: TrainConsumer) {
+      const h = handOff.call(this);
+      if (h) handed++;
+      return h;
+    };
+    let fast = 0;
+    try {
+      for (let seqId = 1; seqId <= 5; seqId++) {
+        const before = handed;
+        const r = await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: encodeForwardBackward({ modelId, seqId, data: [datum] }) });
+        expect(r.status, JSON.stringify(r.json)).to.equal(200);
+        const wasHanded = handed > before;
+        // Another tenant asks first: it reads Redis (the future's owner) and finds nothing of its own.
+        expect((await s.built.ctx.futures.retrieve(r.json.request_id, tenantId(API_KEY_B), 10)).kind).to.equal('unknown');
+        let st: { kind: string; result?: { loss_fn_outputs: unknown[] } } | undefined;
+        const seen = await commands(s, async () => (st = (await s.built.ctx.futures.retrieve(r.json.request_id, tenantId(API_KEY), 30_000)) as typeof st));
+        expect(st?.kind, JSON.stringify(st)).to.equal('done');
+        expect(st!.result!.loss_fn_outputs).to.have.length(1);
+        if (!wasHanded) continue;
+        fast++;
+        // No read of the future (its script names the agent's reaped key); the record's own script may follow.
+        expect(seen.filter((c) => c.includes(reaped)), seen.join(', ')).to.deep.equal([]);
+      }
+    } finally {
+      consumer.handOff = handOff;
     }
+    expect(fast, 'submits that handed their op to the agent here').to.be.at.least(2);
   });
 
   /**
