@@ -17,14 +17,19 @@ const run = promisify(execFile);
  * of CPU on the 2-core bench machine, at every heartbeat, beside the ops being served.
  */
 export async function processTree(roots: number[]): Promise<number[]> {
+  return descendants(roots, childrenOf) ?? scanTree(roots);
+}
+
+/** The roots and everything below them, as `kids` tells each process's children; null when `kids` cannot tell. */
+function descendants(roots: number[], kids: (pid: number) => number[] | null): number[] | null {
   const out: number[] = [];
   const todo = [...roots];
   while (todo.length) {
     const p = todo.pop()!;
-    const kids = childrenOf(p);
-    if (kids === null) return scanTree(roots);
+    const k = kids(p);
+    if (k === null) return null;
     out.push(p);
-    todo.push(...kids);
+    todo.push(...k);
   }
   return out;
 }
@@ -80,14 +85,7 @@ export async function scanTree(roots: number[]): Promise<number[]> {
     list.push(Number(d));
     children.set(ppid, list);
   }
-  const out: number[] = [];
-  const todo = [...roots];
-  while (todo.length) {
-    const p = todo.pop()!;
-    out.push(p);
-    todo.push(...(children.get(p) ?? []));
-  }
-  return out;
+  return descendants(roots, (p) => children.get(p) ?? [])!;
 }
 
 async function rssBytes(pid: number): Promise<number | null> {
