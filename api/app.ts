@@ -1,6 +1,6 @@
 import { randomUUID } from 'node:crypto';
 import { readFileSync } from 'node:fs';
-import { createServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
+import { createServer, type IncomingMessage, type Server, type ServerOptions, type ServerResponse } from 'node:http';
 import express, { type Express, type RequestHandler } from 'express';
 import type { Redis } from 'ioredis';
 import type { ApiConfig } from '../queues/config.js';
@@ -43,6 +43,8 @@ export type BuiltApp = {
   app: Express;
   /** The HTTP server's request listener: the hot routes served directly (api/direct.ts), the rest by `app`. */
   listener: (req: IncomingMessage, res: ServerResponse) => void;
+  /** The HTTP server's request and response classes (api/direct.ts DirectRoutes.serverOptions). */
+  serverOptions: ServerOptions;
   ctx: ApiContext;
   close: () => Promise<void>;
 };
@@ -50,7 +52,7 @@ export type BuiltApp = {
 /** Serves a built app on `port` (0: any free one) and `host`. */
 export function listen(built: BuiltApp, port: number, host: string): Promise<Server> {
   return new Promise<Server>((resolve, reject) => {
-    const server = createServer(built.listener);
+    const server = createServer(built.serverOptions, built.listener);
     server.once('error', reject);
     server.listen(port, host, () => {
       server.off('error', reject);
@@ -216,5 +218,5 @@ export function buildApp(config: ApiConfig): BuiltApp {
     await redis.quit().catch(() => undefined);
   };
   const listener = direct.listener(app, (path) => [requestContext, redisCheck, ...v1Before(path)], errorHandler);
-  return { app, listener, ctx, close };
+  return { app, listener, serverOptions: direct.serverOptions(app), ctx, close };
 }

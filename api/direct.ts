@@ -1,4 +1,4 @@
-import type { IncomingMessage, ServerResponse } from 'node:http';
+import { IncomingMessage, type ServerOptions, ServerResponse } from 'node:http';
 import type { ErrorRequestHandler, Express, NextFunction, Request, RequestHandler, Response, Router } from 'express';
 
 /**
@@ -12,6 +12,11 @@ import type { ErrorRequestHandler, Express, NextFunction, Request, RequestHandle
  * app.ts), then the route's own, which the route module registers on its Router and here in one
  * call (`post`). Errors go to the same error handler. Any other request (another path or method, a
  * query string) goes to Express as before.
+ *
+ * The server makes its requests and responses with Express's methods from the start
+ * (`serverOptions`): Express gives each request its methods by switching the prototypes of Node's
+ * objects as it arrives, which costs every property access after it a slower path (Node's own
+ * `res.end` included: 0.02–0.06 ms a request here, docs/benchmarks.md).
  */
 export class DirectRoutes {
   /** The route handlers by path under /api/v1 (POST). */
@@ -21,6 +26,15 @@ export class DirectRoutes {
   post(r: Router, path: string, ...handlers: RequestHandler[]): void {
     r.post(path, ...handlers);
     this.routes.set(path, handlers);
+  }
+
+  /** The server's request and response classes: Node's, with `app`'s request and response methods (see above). */
+  serverOptions(app: Express): ServerOptions {
+    class Request extends IncomingMessage {}
+    Object.setPrototypeOf(Request.prototype, app.request);
+    class Response extends ServerResponse {}
+    Object.setPrototypeOf(Response.prototype, app.response);
+    return { IncomingMessage: Request, ServerResponse: Response as unknown as typeof ServerResponse };
   }
 
   /**
@@ -42,8 +56,11 @@ export class DirectRoutes {
 function run(app: Express, chain: RequestHandler[], req: Request, res: Response, onError: ErrorRequestHandler): void {
   req.res = res;
   res.req = req;
-  Object.setPrototypeOf(req, app.request);
-  Object.setPrototypeOf(res, app.response);
+  // Made by the server with Express's methods (serverOptions); another server's objects get them here.
+  if (!Object.prototype.isPrototypeOf.call(app.request, req)) {
+    Object.setPrototypeOf(req, app.request);
+    Object.setPrototypeOf(res, app.response);
+  }
   res.locals ??= Object.create(null);
   req.originalUrl = req.url;
   req.baseUrl = '';

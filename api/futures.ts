@@ -106,14 +106,19 @@ export class FutureResolver {
     return this.sampleState(ref, tenant);
   }
 
+  /** A training op handed over a moment ago by this process's agent with no one waiting here then: its answer from the record kept here. */
+  private keptState(ref: FutureRef, tenant: string): FutureState | undefined {
+    if (!ref.queue.startsWith('train-') || !QUEUE_NAME.test(ref.queue) || !JOB_ID.test(ref.jobId)) return undefined;
+    const kept = takeKept(this.names.outcomesChannel(), ref.jobId, tenant);
+    return kept && this.answered(ref, kept.record, kept.written);
+  }
+
   /** A training op's future: its owner, its outcome, else what keeps it pending or failed, read in one round trip. */
   private async trainState(ref: FutureRef, tenant: string): Promise<FutureState> {
     // Running in this process's agent, submitted by this tenant: it is handed over here when it ends.
-    const channel = this.names.outcomesChannel();
-    if (handOverExpected(channel, ref.jobId) === tenant) return { kind: 'pending', queueState: 'active' };
-    // Handed over a moment ago by this process's agent, with no one waiting here then: answered from the record kept here.
-    const kept = takeKept(channel, ref.jobId, tenant);
-    if (kept) return this.answered(ref, kept.record, kept.written);
+    if (handOverExpected(this.names.outcomesChannel(), ref.jobId) === tenant) return { kind: 'pending', queueState: 'active' };
+    const kept = this.keptState(ref, tenant);
+    if (kept) return kept;
     const agentId = ref.queue.slice('train-'.length);
     const read = (await runScript(
       this.redis,
@@ -269,6 +274,9 @@ export class FutureResolver {
   async retrieve(requestId: string, tenant: string, timeoutMs: number, signal?: AbortSignal): Promise<FutureState> {
     const ref = decodeRequestId(requestId);
     if (!ref) return { kind: 'unknown' };
+    // A record this process's agent handed over with no one waiting is final: answered at once.
+    const kept = this.keptState(ref, tenant);
+    if (kept) return kept;
     // The waiter first, then the read: a completion signalled in between is not missed. Every
     // future's signal comes on one subscription, made once per process.
     const { woken, cancel } = await this.completions.watch(ref, this.onceRead(ref));

@@ -9,8 +9,8 @@
   `q` is the queue's key prefix, e.g. `<prefix>-bull:train-<agent>:`.
 ]]
 
-local function bullMaxEvents(q)
-  local maxEvents = redis.call('HGET', q .. 'meta', 'opts.maxLenEvents')
+local function bullMaxEvents(q, known)
+  local maxEvents = known or redis.call('HGET', q .. 'meta', 'opts.maxLenEvents')
   if not maxEvents then
     maxEvents = 10000
     redis.call('HSET', q .. 'meta', 'opts.maxLenEvents', maxEvents)
@@ -27,11 +27,11 @@ end
 -- Puts a stored job on the wait list (FIFO) and wakes a worker unless the queue is paused or maxed.
 local function bullPushJob(q, jobId)
   redis.call('LPUSH', q .. 'wait', jobId)
-  local attrs = redis.call('HMGET', q .. 'meta', 'paused', 'concurrency')
+  local attrs = redis.call('HMGET', q .. 'meta', 'paused', 'concurrency', 'opts.maxLenEvents')
   local blocked = attrs[1] and true or false
   if not blocked and attrs[2] then blocked = redis.call('LLEN', q .. 'active') >= tonumber(attrs[2]) end
   if not blocked then redis.call('ZADD', q .. 'marker', 0, '0') end
-  redis.call('XADD', q .. 'events', 'MAXLEN', '~', bullMaxEvents(q), '*', 'event', 'waiting', 'jobId', jobId)
+  redis.call('XADD', q .. 'events', 'MAXLEN', '~', bullMaxEvents(q, attrs[3]), '*', 'event', 'waiting', 'jobId', jobId)
 end
 
 --[[

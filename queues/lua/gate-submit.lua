@@ -56,14 +56,15 @@ if ARGV[23] == '1' and not skip then
   local lost = cjson.decode(rec).lost_reason
   if lost and lost ~= cjson.null then return { -6, lost } end
 end
-if not redis.call('GET', G.next) then return -1 end
+local nxt = redis.call('GET', G.next)
+if not nxt then return -1 end
 if ARGV[21] == '1' and redis.call('EXISTS', KEYS[6]) == 0 then
   -- A drained agent comes back with the models it saved: their ops queue for it, as the ops queued before the drain do.
   local drained = redis.call('GET', KEYS[9])
   if not drained or not string.find(drained, '"model_id":"' .. modelId .. '"', 1, true) then return -5 end
 end
-gateExpireGap(G, modelId, ARGV[8], ARGV[14], tonumber(ARGV[15]), ARGV[16])
-local nxt = tonumber(redis.call('GET', G.next))
+local _, moved = gateExpireGap(G, modelId, ARGV[8], ARGV[14], tonumber(ARGV[15]), ARGV[16])
+nxt = tonumber(moved and redis.call('GET', G.next) or nxt)
 
 local function owned(r)
   if ARGV[18] ~= '' then redis.call('SET', KEYS[7], ARGV[18], 'EX', tonumber(ARGV[19]), 'NX') end
@@ -86,34 +87,39 @@ if seq < nxt then
   if seq < nxt - window then return -4 end
   return owned(0)
 end
-if redis.call('HEXISTS', G.held, ARGV[1]) == 1 then return owned(0) end
+-- The op at the gate's next seq_id is never held (gateDrain), so only a later one can be held already.
+if seq > nxt and redis.call('HEXISTS', G.held, ARGV[1]) == 1 then return owned(0) end
 redis.call('HSET', G.digests, ARGV[1], ARGV[4])
 redis.call('PEXPIRE', G.digests, tonumber(ARGV[7]))
-if skip then
-  redis.call('HSET', G.held, ARGV[1], '- ' .. jobId)
-else
-  -- The payload is stored once, as the job itself; releasing it only queues its id.
-  bullStoreJob(ARGV[8] .. ARGV[9] .. ':', jobId, ARGV[10], ARGV[11], ARGV[12], ARGV[13])
-  redis.call('HSET', G.held, ARGV[1], ARGV[9] .. ' ' .. jobId)
-end
-redis.call('HSET', G.index, jobId, modelId)
-if seq == nxt then
-  gateDrain(G, modelId, ARGV[8], window, gapMs)
-  if ARGV[24] == '1' then
-    local q = ARGV[8] .. ARGV[9] .. ':'
-    local id, more, exists, claim, prev = trainTake({
-      q = q, now = ARGV[13], lockToken = ARGV[25], lockMs = ARGV[26], claim = ARGV[27],
-      outcomeBefore = ARGV[28], outcomeAfter = ARGV[29], agentId = ARGV[30], tokenPrefix = ARGV[31],
-      nowIso = ARGV[20], outcomeTtlS = ARGV[32],
-    })
-    if id then
-      if not exists then return owned({ 1, id, more, -1, false, {} }) end
-      local f = redis.call('HMGET', q .. id, 'name', 'opts', 'timestamp', 'ats', 'atm')
-      f[6] = id ~= jobId and redis.call('HGET', q .. id, 'data') or false
-      return owned({ 1, id, more, claim, prev, f })
-    end
-  end
-else
+local held = skip and '- ' .. jobId or ARGV[9] .. ' ' .. jobId
+-- The payload is stored once, as the job itself; releasing it only queues its id.
+if not skip then bullStoreJob(ARGV[8] .. ARGV[9] .. ':', jobId, ARGV[10], ARGV[11], ARGV[12], ARGV[13]) end
+if seq > nxt then
+  redis.call('HSET', G.held, ARGV[1], held)
+  redis.call('HSET', G.index, jobId, modelId)
   redis.call('ZADD', G.gaps, 'NX', nowMs() + gapMs, modelId)
+  return owned(1)
+end
+-- In order: released at once, with every held op now in order behind it.
+gateDrain(G, modelId, ARGV[8], window, gapMs, nxt, { queue = skip and '-' or ARGV[9], jobId = jobId })
+if ARGV[24] == '1' then
+  local q = ARGV[8] .. ARGV[9] .. ':'
+  local id, more, exists, claim, prev, ats = trainTake({
+    q = q, now = ARGV[13], lockToken = ARGV[25], lockMs = ARGV[26], claim = ARGV[27],
+    outcomeBefore = ARGV[28], outcomeAfter = ARGV[29], agentId = ARGV[30], tokenPrefix = ARGV[31],
+    nowIso = ARGV[20], outcomeTtlS = ARGV[32], stored = not skip and { id = jobId, name = ARGV[10] } or nil,
+  })
+  if id then
+    if not exists then return owned({ 1, id, more, -1, false, {} }) end
+    -- The job submitted here is as this script stored it (no attempt finished yet); another is read.
+    local f
+    if id == jobId then
+      f = { ARGV[10], ARGV[12], ARGV[13], tostring(ats), false, false }
+    else
+      f = redis.call('HMGET', q .. id, 'name', 'opts', 'timestamp', 'ats', 'atm')
+      f[6] = redis.call('HGET', q .. id, 'data')
+    end
+    return owned({ 1, id, more, claim, prev, f })
+  end
 end
 return owned(1)

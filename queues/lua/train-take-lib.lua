@@ -13,11 +13,13 @@
 
   `T` = { q (the queue's key prefix, `<prefix>-bull:train-<agent>:`), now (ms), lockToken, lockMs,
   claim ('1' = claim the outcome), outcomeBefore, outcomeAfter (the outcome key's text around the job
-  id), agentId, tokenPrefix (the claim token's text before the job id), nowIso, outcomeTtlS }.
+  id), agentId, tokenPrefix (the claim token's text before the job id), nowIso, outcomeTtlS, stored
+  (optional: { id, name } of a job the caller has just stored, whose hash need not be read) }.
 
   Returns nil when the wait list is empty, else
     job id, 1 when more jobs wait else 0, whether the job's hash exists (false: skipped, nothing held),
-    0 = not claimed | 1 = claimed | 2 = a record was there first, that record or false.
+    0 = not claimed | 1 = claimed | 2 = a record was there first, that record or false, and the job's
+    attemptsStarted (ats) once taken.
 ]]
 local function trainTake(T)
   local wait, active, marker = T.q .. 'wait', T.q .. 'active', T.q .. 'marker'
@@ -30,14 +32,15 @@ local function trainTake(T)
   if more == 0 then redis.call('DEL', marker) end
   more = more > 0 and 1 or 0
   local jobKey = T.q .. jobId
-  if redis.call('EXISTS', jobKey) == 0 then
+  local stored = T.stored and T.stored.id == jobId
+  if not stored and redis.call('EXISTS', jobKey) == 0 then
     redis.call('LREM', active, 1, jobId)
     return jobId, more, false, 0, false
   end
   redis.call('SET', jobKey .. ':lock', T.lockToken, 'PX', T.lockMs)
   redis.call('XADD', T.q .. 'events', '*', 'event', 'active', 'jobId', jobId, 'prev', 'waiting')
   redis.call('HSET', jobKey, 'processedOn', T.now)
-  redis.call('HINCRBY', jobKey, 'ats', 1)
+  local ats = redis.call('HINCRBY', jobKey, 'ats', 1)
   local claim, prev = 0, false
   if T.claim == '1' then
     local outcomeKey = T.outcomeBefore .. jobId .. T.outcomeAfter
@@ -47,11 +50,11 @@ local function trainTake(T)
     else
       claim = 1
       -- `state` first: queues/lua/outcome-read.lua tells a running record by its first bytes.
-      local op = redis.call('HGET', jobKey, 'name')
+      local op = stored and T.stored.name or redis.call('HGET', jobKey, 'name')
       local rec = '{"state":"running","op":' .. cjson.encode(op) .. ',"agent_id":' .. cjson.encode(T.agentId) ..
         ',"token":' .. cjson.encode(T.tokenPrefix .. jobId) .. ',"at":' .. cjson.encode(T.nowIso) .. '}'
       redis.call('SET', outcomeKey, rec, 'EX', T.outcomeTtlS)
     end
   end
-  return jobId, more, true, claim, prev
+  return jobId, more, true, claim, prev, ats
 end
