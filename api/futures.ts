@@ -106,7 +106,16 @@ export class FutureResolver {
     return this.sampleState(ref, tenant);
   }
 
-  /** A training op handed over a moment ago by this process's agent with no one waiting here then: its answer from the record kept here. */
+  /**
+   * The state of a training op handed over a moment ago by this process's agent with no one waiting
+   * here then, as `tenant` sees it: its answer from the record kept here (taken: a second read goes
+   * to Redis), or undefined.
+   */
+  kept(requestId: string, tenant: string): FutureState | undefined {
+    const ref = decodeRequestId(requestId);
+    return ref ? this.keptState(ref, tenant) : undefined;
+  }
+
   private keptState(ref: FutureRef, tenant: string): FutureState | undefined {
     if (!ref.queue.startsWith('train-') || !QUEUE_NAME.test(ref.queue) || !JOB_ID.test(ref.jobId)) return undefined;
     const kept = takeKept(this.names.outcomesChannel(), ref.jobId, tenant);

@@ -51,14 +51,15 @@ export type JobTiming = { op: string; status: JobStatus; enqueuedAt: number; sta
 /** Records one finished job (and its tokens) in one transaction: one round trip. */
 export async function recordJob(redis: Redis, names: Names, t: JobTiming): Promise<void> {
   const m = redis.multi();
-  addJob(m, names, t);
+  addJobs(m, names, [t]);
   await m.exec();
 }
 
 /**
- * Finished jobs recorded together: the jobs of `windowMs` in one transaction (one round trip for a
- * burst of jobs instead of one each; /metrics sees a job at most `windowMs` late). `flush` writes
- * what is pending at once (an agent stopping).
+ * Finished jobs recorded together: the jobs of `windowMs` in one transaction, their counts and sums
+ * added up first (one round trip and one command per counter for a burst of jobs instead of ten
+ * commands each; /metrics sees a job at most `windowMs` late). `flush` writes what is pending at
+ * once (an agent stopping).
  */
 export class JobRecorder {
   private pending: JobTiming[] = [];
@@ -83,29 +84,62 @@ export class JobRecorder {
     if (!jobs.length) return;
     this.pending = [];
     const m = this.redis.multi();
-    for (const t of jobs) addJob(m, this.names, t);
+    addJobs(m, this.names, jobs);
     await m.exec().catch(this.onError);
   }
 }
 
-/** Adds the commands that record one finished job (and its tokens) to a transaction. */
-export function addJob(m: ChainableCommander, names: Names, t: JobTiming): void {
-  const phases: Record<Phase, number> = {
-    queue_wait: Math.max(0, t.startedAt - t.enqueuedAt),
-    engine: Math.max(0, t.finishedAt - t.startedAt),
-    total: Math.max(0, t.finishedAt - t.enqueuedAt),
-  };
-  m.hincrby(key(names, 'jobs'), `${t.op}|${t.status}`, 1);
-  for (const phase of PHASES) {
-    const h = key(names, 'latency', phase);
-    m.hincrby(h, `${t.op}|${bucketIndex(phases[phase])}`, 1).hincrbyfloat(h, `${t.op}|sum`, phases[phase]).hincrby(h, `${t.op}|count`, 1);
+/**
+ * Adds the commands that record finished jobs (and their tokens) to a transaction: each counter once,
+ * by the jobs' total (a hash field's count or sum, a second's tokens).
+ */
+export function addJobs(m: ChainableCommander, names: Names, jobs: readonly JobTiming[]): void {
+  const counts = new Sums();
+  const sums = new Sums();
+  const seconds = new Map<string, number>();
+  for (const t of jobs) {
+    const phases: Record<Phase, number> = {
+      queue_wait: Math.max(0, t.startedAt - t.enqueuedAt),
+      engine: Math.max(0, t.finishedAt - t.startedAt),
+      total: Math.max(0, t.finishedAt - t.enqueuedAt),
+    };
+    counts.add(key(names, 'jobs'), `${t.op}|${t.status}`, 1);
+    for (const phase of PHASES) {
+      const h = key(names, 'latency', phase);
+      counts.add(h, `${t.op}|${bucketIndex(phases[phase])}`, 1);
+      counts.add(h, `${t.op}|count`, 1);
+      sums.add(h, `${t.op}|sum`, phases[phase]);
+    }
+    if (t.tokens && t.tokens.n > 0) {
+      counts.add(key(names, 'tokens'), t.tokens.kind, t.tokens.n);
+      const sec = tokenSecond(names, t.tokens.kind, t.finishedAt);
+      seconds.set(sec, (seconds.get(sec) ?? 0) + t.tokens.n);
+    }
   }
-  if (t.tokens) addTokens(m, names, t.tokens.kind, t.tokens.n, t.finishedAt);
+  counts.each((h, f, n) => m.hincrby(h, f, n));
+  sums.each((h, f, n) => m.hincrbyfloat(h, f, n));
+  for (const [sec, n] of seconds) m.incrby(sec, n).expire(sec, RATE_WINDOW_S * 3);
 }
+
+/** Totals per (hash, field). */
+class Sums {
+  private readonly byHash = new Map<string, Map<string, number>>();
+  add(hash: string, field: string, n: number): void {
+    let h = this.byHash.get(hash);
+    if (!h) this.byHash.set(hash, (h = new Map()));
+    h.set(field, (h.get(field) ?? 0) + n);
+  }
+  each(fn: (hash: string, field: string, n: number) => void): void {
+    for (const [hash, h] of this.byHash) for (const [field, n] of h) fn(hash, field, n);
+  }
+}
+
+/** The counter of the tokens of `kind` in the second of `at` (ms), which expires (the recent rate). */
+const tokenSecond = (names: Names, kind: TokenKind, at: number) => key(names, 'tokens', kind, String(Math.floor(at / 1000)));
 
 function addTokens(m: ChainableCommander, names: Names, kind: TokenKind, n: number, now: number): void {
   if (!(n > 0)) return;
-  const sec = key(names, 'tokens', kind, String(Math.floor(now / 1000)));
+  const sec = tokenSecond(names, kind, now);
   m.hincrby(key(names, 'tokens'), kind, n).incrby(sec, n).expire(sec, RATE_WINDOW_S * 3);
 }
 

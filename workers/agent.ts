@@ -12,7 +12,7 @@ import { sampleEndSignal, signalLocally, type SampleEnd } from '../queues/comple
 import { BrokerError, decodeJobFailure, encodeJobFailure, failure, failureOf, modelUnavailable, outcomeUnknownMessage, recordedFailure, type Failure } from '../queues/errors.js';
 import { heartbeatMs, Liveness } from '../queues/liveness.js';
 import { logger as rootLogger, type Logger } from '../queues/logger.js';
-import { addJob, JobRecorder, publishAgentStats, removeAgentStats, type JobStatus, type TokenKind } from '../queues/metrics.js';
+import { addJobs, JobRecorder, publishAgentStats, removeAgentStats, type JobStatus, type TokenKind } from '../queues/metrics.js';
 import { Names } from '../queues/names.js';
 import { Outcomes, type Outcome } from '../queues/outcomes.js';
 import { connect } from '../queues/redis.js';
@@ -523,7 +523,7 @@ export class Agent {
     const tokens = end.state === 'done' ? tokensOf(job.data, end.result) : undefined;
     const finishedAt = job.finishedOn ?? Date.now();
     const m = this.redis.multi();
-    addJob(m, this.names, { op: job.name, status, enqueuedAt: job.timestamp, startedAt: job.processedOn ?? finishedAt, finishedAt, ...(tokens ? { tokens } : {}) });
+    addJobs(m, this.names, [{ op: job.name, status, enqueuedAt: job.timestamp, startedAt: job.processedOn ?? finishedAt, finishedAt, ...(tokens ? { tokens } : {}) }]);
     const [channel, message] = sampleEndSignal(this.names, job.id!, this.config.agentId, end);
     m.publish(channel, message);
     m.exec().catch((e) => this.log.debug('sample end not signalled', { jobId: job.id, error: String(e) }));

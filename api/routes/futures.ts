@@ -13,11 +13,16 @@ export function futureRoutes(ctx: ApiContext, direct: DirectRoutes): Router {
 
   direct.post(r, '/retrieve_future', async (req, res) => {
     const body = parseBody(RetrieveFutureBody, req.body, 'retrieve_future');
-    const abort = new AbortController();
-    res.on('close', () => abort.abort());
     // The tenant guard is the resolver's: a future of another tenant is 'unknown' (as tenants.ts answers).
-    const st = await ctx.futures.retrieve(body.request_id, tenantOf(req), ctx.config.longPollMs, abort.signal);
-    if (abort.signal.aborted && !res.writable) return;
+    const tenant = tenantOf(req);
+    // A record this process's agent handed over a moment ago answers at once; any other future is waited for.
+    let st = ctx.futures.kept(body.request_id, tenant);
+    if (!st) {
+      const abort = new AbortController();
+      res.on('close', () => abort.abort());
+      st = await ctx.futures.retrieve(body.request_id, tenant, ctx.config.longPollMs, abort.signal);
+      if (abort.signal.aborted && !res.writable) return;
+    }
     switch (st.kind) {
       case 'unknown':
         throw new BrokerError('NOT_FOUND', `unknown or expired future '${body.request_id}'`);
