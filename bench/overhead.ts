@@ -3,12 +3,13 @@ import { fileURLToPath } from 'node:url';
 import { Job, Queue } from 'bullmq';
 import { Redis } from 'ioredis';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
-import { E2EServer } from '../test/e2e/server.js';
+import { E2E_KEY, E2EServer } from '../test/e2e/server.js';
 import { REDIS_URL } from '../test/helpers/stack.js';
 import { encodeForwardBackward } from '../test/helpers/wire.js';
 import { BENCH_ADAM, benchBatch, post, result, runBench } from './client.js';
 import { floorOverheads } from './floor.js';
 import { children, cmdline, cpuMs } from './proc.js';
+import { sdkFloor } from './sdk-floor.js';
 
 /**
  * Broker overhead per training op, against the server as a user starts it (`tinker-broker start`:
@@ -30,7 +31,9 @@ import { children, cmdline, cpuMs } from './proc.js';
  *
  * Then the SDK: `training_client.optim_step(adam).result()` through the real tinker SDK against two
  * plain HTTP round trips to the same server (`GET /api/v1/healthz`, and a 404), interleaved in one
- * Python process (bench/sdk_optim_step.py).
+ * Python process (bench/sdk_optim_step.py); and the SDK's floor: the same script against a bare
+ * server that answers optim_step and its future at once (bench/sdk-floor.ts), the ratio no server
+ * reaches below on this machine.
  *
  * Each run also prints where an op's time goes, stage by stage (see stages()), the CPU time an op
  * costs the server's process, its engine and Redis (from /proc: a figure that a shared machine's
@@ -226,8 +229,9 @@ async function main(): Promise<void> {
     const floor = { p50: pct(fl, 0.5), p99: pct(fl, 0.99), engineMs: [one.engineFbP50, one.engineOsP50] };
     const many = await run(server.baseUrl, redis, server.prefix, 64, ops64, pids);
     const sdk = server.runPython([fileURLToPath(new URL('./sdk_optim_step.py', import.meta.url)), TINY_MODEL_ALIAS, String(sdkSteps)]);
+    const sdkFl = await sdkFloor(server.baseUrl, { ...process.env, TINKER_API_KEY: E2E_KEY, HF_HUB_OFFLINE: '1' }, TINY_MODEL_ALIAS, sdkSteps);
     const load = (await import('node:os')).loadavg()[0]!;
-    const out = { one, floor, many, sdk, load };
+    const out = { one, floor, many, sdk, sdkFloor: sdkFl, load };
     if (json) {
       console.log(JSON.stringify(out));
       return;
@@ -248,6 +252,9 @@ async function main(): Promise<void> {
     }
     console.log(
       `SDK optim_step p50 ${f(sdk.sdk_p50_ms)} ms; two plain round trips p50: ${f(sdk.plain_healthz_p50_ms)} ms (healthz), ${f(sdk.plain_404_p50_ms)} ms (404); ratio ${f(sdk.ratio_healthz)}x / ${f(sdk.ratio_404)}x`,
+    );
+    console.log(
+      `  SDK floor (bench/sdk-floor.ts, a bare server answering optim_step and its future at once): p50 ${f(sdkFl.sdk_p50_ms)} ms; two bare 404s ${f(sdkFl.plain_404_p50_ms)} ms; ratio ${f(sdkFl.ratio_404)}x; the broker adds ${f(sdk.sdk_p50_ms - sdkFl.sdk_p50_ms)} ms`,
     );
     console.log(`load average (1 min) at the end: ${load.toFixed(1)}`);
   } finally {
