@@ -288,7 +288,7 @@ export class FutureResolver {
     if (kept) return kept;
     // The waiter first, then the read: a completion signalled in between is not missed. Every
     // future's signal comes on one subscription, made once per process.
-    const { woken, cancel } = await this.completions.watch(ref, this.onceRead(ref));
+    const { woken, cancel } = await this.completions.watch(ref, tenant, this.onceRead(ref));
     let timer: NodeJS.Timeout | undefined;
     try {
       const second = await this.state(ref, tenant);

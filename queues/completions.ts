@@ -113,15 +113,20 @@ export function handOverLocally(
   channel: string,
   jobId: string,
   record: Outcome,
-): { woken: number; expiries: ReadOnceExpiry[]; subscriptions: number; tenant: string | undefined } {
+): { woken: number; ownerWoken: boolean; expiries: ReadOnceExpiry[]; subscriptions: number; tenant: string | undefined } {
   const key = `${channel} ${jobId}`;
   const tenant = expected.get(key);
   expected.delete(key);
   const expiries: ReadOnceExpiry[] = [];
   let woken = 0;
+  let owners = 0;
   const mine = local.get(channel) ?? new Set();
-  for (const c of mine) woken += c.wakeAll(jobId, record, expiries);
-  return { woken, expiries, subscriptions: mine.size, tenant };
+  for (const c of mine) {
+    const n = c.wakeAll(jobId, record, expiries, tenant);
+    woken += n.woken;
+    owners += n.owners;
+  }
+  return { woken, ownerWoken: owners > 0, expiries, subscriptions: mine.size, tenant };
 }
 
 /**
@@ -170,7 +175,7 @@ export function takeKept(channel: string, jobId: string, tenant: string, now = D
 
 export class Completions {
   private subscriber: Promise<Redis> | null = null;
-  private readonly waiters = new Map<string, Set<{ wake: (w: Wake) => void; expiry?: ReadOnceExpiry | undefined }>>();
+  private readonly waiters = new Map<string, Set<{ wake: (w: Wake) => void; expiry?: ReadOnceExpiry | undefined; tenant: string }>>();
 
   constructor(
     private readonly blockingConnection: () => Redis,
@@ -188,14 +193,16 @@ export class Completions {
    * Wakes the job's waiters and returns how many; with `expiries` (handOverLocally) each one woken
    * with a record adds its read-once expiry.
    */
-  wakeAll(jobId: string, record?: string | Outcome, expiries?: ReadOnceExpiry[]): number {
+  wakeAll(jobId: string, record?: string | Outcome, expiries?: ReadOnceExpiry[], owner?: string): { woken: number; owners: number } {
     const set = this.waiters.get(jobId) ?? new Set();
+    let owners = 0;
     for (const w of set) {
       const taken = expiries !== undefined && record !== undefined && w.expiry !== undefined;
       if (taken) expiries.push(w.expiry!);
+      if (w.tenant === owner) owners++;
       w.wake({ ...(record !== undefined ? { record } : {}), expiryTaken: taken });
     }
-    return set.size;
+    return { woken: set.size, owners };
   }
 
   private subscribe(): Promise<Redis> {
@@ -223,12 +230,12 @@ export class Completions {
    * state after this). `expiry`: the read-once expiry an early signal's sender applies for this
    * waiter (`expiryTaken` then). `cancel` removes the waiter.
    */
-  async watch(ref: FutureRef, expiry?: ReadOnceExpiry): Promise<{ woken: Promise<Wake>; cancel: () => void }> {
+  async watch(ref: FutureRef, tenant: string, expiry?: ReadOnceExpiry): Promise<{ woken: Promise<Wake>; cancel: () => void }> {
     await this.subscribe();
     let wake!: (w: Wake) => void;
     const woken = new Promise<Wake>((resolve) => (wake = resolve));
     const set = this.waiters.get(ref.jobId) ?? new Set();
-    const w = { wake, expiry };
+    const w = { wake, expiry, tenant };
     set.add(w);
     this.waiters.set(ref.jobId, set);
     return {

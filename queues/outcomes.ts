@@ -108,11 +108,14 @@ export class Outcomes {
     const channel = this.names.outcomesChannel();
     const json = JSON.stringify(rec);
     const message = signalMessage(jobId, json);
-    const { woken, expiries, subscriptions, tenant } = early ? handOverLocally(channel, jobId, rec) : { woken: 0, expiries: [], subscriptions: 0, tenant: undefined };
-    // No one here has it yet: a record small enough for a message is kept for the first read of its
+    const { woken, ownerWoken, expiries, subscriptions, tenant } = early
+      ? handOverLocally(channel, jobId, rec)
+      : { woken: 0, ownerWoken: false, expiries: [], subscriptions: 0, tenant: undefined };
+    // No one here waited for it as its owner (another tenant's retrieve reads the future as unknown,
+    // and answers no record): a record small enough for a message is kept for the first read of its
     // future here, from now on (queues/completions.ts keepHandedOver).
     let written = (): void => undefined;
-    if (!woken && tenant !== undefined && message !== jobId) keepHandedOver(channel, jobId, tenant, rec, new Promise<void>((r) => (written = r)));
+    if (!ownerWoken && tenant !== undefined && message !== jobId) keepHandedOver(channel, jobId, tenant, rec, new Promise<void>((r) => (written = r)));
     let prev: string | number | null;
     try {
       // After the waiters' answers: they are written in the promise jobs that handing over queued

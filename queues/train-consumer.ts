@@ -26,13 +26,6 @@ export type TakenTrainJob = {
   token: string;
   /** `data` is the TrainJob the gate in this process parsed before admitting it (a submit's own op, handed over): not parsed again. */
   parsed?: true;
-  /**
-   * Handed over by a submit in this process whose HTTP answer is written in this turn of the event
-   * loop, once the handing over returns: the agent may start the engine's call after it (the client
-   * has its answer, and sends its next request, a fraction of a millisecond sooner; the engine starts
-   * as much later), which it does for a short op (workers/agent.ts).
-   */
-  answering?: true;
   /** For the op's done record (Outcomes.finish): the job then ends in the same script, not in BullMQ's after it. */
   end: CompletedEnd;
 };
@@ -74,6 +67,14 @@ export type TrainConsumerOptions = {
   claimAtTake: () => boolean;
   /** Whether a gate in this process may take jobs for it (handOff). @defaultValue true */
   handOff?: boolean;
+  /**
+   * Ops that a submit in this process hands over start once that submit has answered its client
+   * (after this turn of the event loop: the gate hands the job over before its caller writes the
+   * answer): the client has its answer, and sends its next request, sooner, by all the work of
+   * receiving and starting the op; the op starts as much later. Worth it for a short op, which ends
+   * before the client asks for its result anyway (workers/agent.ts: optim_step).
+   */
+  startsAfterAnswer?: (op: string) => boolean;
   process: (job: TakenTrainJob) => Promise<TrainVerdict>;
   log: Logger;
 };
@@ -235,22 +236,28 @@ export class TrainConsumer {
             });
           return;
         }
-        try {
-          // Run even when closing: the processor puts a job it will not start back (close waits for it).
-          if (!handed) return;
-          const [id, more, claimed, prev, f] = handed;
-          const raw: Record<string, string> = {};
-          if (claimed !== -1) ['name', 'opts', 'timestamp', 'ats', 'atm'].forEach((k, i) => f[i] != null && (raw[k] = f[i]!));
-          const data = id === submitted.id ? submitted.data : f[5] == null ? undefined : JSON.parse(f[5]);
-          const t = this.received(id, more, Math.max(claimed, 0), prev, raw, data, submitted.at);
-          if (id === submitted.id && submitted.data !== undefined) t.taken.parsed = t.taken.answering = true;
-          // Its future, asked for here, waits for this agent's hand-over without reading Redis.
-          if (id === submitted.id && t.job && submitted.tenant) expectHandOver(this.names.outcomesChannel(), id, submitted.tenant);
-          if (t.job) this.run(t.job, t.taken);
-        } finally {
-          this.handing = null;
-          done();
-        }
+        const receive = () => {
+          try {
+            // Run even when closing: the processor puts a job it will not start back (close waits for it).
+            if (!handed) return;
+            const [id, more, claimed, prev, f] = handed;
+            const raw: Record<string, string> = {};
+            if (claimed !== -1) ['name', 'opts', 'timestamp', 'ats', 'atm'].forEach((k, i) => f[i] != null && (raw[k] = f[i]!));
+            const data = id === submitted.id ? submitted.data : f[5] == null ? undefined : JSON.parse(f[5]);
+            const t = this.received(id, more, Math.max(claimed, 0), prev, raw, data, submitted.at);
+            if (id === submitted.id && submitted.data !== undefined) t.taken.parsed = true;
+            // Its future, asked for here, waits for this agent's hand-over without reading Redis.
+            if (id === submitted.id && t.job && submitted.tenant) expectHandOver(this.names.outcomesChannel(), id, submitted.tenant);
+            if (t.job) this.run(t.job, t.taken);
+          } finally {
+            // Until now the consumer's own takes wait: jobs run in the order Redis gave them out.
+            this.handing = null;
+            done();
+          }
+        };
+        const op = handed && handed[0] === submitted.id ? submitted.data?.op : undefined;
+        if (op && this.o.startsAfterAnswer?.(op)) setImmediate(receive);
+        else receive();
       },
     };
   }

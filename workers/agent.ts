@@ -165,6 +165,9 @@ export class Agent {
       tokenPrefix: `${this.incarnation}/`,
       claimAtTake: () => this.trainAhead === 0 && !this.draining && !this.stopping,
       process: (job) => this.runTrain(job),
+      // A short op starts once the client has its submit's answer (its turnaround is most of its
+      // round trip); a longer one first, then the answer: its engine time is.
+      startsAfterAnswer: (op) => op === 'optim_step',
       log: this.log,
     });
     this.workers.push(
@@ -380,10 +383,6 @@ export class Agent {
     };
     try {
       await before.done;
-      // A short op (optim_step: an elementwise update of the adapter) starts once the submit that
-      // handed it over has answered its client (queues/train-consumer.ts `answering`): the client's
-      // turnaround is most of its round trip. A longer one starts first: its engine time is.
-      if (job.answering && op === 'optim_step') await new Promise((r) => setImmediate(r));
       const token = job.token;
       if (this.draining || this.stopping) {
         // Taken ahead but not started: back to the head of the queue, for whoever runs the model next.

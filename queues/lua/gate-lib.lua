@@ -22,14 +22,21 @@ end
 -- Releases the in-order prefix of held entries onto their queue; returns how many moved. `nxt`, when
 -- given, is the gate's next seq_id as the caller read it; `first`, when given, is the op at that seq_id,
 -- admitted by the caller without being held ({ queue ('-' for a used-up seq_id), jobId }): it goes first.
--- The gate never holds an entry at its next seq_id (a drain moves next past every held op in order).
-local function gateDrain(G, modelId, bullPrefix, window, gapMs, nxt, first)
+-- The gate never holds an entry at its next seq_id (a drain moves next past every held op in order),
+-- and holds none at all while the model has no entry in gaps (an op held adds one; only a drain that
+-- leaves nothing held, or an expiry that fails every held op, removes it): `noneHeld` (the caller
+-- found no gap deadline standing) skips looking.
+local function gateDrain(G, modelId, bullPrefix, window, gapMs, nxt, first, noneHeld)
   nxt = nxt or tonumber(redis.call('GET', G.next))
   local start = nxt
   if first then
     if first.queue ~= '-' then bullPushJob(bullPrefix .. first.queue .. ':', first.jobId) end
     redis.call('HDEL', G.digests, tostring(nxt - window))
     nxt = nxt + 1
+    if noneHeld then
+      redis.call('SET', G.next, tostring(nxt), 'KEEPTTL')
+      return 1
+    end
   end
   while true do
     local v = redis.call('HGET', G.held, tostring(nxt))
@@ -51,19 +58,20 @@ end
 
 -- A gap past its deadline: every op held behind it fails (a failed-future record with the reason; its
 -- job hash is removed), every missing seq_id up to the last held one gets the same record (a late
--- arrival finds it), and the gate moves past them. Returns how many held ops failed, and true when the
--- gate's next seq_id moved.
+-- arrival finds it), and the gate moves past them. Returns how many held ops failed, true when the
+-- gate's next seq_id moved, and true when the model holds nothing (no gap deadline stands: see gateDrain).
 local function gateExpireGap(G, modelId, bullPrefix, failedPrefix, failedTtlS, gapS)
   local dl = redis.call('ZSCORE', G.gaps, modelId)
-  if not dl or tonumber(dl) > nowMs() then return 0, false end
+  if not dl then return 0, false, true end
+  if tonumber(dl) > nowMs() then return 0, false, false end
   redis.call('ZREM', G.gaps, modelId)
   local nxt = tonumber(redis.call('GET', G.next))
-  if not nxt then return 0, false end
+  if not nxt then return 0, false, true end
   local last = nxt - 1
   for _, s in ipairs(redis.call('HKEYS', G.held)) do
     if tonumber(s) > last then last = tonumber(s) end
   end
-  if last < nxt then return 0, false end
+  if last < nxt then return 0, false, true end
   local missing = {}
   for s = nxt, last do
     if redis.call('HEXISTS', G.held, tostring(s)) == 0 then table.insert(missing, s) end
@@ -96,5 +104,5 @@ local function gateExpireGap(G, modelId, bullPrefix, failedPrefix, failedTtlS, g
     redis.call('SET', failedPrefix .. jobId, cjson.encode({op = op, category = 'user', message = msg}), 'EX', failedTtlS, 'NX')
   end
   redis.call('SET', G.next, tostring(last + 1), 'KEEPTTL')
-  return n, true
+  return n, true, true
 end

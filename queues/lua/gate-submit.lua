@@ -63,7 +63,7 @@ if ARGV[21] == '1' and redis.call('EXISTS', KEYS[6]) == 0 then
   local drained = redis.call('GET', KEYS[9])
   if not drained or not string.find(drained, '"model_id":"' .. modelId .. '"', 1, true) then return -5 end
 end
-local _, moved = gateExpireGap(G, modelId, ARGV[8], ARGV[14], tonumber(ARGV[15]), ARGV[16])
+local _, moved, noneHeld = gateExpireGap(G, modelId, ARGV[8], ARGV[14], tonumber(ARGV[15]), ARGV[16])
 nxt = tonumber(moved and redis.call('GET', G.next) or nxt)
 
 local function owned(r)
@@ -101,7 +101,7 @@ if seq > nxt then
   return owned(1)
 end
 -- In order: released at once, with every held op now in order behind it.
-gateDrain(G, modelId, ARGV[8], window, gapMs, nxt, { queue = skip and '-' or ARGV[9], jobId = jobId })
+gateDrain(G, modelId, ARGV[8], window, gapMs, nxt, { queue = skip and '-' or ARGV[9], jobId = jobId }, noneHeld)
 if ARGV[24] == '1' then
   local q = ARGV[8] .. ARGV[9] .. ':'
   local id, more, exists, claim, prev, ats = trainTake({
