@@ -4,7 +4,7 @@ import { Redis as RedisClient, type Redis } from 'ioredis';
 import { tenantId } from '../api/auth.js';
 import { encodeRequestId } from '../queues/futures.js';
 import { Names } from '../queues/names.js';
-import { expectHandOver, handOverDone, KEPT_RECORD_MS, KEPT_RECORDS_MAX, keepHandedOver, sampleEndSignal, signalLocally, signalMessage, takeKept } from '../queues/completions.js';
+import { Completions, expectHandOver, handOverDone, KEPT_RECORD_MS, KEPT_RECORDS_MAX, keepHandedOver, sampleEndSignal, signalLocally, signalMessage, takeKept } from '../queues/completions.js';
 import { Outcomes, SIGNALLED_RECORD_MAX_BYTES } from '../queues/outcomes.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
 import { API_KEY, API_KEY_B, awaitFuture, call, REDIS_URL, startStack, type TestStack } from './helpers/stack.js';
@@ -360,12 +360,12 @@ describe('fast path: a training op answered from its completion signal', () => {
     }
   });
 
-  for (const when of ['recorded', 'on its way to Redis'] as const)
+  for (const when of ['recorded', 'on its way to Redis', 'handed over while another tenant waited'] as const)
     it(`answers an op this process's agent ended before its client asked (${when}) from the record kept here, once, for its own tenant`, async () => {
       const ctx = s.built.ctx;
       const names = new Names(s.prefix);
       const tenant = tenantId(API_KEY);
-      const jobId = `t-fastpathkept-${when === 'recorded' ? 1 : 2}`;
+      const jobId = `t-fastpathkept-${['recorded', 'on its way to Redis', 'handed over while another tenant waited'].indexOf(when) + 1}`;
       const requestId = encodeRequestId({ queue: 'train-agent-fastpath', jobId });
       await ctx.registry.futures.setOwner(requestId, tenant, 600);
       await other.hset(ctx.queues.jobKey('train-agent-fastpath', jobId), 'name', 'optim_step');
@@ -377,7 +377,16 @@ describe('fast path: a training op answered from its completion signal', () => {
       };
       // A submit here handed the op to this process's agent, which ran it and hands it over with no one waiting.
       expectHandOver(names.outcomesChannel(), jobId, tenant);
+      // Or with another tenant's retrieve_future waiting here (its read of Redis in flight): woken, it
+      // answers unknown, and the record stays kept for the owner (CI once saw the owner read Redis).
+      const stranger = when === 'handed over while another tenant waited' ? new Completions(() => new RedisClient(REDIS_URL), names) : undefined;
+      const watching = await stranger?.watch({ queue: 'train-agent-fastpath', jobId }, tenantId(API_KEY_B));
       const recorded = new Outcomes(other, names, 3_600).finish(jobId, 'x', { state: 'done', op: 'optim_step', agent_id: 'agent-fastpath', result: { metrics: { kept: 1 } } }, true);
+      if (watching) {
+        expect(await within(watching.woken, 'the stranger was not woken')).to.have.property('record');
+        watching.cancel();
+        await stranger!.close();
+      }
       if (when === 'recorded') {
         await recorded;
         // Another tenant reads Redis, finds nothing of its own, and leaves the record kept for its owner.
