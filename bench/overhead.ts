@@ -22,12 +22,16 @@ import { sdkFloor } from './sdk-floor.js';
  * stamps is measured by its BullMQ job's processedOn/finishedOn, which also count the agent's
  * outcome writes around the engine call).
  *
- *   overhead = client-observed time − the op's engine time − the engine time of the ops that
- *              started on the engine while it waited (after its submit, before its own start)
+ *   overhead = client-observed time − the op's engine time − the engine time spent on other ops
+ *              while it waited (their engine intervals within its submit and its own start,
+ *              the op already on the engine at its submit included)
  *
  * With one client the last term is zero: the client's wait minus what the engine spent on its op.
  * With 64 clients on one engine an op queues behind others; their engine time is the engine's, not
- * the broker's, while the engine's idle gaps between them are the broker's (they delay every op).
+ * the broker's, while the engine's idle gaps between them are the broker's: each gap delays every
+ * op waiting then, so an op's figure holds the gaps of all the ops it waited behind. The gaps
+ * themselves (the engine's idle time between one op's end and the next op's start, while ops
+ * wait) are what each op costs the saturated engine: printed as "engine idle between consecutive ops".
  *
  * Then the SDK: `training_client.optim_step(adam).result()` through the real tinker SDK against two
  * plain HTTP round trips to the same server (`GET /api/v1/healthz`, and a 404), interleaved in one
@@ -110,10 +114,13 @@ function overheads(ops: Op[]): number[] {
   const byStart = [...ops].sort((a, b) => a.engine![0] - b.engine![0]);
   return ops.map((op) => {
     const [s, e] = op.engine!;
+    // The engine's time on other ops within [submit, own start] (one engine: their intervals do not overlap).
     let ahead = 0;
     for (const o of byStart) {
       if (o === op) continue;
-      if (o.engine![0] >= op.start && o.engine![0] < s) ahead += o.engine![1] - o.engine![0];
+      const [os, oe] = o.engine!;
+      if (os >= s) break;
+      ahead += Math.max(0, Math.min(oe, s) - Math.max(os, op.start));
     }
     return op.end - op.start - (e - s) - ahead;
   });
@@ -159,6 +166,7 @@ type Figures = {
   clientP50: number;
   gapP50: number;
   gapP90: number;
+  gapP99: number;
   stages: Record<string, number> | null;
   cpuPerOp: CpuPerOp | null;
 };
@@ -210,6 +218,7 @@ async function run(base: string, redis: Redis, prefix: string, clients: number, 
     clientP50: pct(ops.map((o) => o.end - o.start), 0.5),
     gapP50: pct(gaps, 0.5),
     gapP90: pct(gaps, 0.9),
+    gapP99: pct(gaps, 0.99),
     stages: stages(ops),
     cpuPerOp: cpu,
   };
@@ -242,7 +251,7 @@ async function main(): Promise<void> {
         `${r.clients} client(s), ${r.ops} ops: broker overhead p50 ${f(r.p50)} ms, p99 ${f(r.p99)} ms (client-observed p50 ${f(r.clientP50)} ms, engine p50 ${f(r.engineP50)} ms)`,
       );
       if (r.stages) console.log(`  stages p50 (ms): ${Object.entries(r.stages).map(([k, v]) => `${k} ${f(v)}`).join(', ')}`);
-      if (r.clients > 1) console.log(`  engine idle between consecutive ops (ms): p50 ${f(r.gapP50)}, p90 ${f(r.gapP90)}`);
+      if (r.clients > 1) console.log(`  engine idle between consecutive ops (ms): p50 ${f(r.gapP50)}, p90 ${f(r.gapP90)}, p99 ${f(r.gapP99)}`);
       const c = r.cpuPerOp;
       if (c) console.log(`  CPU per op (ms, user + system): API and agent ${f(c.server)}, engine ${c.engine === null ? '-' : f(c.engine)}, Redis ${c.redis === null ? '-' : f(c.redis)}`);
       if (r === one)
