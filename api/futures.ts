@@ -288,11 +288,14 @@ export class FutureResolver {
     if (kept) return kept;
     // The waiter first, then the read: a completion signalled in between is not missed. Every
     // future's signal comes on one subscription, made once per process.
-    const { woken, cancel } = await this.completions.watch(ref, tenant, this.onceRead(ref));
+    const { woken, owns, cancel } = await this.completions.watch(ref, tenant);
     let timer: NodeJS.Timeout | undefined;
     try {
       const second = await this.state(ref, tenant);
       if (second.kind !== 'pending') return second;
+      // Pending for this tenant: its future. A hand-over from now on applies the read-once expiry
+      // with the record (one woken before this answers from the signal and applies it itself).
+      owns(this.onceRead(ref));
       // An op held behind a gap wakes at the gap's deadline, when it may have failed.
       let wait = timeoutMs;
       if (second.heldModel) {

@@ -227,19 +227,23 @@ export class Completions {
   /**
    * Registers a waiter for the job's end; `woken` resolves on its signal, with the final record
    * (JSON) when the signal carried it. Resolves once the signal can no longer be missed (read the
-   * state after this). `expiry`: the read-once expiry an early signal's sender applies for this
-   * waiter (`expiryTaken` then). `cancel` removes the waiter.
+   * state after this), for `tenant`, the one whose retrieve_future it is. `owns(expiry)`, once that
+   * read found the future pending for `tenant` (so issued to it): the read-once expiry an early
+   * signal's sender applies for this waiter from then on (`expiryTaken`). A waiter that never owns
+   * one (another tenant's, whose read answers unknown) leaves the record's lifetime as it is.
+   * `cancel` removes the waiter.
    */
-  async watch(ref: FutureRef, tenant: string, expiry?: ReadOnceExpiry): Promise<{ woken: Promise<Wake>; cancel: () => void }> {
+  async watch(ref: FutureRef, tenant: string): Promise<{ woken: Promise<Wake>; owns: (expiry: ReadOnceExpiry | undefined) => void; cancel: () => void }> {
     await this.subscribe();
     let wake!: (w: Wake) => void;
     const woken = new Promise<Wake>((resolve) => (wake = resolve));
     const set = this.waiters.get(ref.jobId) ?? new Set();
-    const w = { wake, expiry, tenant };
+    const w: { wake: (w: Wake) => void; expiry?: ReadOnceExpiry | undefined; tenant: string } = { wake, tenant };
     set.add(w);
     this.waiters.set(ref.jobId, set);
     return {
       woken,
+      owns: (expiry) => (w.expiry = expiry),
       cancel: () => {
         set.delete(w);
         if (set.size === 0 && this.waiters.get(ref.jobId) === set) this.waiters.delete(ref.jobId);

@@ -386,6 +386,9 @@ describe('fast path: a training op answered from its completion signal', () => {
         expect(await within(watching.woken, 'the stranger was not woken')).to.have.property('record');
         watching.cancel();
         await stranger!.close();
+        // Its waiter applied no read-once expiry: the record keeps its lifetime until its owner reads it.
+        await recorded;
+        expect(await other.pttl(names.outcome(jobId))).to.be.above(300_000);
       }
       if (when === 'recorded') {
         await recorded;
