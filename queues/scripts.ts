@@ -16,6 +16,7 @@ export type ScriptName =
   | 'outcome-read'
   | 'outcome-release'
   | 'train-take'
+  | 'train-adopt'
   | 'future-train'
   | 'sample-submit'
   | 'future-sample'

@@ -101,7 +101,8 @@ export type TrainConsumerOptions = {
  * Like the Worker it replaces (`maxStalledCount: 0`, `skipStalledCheck`): no stalled check runs, a
  * job is never retried, a lock lost in a long Redis outage leaves the job active (its outcome record,
  * not BullMQ's state, is the op's truth, queues/outcomes.ts), and the reaper fails the ops of a dead
- * agent from its queue's lists (queues/liveness.ts).
+ * agent from its queue's lists (queues/liveness.ts). A dead agent that comes back under its id
+ * before the reaper acts settles its predecessor's active jobs itself at start (adoptEarlier).
  */
 export class TrainConsumer {
   private readonly queue: Queue;
@@ -144,6 +145,7 @@ export class TrainConsumer {
   async start(): Promise<void> {
     await this.queue.waitUntilReady();
     this.lockTimer = setInterval(() => void this.extendLocks(), Math.max(100, Math.floor(this.o.lockMs / 2)));
+    await this.adoptEarlier();
     if (this.o.handOff !== false) local.set(this.keys.prefix, this);
     this.loopDone = this.loop();
   }
@@ -260,6 +262,42 @@ export class TrainConsumer {
         else receive();
       },
     };
+  }
+
+  /**
+   * At start: the jobs an earlier process of this agent id left active (it died: kill -9, OOM, a lost
+   * node; this process holds the id now, queues/liveness.ts claimId). No take hands them out again,
+   * so each is settled here (queues/lua/train-adopt.lua): an op that never started (no outcome
+   * record) goes back to the head of the queue and runs in its place; one with a record is held
+   * under this consumer's lock and processed with that record as its claim's `prev`, so the
+   * processor ends it as the record says (a running record: the earlier process's op, whose outcome
+   * nobody knows). Returns how many were requeued and held.
+   */
+  private async adoptEarlier(): Promise<{ requeued: number; held: number }> {
+    // The active list's head is its newest job: requeued newest first, the oldest ends up taken first.
+    const ids = await this.redis.lrange(this.keys.active, 0, -1);
+    const held: { id: string; record: string }[] = [];
+    let requeued = 0;
+    for (const id of ids) {
+      if (this.held.has(id)) continue;
+      const jobKey = `${this.keys.prefix}${id}`;
+      const r = (await runScript(
+        this.redis,
+        'train-adopt',
+        [this.keys.active, this.keys.wait, this.keys.marker, this.keys.events, jobKey, `${jobKey}:lock`, this.names.outcome(id)],
+        [id, this.lockToken, this.o.lockMs],
+      )) as [string, string?];
+      if (r[0] === 'requeued') requeued++;
+      if (r[0] === 'held') held.push({ id, record: r[1]! });
+    }
+    // Oldest first.
+    for (const { id, record } of held.reverse()) {
+      const raw = await this.redis.hgetall(`${this.keys.prefix}${id}`);
+      const t = this.received(id, 0, 2, record, raw, raw.data === undefined ? undefined : JSON.parse(raw.data), Number(raw.processedOn ?? Date.now()));
+      if (t.job) this.run(t.job, t.taken);
+    }
+    if (requeued || held.length) this.o.log.warn('training queue: ops left by an earlier process of this agent are settled', { queue: this.name, requeued, held: held.length });
+    return { requeued, held: held.length };
   }
 
   /**

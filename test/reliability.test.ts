@@ -1,92 +1,19 @@
 import { expect } from 'chai';
 import { rmSync } from 'node:fs';
-import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
 import { decodeRequestId } from '../queues/futures.js';
 import { Outcomes } from '../queues/outcomes.js';
 import { deletePrefix } from './helpers/stack.js';
-import { call, type HttpReply } from './helpers/stack.js';
+import { call } from './helpers/stack.js';
+import { Client, expectUnknownOutcome, PROTO } from './helpers/client.js';
 import { enginePid, OwnRedis, sleep, spawnAgent, stackEnv, startApi, stopAgent, waitFor, type AgentProc, type Api } from './helpers/procs.js';
-import { decodeForwardBackwardOutput, encodeForwardBackward, type TestDatum } from './helpers/wire.js';
+import type { TestDatum } from './helpers/wire.js';
 
 /**
  * The worker-side guarantees of docs/reliability.md, with processes killed, stopped and restarted
  * for real: worker agents are `workers/main.ts` processes, Redis is a redis-server of the test's own
  * (AOF on) that is stopped and started again. Figures measured are printed with `[reliability]`.
  */
-const PROTO = 'application/x-protobuf';
-const BATCH: TestDatum[] = [
-  { tokens: [5, 17, 42, 99, 7], targets: [17, 42, 99, 7, 300], weights: [1, 1, 1, 1, 1] },
-  { tokens: [11, 12, 13], targets: [12, 13, 14], weights: [0, 1, 1] },
-];
 const figure = (what: string, v: unknown) => console.log(`      [reliability] ${what}: ${typeof v === 'number' ? v.toFixed(2) : String(v)}`);
-
-class Client {
-  session = '';
-  private modelSeq = 0;
-  private readonly seqs = new Map<string, number>();
-  constructor(readonly api: Api) {}
-
-  async init(): Promise<void> {
-    this.session = (await call(this.api.baseUrl, 'POST', '/create_session', { tags: [] })).json.session_id;
-  }
-  /** Polls until the future is answered (a Redis outage or try_again: again). */
-  async result(requestId: string, accept = 'application/json', timeoutMs = 90_000): Promise<HttpReply> {
-    return waitFor(`future ${requestId}`, async () => {
-      const r = await call(this.api.baseUrl, 'POST', '/retrieve_future', { request_id: requestId }, { accept });
-      if (r.status >= 500 || r.json?.type === 'try_again') return null;
-      return r;
-    }, timeoutMs, 50);
-  }
-  async createModel(seed = 0): Promise<string> {
-    const r = await call(this.api.baseUrl, 'POST', '/create_model', { session_id: this.session, model_seq_id: this.modelSeq++, base_model: TINY_MODEL_ALIAS, lora_config: { rank: 4, seed } });
-    expect(r.status, JSON.stringify(r.json)).to.equal(200);
-    const done = await this.result(r.json.request_id);
-    expect(done.json.model_id, JSON.stringify(done.json)).to.be.a('string');
-    this.seqs.set(done.json.model_id, 1);
-    return done.json.model_id;
-  }
-  private seq(model: string): number {
-    const s = this.seqs.get(model)!;
-    this.seqs.set(model, s + 1);
-    return s;
-  }
-  async submitFb(model: string, data: TestDatum[] = BATCH, lossFn = 'cross_entropy'): Promise<string> {
-    const r = await call(this.api.baseUrl, 'POST', '/forward_backward', undefined, { raw: encodeForwardBackward({ modelId: model, seqId: this.seq(model), data, lossFn }) });
-    expect(r.status, JSON.stringify(r.json)).to.equal(200);
-    return r.json.request_id;
-  }
-  async submitOptim(model: string, lr = 0.05): Promise<string> {
-    const r = await call(this.api.baseUrl, 'POST', '/optim_step', { model_id: model, seq_id: this.seq(model), adam_params: { learning_rate: lr, beta1: 0.9, beta2: 0.95, eps: 1e-12, weight_decay: 0, grad_clip_norm: 0 } });
-    expect(r.status, JSON.stringify(r.json)).to.equal(200);
-    return r.json.request_id;
-  }
-  /** The summed loss of a finished forward_backward (throws with the reply when it failed). */
-  async loss(requestId: string): Promise<number> {
-    const r = await this.result(requestId, PROTO);
-    if (!(r.headers.get('content-type') ?? '').includes(PROTO)) throw new Error(`forward_backward failed: ${JSON.stringify(r.json)}`);
-    return decodeForwardBackwardOutput(r.body).metrics['loss:sum']!;
-  }
-  async optim(model: string): Promise<void> {
-    const r = await this.result(await this.submitOptim(model));
-    expect(r.json.type, JSON.stringify(r.json)).to.equal('optim_step');
-  }
-  /** fb + optim_step, `steps` times: the losses. */
-  async train(model: string, steps: number): Promise<number[]> {
-    const out: number[] = [];
-    for (let i = 0; i < steps; i++) {
-      out.push(await this.loss(await this.submitFb(model)));
-      await this.optim(model);
-    }
-    return out;
-  }
-}
-
-function expectUnknownOutcome(r: HttpReply, why: RegExp): void {
-  expect(r.json, JSON.stringify(r.json)).to.include({ category: 'unknown', code: 'OUTCOME_UNKNOWN' });
-  expect(r.json.error).to.match(/^OUTCOME_UNKNOWN: the outcome of this .* is unknown/);
-  expect(r.json.error).to.match(/load the model from a saved checkpoint/);
-  expect(r.json.error).to.match(why);
-}
 
 describe('reliability: worker agents, outcomes and liveness (real processes, own Redis)', function () {
   this.timeout(300_000);

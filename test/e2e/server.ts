@@ -80,6 +80,28 @@ export class E2EServer {
     }
   }
 
+  /**
+   * Kills the start command's process and its engine with `signal` at once, as a crashed node loses
+   * them (no drain, no stop hooks); Redis keys and storage stay. `start()` brings it back on the same
+   * port, prefix and storage.
+   */
+  async kill(signal: NodeJS.Signals = 'SIGKILL'): Promise<void> {
+    const c = this.child;
+    this.child = null;
+    if (!c || c.exitCode !== null) return;
+    const kids = spawnSync('pgrep', ['-P', String(c.pid)], { encoding: 'utf8' }).stdout.split('\n').filter(Boolean).map(Number);
+    const exited = new Promise((r) => c.once('exit', r));
+    c.kill(signal);
+    for (const pid of kids) {
+      try {
+        process.kill(pid, signal);
+      } catch {
+        /* already gone */
+      }
+    }
+    await exited;
+  }
+
   /** Stops the processes (SIGTERM, as a user's Ctrl-C); Redis keys and storage stay. */
   async stop(): Promise<void> {
     const c = this.child;

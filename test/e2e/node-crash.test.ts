@@ -1,0 +1,74 @@
+import { spawnSync } from 'node:child_process';
+import { expect } from 'chai';
+import { Redis } from 'ioredis';
+import { decodeRequestId } from '../../queues/futures.js';
+import { Names } from '../../queues/names.js';
+import { Outcomes } from '../../queues/outcomes.js';
+import { Client, expectUnknownOutcome } from '../helpers/client.js';
+import { waitFor } from '../helpers/procs.js';
+import { API_KEY, REDIS_URL } from '../helpers/stack.js';
+import { E2EServer } from './server.js';
+
+/**
+ * A node crash (issue 32's first defect): the start command's process, API and agent together, and
+ * its engine are killed with SIGKILL while an op runs in the engine and two more are queued
+ * behind it (taken ahead by the agent, or waiting), then started again with the same command, prefix and agent id, as a restart policy does.
+ * Every future resolves: the op that was running fails with OUTCOME_UNKNOWN (nobody knows whether it
+ * was applied); the ops taken ahead or waiting, which never started, run in their place, on a model the crash lost, and fail
+ * saying so; nothing stays on the queue; the node trains again.
+ */
+describe('a node crash: kill -9 of the start command while ops run, restarted with the same command and prefix', function () {
+  this.timeout(300_000);
+  // The API key of test/helpers/client.ts; the agent's default timeout (30 s), so the restarted
+  // agent claims its id back before any reaper would act: the case where the futures hung.
+  const server = new E2EServer({ TB_API_KEYS: API_KEY });
+  const redis = new Redis(REDIS_URL);
+  const names = new Names(server.prefix);
+  let engine = 0;
+  after(async () => {
+    // A failure before the kill leaves the engine stopped: a graceful stop would wait for its op.
+    if (engine) await server.kill('SIGKILL');
+    await server.destroy();
+    redis.disconnect();
+  });
+
+  it('the running op fails with OUTCOME_UNKNOWN, the unstarted ones with the model lost, the queue is left empty and training goes on', async () => {
+    await server.start();
+    const client = new Client(server);
+    await client.init();
+    const m = await client.createModel(1);
+    const before = await client.train(m, 1);
+    expect(before[0]).to.be.a('number');
+
+    const agentId = `agent-${server.prefix}`;
+    const prefix = `${names.bull}:${names.trainQueue(agentId)}:`;
+    engine = Number(spawnSync('pgrep', ['-P', String(server.pid), '-f', 'tinker_engine'], { encoding: 'utf8' }).stdout.trim().split('\n')[0]);
+    expect(engine, 'the engine process').to.be.above(0);
+    process.kill(engine, 'SIGSTOP'); // the next op stays in the engine
+    const running = await client.submitFb(m);
+    const outcomes = new Outcomes(redis, names, 60);
+    await waitFor('the op claimed', async () => (await outcomes.get(decodeRequestId(running)!.jobId))?.state === 'running');
+    const ahead = await client.submitOptim(m);
+    const waiting = await client.submitFb(m);
+    // All three on the queue: the consumer holds some ahead of the running one, the rest wait.
+    await waitFor('the ops queued', async () => (await redis.llen(`${prefix}active`)) + (await redis.llen(`${prefix}wait`)) === 3);
+    expect(await redis.llen(`${prefix}active`)).to.be.at.least(2);
+
+    await server.kill('SIGKILL');
+    engine = 0;
+    await server.start();
+
+    const [r1, r2, r3] = await Promise.all([running, ahead, waiting].map((id) => client.result(id, 'application/json', 120_000)));
+    expectUnknownOutcome(r1!, /the agent process that was running it \([0-9a-f-]+\) ended before recording its outcome/);
+    for (const r of [r2!, r3!]) {
+      expect(r.json, JSON.stringify(r.json)).to.include({ category: 'server', code: 'UNAVAILABLE' });
+      expect(r.json.error).to.match(/^model .* is unavailable: its worker agent restarted; load it from a saved checkpoint/);
+    }
+    // Nothing is left on the training queue.
+    await waitFor('the queue emptied', async () => (await redis.llen(`${prefix}active`)) + (await redis.llen(`${prefix}wait`)) === 0, 30_000);
+    // The restarted node trains new models: the loss goes down.
+    const fresh = await client.createModel(2);
+    const losses = await client.train(fresh, 3);
+    expect(losses[2]).to.be.below(losses[0]!);
+  });
+});
