@@ -2,11 +2,15 @@
 # Runs the engine's pytest tests with the project's virtual environment: with the pinned versions
 # (workers/python/requirements.txt), then again with the lowest supported ones
 # (workers/python/requirements-lowest.txt, the overlay .venv/lowest that scripts/setup.sh installs).
-# TB_PYTEST_LOWEST=0 skips the second pass. Arguments go to both.
+# TB_PYTEST_LOWEST=0 skips the second pass; TB_PYTEST_PASS=pinned or lowest runs only that pass
+# (scripts/test.sh runs them apart, to report each). Arguments go to both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHONPATH=workers/python .venv/bin/python -m pytest workers/python/tests -q "$@"
-if [ "${TB_PYTEST_LOWEST:-1}" != 0 ]; then
+pass="${TB_PYTEST_PASS:-both}"
+if [ "$pass" != lowest ]; then
+  PYTHONPATH=workers/python .venv/bin/python -m pytest workers/python/tests -q "$@"
+fi
+if [ "$pass" = lowest ] || { [ "$pass" = both ] && [ "${TB_PYTEST_LOWEST:-1}" != 0 ]; }; then
   if [ ! -d .venv/lowest ]; then
     echo "scripts/pytest.sh: .venv/lowest is missing; run scripts/setup.sh (or TB_PYTEST_LOWEST=0)" >&2
     exit 1
