@@ -272,6 +272,11 @@ export async function main(argv: string[], table: CommandTable = COMMANDS): Prom
 
 /** Runs the command line and exits with its code: 2 for an operator mistake, 1 for a failure. */
 export function cli(argv: string[]): void {
+  // The reader went away (`tinker-broker futures ID | head -3`): stop quietly, as Unix tools do.
+  process.stdout.on('error', (e: NodeJS.ErrnoException) => {
+    if (e.code === 'EPIPE') process.exit(0);
+    throw e;
+  });
   main(argv).catch((err) => {
     if (err instanceof UsageError || err instanceof PresetError || err instanceof StartRefused) {
       process.stderr.write(`${err.message}\n`);

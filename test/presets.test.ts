@@ -27,6 +27,13 @@ describe('presets', function () {
     return f;
   };
 
+  it('the command line exits 0 quietly when its reader goes away (| head): no EPIPE crash', () => {
+    // `head -c 0` exits before reading: every write the command makes meets a closed pipe.
+    const r = spawnSync('bash', ['-c', `'${process.execPath}' --import tsx scripts/tinker-broker.ts --help | head -c 0; echo "rc=\${PIPESTATUS[0]}"`], { encoding: 'utf8' });
+    expect(r.stdout.trim()).to.equal('rc=0');
+    expect(r.stderr).to.not.match(/EPIPE|Unhandled/);
+  });
+
   it('ships the quick_start, distill and cpu presets', () => {
     expect(shipped).to.include.members([
       'presets/quick_start/actor.yaml',
