@@ -41,7 +41,13 @@ describe('API without a worker agent', () => {
       'user',
       /lora_config\.rank/,
     );
-    expectTinkerError(await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: Buffer.from([0xff, 0xff, 0xff]) }), 400, 'user', /not a valid ForwardBackwardRequest/);
+    const garbled = await call(s.baseUrl, 'POST', '/forward_backward', undefined, { raw: Buffer.from([0xff, 0xff, 0xff]) });
+    expectTinkerError(garbled, 400, 'user', /not a valid ForwardBackwardRequest: this route takes the Tinker SDK's protobuf body \(Content-Type: application\/x-protobuf\)/);
+    expect(garbled.json.error).to.not.match(/index out of range|wire type/);
+    // A JSON body (a client written by hand): the route names what it takes, not the decoder's internals.
+    const asJson = await call(s.baseUrl, 'POST', '/forward_backward', { model_id: 'm', seq_id: 1, forward_backward_input: { data: [], loss_fn: 'cross_entropy' } });
+    expectTinkerError(asJson, 400, 'user', /takes the Tinker SDK's protobuf ForwardBackwardRequest body \(Content-Type: application\/x-protobuf\), not application\/json/);
+    expect(asJson.json.error).to.not.match(/index out of range/);
     expectTinkerError(await call(s.baseUrl, 'POST', '/optim_step', { model_id: 'm', seq_id: 1 }), 400, 'user', /adam_params: required/);
   });
 

@@ -25,7 +25,7 @@ import { createModelFromCheckpoint } from '../services/models.js';
 import { forwardBackwardJob, useUpSeqId } from '../services/training.js';
 import { tenantOf } from '../auth.js';
 import { issueFuture, requireModel, requireModelForOp } from '../tenants.js';
-import { decodeForwardBackwardRequest } from '../wire/proto.js';
+import { decodeForwardBackwardRequest, PROTOBUF_CONTENT_TYPE } from '../wire/proto.js';
 
 /** The ordered training ops of a model (forward_backward, optim_step, saves and loads), through the gate in seq_id order. */
 
@@ -136,7 +136,9 @@ export function trainingRoutes(ctx: ApiContext, direct: DirectRoutes): Router {
     orderedOp(
       ctx,
       (req) => {
-        if (!Buffer.isBuffer(req.body) || req.body.length === 0) throw invalid('forward_backward needs a protobuf ForwardBackwardRequest body');
+        if (!Buffer.isBuffer(req.body) || req.body.length === 0) throw invalid(`forward_backward needs the Tinker SDK's protobuf ForwardBackwardRequest body (Content-Type: ${PROTOBUF_CONTENT_TYPE})`);
+        if (req.is('json') || req.is('text/*') || req.is('application/x-www-form-urlencoded'))
+          throw invalid(`forward_backward takes the Tinker SDK's protobuf ForwardBackwardRequest body (Content-Type: ${PROTOBUF_CONTENT_TYPE}), not ${req.get('content-type')}`);
         const fb = decodeForwardBackwardRequest(req.body);
         if (!fb.model_id) throw invalid('forward_backward: model_id is required');
         if (fb.seq_id < 1) throw invalid(`forward_backward: seq_id must be ≥ 1, got ${fb.seq_id}`);
