@@ -80,7 +80,7 @@ export class Liveness {
       this.redis,
       'liveness-beat',
       [this.names.agentAlive(rec.agent_id), this.names.agentReaped(rec.agent_id), this.names.agents()],
-      [incarnation, Date.now(), ttl, rec.agent_id, JSON.stringify(rec)],
+      [incarnation, ttl, rec.agent_id, JSON.stringify(rec)],
     )) as BeatResult;
   }
 

@@ -2,6 +2,9 @@ import { existsSync, mkdirSync, writeFileSync } from 'node:fs';
 import path from 'node:path';
 import { expect } from 'chai';
 import { sweepExpiredCheckpoints } from '../api/services/checkpoints.js';
+import { Liveness } from '../queues/liveness.js';
+import { Outcomes } from '../queues/outcomes.js';
+import type { AgentRecord } from '../queues/registry/agents.js';
 import { TINY_MODEL_ALIAS, TINY_MODEL_DIR } from '../scripts/stack.js';
 import { awaitFuture, call, startStack, type HttpReply, type TestStack } from './helpers/stack.js';
 import { decodeForwardBackwardOutput, decodeSampleResponse, encodeForwardBackward, type TestDatum } from './helpers/wire.js';
@@ -25,6 +28,30 @@ describe('API without a worker agent', () => {
     const r = await call(s.baseUrl, 'GET', '/healthz', undefined, { key: null });
     expect(r.status).to.equal(503);
     expect(r.json.status).to.equal('starting');
+  });
+
+  it('is not ready on a dead agent\'s leftover liveness key (a node killed and restarting): only a recent heartbeat counts', async () => {
+    const { redis, names } = s.built.ctx;
+    const liveness = new Liveness(redis, names, s.built.ctx.registry.models, new Outcomes(redis, names, 60));
+    const rec: AgentRecord = {
+      agent_id: 'dead-or-alive', train_queue: names.trainQueue('dead-or-alive'), engine: 'torch', device: 'cpu', started_at: new Date().toISOString(), timeout_s: 30,
+      models: [{ name: '/m', aliases: ['m'], arch: 'Qwen3ForCausalLM', vocab_size: 16, max_context_length: 64, trainable: true, lora_max_rank: 8, topk_max: 4 }],
+    };
+    try {
+      expect(await liveness.beat(rec, 'inc-1')).to.equal('ok');
+      expect((await call(s.baseUrl, 'GET', '/healthz', undefined, { key: null })).json.status).to.equal('ready');
+      // The same key as a killed incarnation leaves it: its last beat 20 s ago (Redis's clock), its TTL (30 s) not run out.
+      const [sec] = await redis.time();
+      await redis.set(names.agentAlive(rec.agent_id), `inc-1 ${Number(sec) * 1000 - 20_000}`, 'PX', 10_000);
+      const r = await call(s.baseUrl, 'GET', '/healthz', undefined, { key: null });
+      expect(r.status).to.equal(503);
+      expect(r.json.status).to.equal('starting');
+      // Placement still sees it until the reaper acts (its key exists): only /healthz asks for a recent beat.
+      expect((await s.built.ctx.registry.agents.live()).map((a) => a.agent_id)).to.include(rec.agent_id);
+    } finally {
+      await redis.del(names.agentAlive(rec.agent_id));
+      await redis.hdel(names.agents(), rec.agent_id);
+    }
   });
 
   it('answers 401 in the Tinker error shape for a missing or wrong API key', async () => {

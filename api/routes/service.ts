@@ -42,7 +42,8 @@ export function serviceRoutes(ctx: ApiContext): Router {
   });
 
   r.get('/get_server_capabilities', async (_req, res) => {
-    const served = await ctx.registry.agents.servedModels();
+    // Only agents that beat lately: a killed node's liveness key outlives it (queues/registry/agents.ts liveAged).
+    const served = await ctx.registry.agents.servedModels(true);
     res.json({
       supported_models: [...served.values()].map(({ model }) => ({
         model_name: model.name,
@@ -66,12 +67,13 @@ export function serviceRoutes(ctx: ApiContext): Router {
 }
 
 /**
- * Ready once live agents serve every required model (any agent when none is configured). Open
+ * Ready once live agents (heartbeat within 2.5 beats) serve every required model (any agent when none is configured). Open
  * without a key, so it names no model (canonical names are absolute paths on the server): only counts.
  */
 export function healthHandler(ctx: ApiContext): RequestHandler {
   return async (_req, res) => {
-    const served = await ctx.registry.agents.servedModels();
+    // Only agents that beat lately: a killed node's liveness key outlives it (queues/registry/agents.ts liveAged).
+    const served = await ctx.registry.agents.servedModels(true);
     const names = new Set<string>();
     for (const { model } of served.values()) [model.name, ...model.aliases].forEach((n) => names.add(n));
     const missing = ctx.config.requiredModels.filter((m) => !names.has(m));

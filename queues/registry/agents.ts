@@ -85,17 +85,33 @@ export function sampleEngine(baseModel: string, agents: AgentRecord[], loraRank:
 export class AgentRegistry extends RedisRegistry {
   /** Agents whose liveness key is current (one round trip). */
   async live(): Promise<AgentRecord[]> {
-    const live = (await runScript(this.redis, 'agents-live', [this.names.agents()], this.names.agentAliveParts())) as string[];
-    return live.map((v) => AgentRecord.parse(JSON.parse(v)));
+    return (await this.liveAged()).map((a) => a.record);
+  }
+  /**
+   * Live agents with the age of their last heartbeat (Redis's clock). `fresh`: only those that beat
+   * within two and a half heartbeats (the heartbeat is a fifth of the agent's timeout): a dead
+   * agent's key lives on for up to its timeout, and /healthz must not call a node ready on it.
+   */
+  async liveAged(fresh = false): Promise<{ record: AgentRecord; ageMs: number }[]> {
+    const flat = (await runScript(this.redis, 'agents-live', [this.names.agents()], this.names.agentAliveParts())) as (string | number)[];
+    const out: { record: AgentRecord; ageMs: number }[] = [];
+    for (let i = 0; i + 1 < flat.length; i += 2) {
+      const record = AgentRecord.parse(JSON.parse(String(flat[i])));
+      const ageMs = Number(flat[i + 1]);
+      if (fresh && ageMs > Math.max(500, (record.timeout_s ?? 30) * 500)) continue;
+      out.push({ record, ageMs });
+    }
+    return out;
   }
   /**
    * Every base model served by a live agent, by canonical name. Agents serving one model directory
    * under different names (an actor and its rollout agents) merge: every alias resolves, the model is
    * trainable if any agent trains it (`trainers`), and the bounds are those every agent honours.
+   * `fresh`: only agents that beat lately (liveAged).
    */
-  async servedModels(): Promise<Map<string, Served>> {
+  async servedModels(fresh = false): Promise<Map<string, Served>> {
     const out = new Map<string, Served>();
-    for (const a of await this.live()) {
+    for (const { record: a } of await this.liveAged(fresh)) {
       for (const m of a.models) {
         const e = out.get(m.name);
         if (!e) {
