@@ -17,6 +17,24 @@ export function parseBody<S extends z.ZodType>(schema: S, body: unknown, what: s
 const id = z.string().min(1);
 const nonNegInt = z.number().int().nonnegative();
 
+/**
+ * Bounds on the client-chosen fields kept in Redis (tags, user metadata, versions): Redis runs with
+ * `noeviction`, so one request storing tens of MB under a tenant's session would stop the whole
+ * deployment. Past a bound the request is a 400 naming the field and the bound.
+ */
+export const STORED_FIELD_LIMITS = { tags: 64, tagChars: 256, metadataEntries: 64, metadataKeyChars: 128, metadataBytes: 16_384, textChars: 256 } as const;
+const L = STORED_FIELD_LIMITS;
+const storedText = z.string().max(L.textChars, `at most ${L.textChars} characters`);
+const tagList = z.array(z.string().max(L.tagChars, `a tag has at most ${L.tagChars} characters`)).max(L.tags, `at most ${L.tags} tags`);
+/** A user_metadata object: at most 64 entries, keys of 128 characters, 16 KiB as JSON. */
+const userMetadata = <V extends z.ZodType>(value: V) =>
+  z.record(z.string(), value).superRefine((m, ctx) => {
+    const keys = Object.keys(m);
+    if (keys.length > L.metadataEntries) ctx.addIssue({ code: 'custom', message: `at most ${L.metadataEntries} entries` });
+    else if (keys.some((k) => k.length > L.metadataKeyChars)) ctx.addIssue({ code: 'custom', message: `a user_metadata key has at most ${L.metadataKeyChars} characters` });
+    else if (Buffer.byteLength(JSON.stringify(m)) > L.metadataBytes) ctx.addIssue({ code: 'custom', message: `at most ${L.metadataBytes} bytes as JSON` });
+  });
+
 /** `?limit=&offset=` of the REST listings (`defaultLimit` per listing). */
 export const PageQuery = (defaultLimit = 20) =>
   z.object({
@@ -25,10 +43,10 @@ export const PageQuery = (defaultLimit = 20) =>
   });
 
 export const CreateSessionBody = z.object({
-  tags: z.array(z.string()).default([]),
-  user_metadata: z.record(z.string(), z.unknown()).nullable().optional(),
-  sdk_version: z.string().optional(),
-  project_id: z.string().nullable().optional(),
+  tags: tagList.default([]),
+  user_metadata: userMetadata(z.unknown()).nullable().optional(),
+  sdk_version: storedText.optional(),
+  project_id: storedText.nullable().optional(),
 });
 
 export const SessionHeartbeatBody = z.object({ session_id: id });
@@ -37,7 +55,7 @@ export const CreateModelBody = z.object({
   session_id: id,
   model_seq_id: nonNegInt,
   base_model: id,
-  user_metadata: z.record(z.string(), z.unknown()).nullable().optional(),
+  user_metadata: userMetadata(z.unknown()).nullable().optional(),
   lora_config: z
     .object({
       rank: z.number().int().positive().max(1024),
@@ -91,7 +109,7 @@ export const SaveWeightsForSamplerBody = z
     sampling_session_seq_id: nonNegInt.nullable().optional(),
     kind: z.enum(['snapshot', 'inflight']).default('snapshot'),
     ttl_seconds: z.number().int().positive().nullable().optional(),
-    user_metadata: z.record(z.string(), z.string()).nullable().optional(),
+    user_metadata: userMetadata(z.string()).nullable().optional(),
   })
   .refine((b) => (b.path ?? null) !== null || (b.sampling_session_seq_id ?? null) !== null, {
     message: 'give either path (a named save) or sampling_session_seq_id',
@@ -103,7 +121,7 @@ export const SaveWeightsBody = z.object({
   path: checkpointName,
   ttl_seconds: z.number().int().positive().nullable().optional(),
   overwrite: z.boolean().default(false),
-  user_metadata: z.record(z.string(), z.string()).nullable().optional(),
+  user_metadata: userMetadata(z.string()).nullable().optional(),
 });
 
 export const SaveWeightsExternalBody = z.object({
@@ -138,7 +156,7 @@ export const CreateViaLoadBody = z.object({
   path: z.string().startsWith('tinker://', 'path must be a tinker:// path'),
   optimizer: z.boolean(),
   optimizer_config: z.object({ type: z.string() }).passthrough().nullable().optional(),
-  user_metadata: z.record(z.string(), z.unknown()).nullable().optional(),
+  user_metadata: userMetadata(z.unknown()).nullable().optional(),
   weights_access_token: z.string().nullable().optional(),
 });
 

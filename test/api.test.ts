@@ -54,6 +54,26 @@ describe('API without a worker agent', () => {
     }
   });
 
+  it('bounds every client field it stores (tags, user_metadata, versions): a 400 naming the field, nothing stored', async () => {
+    const { redis, names } = s.built.ctx;
+    const before = (await redis.keys(`${names.prefix}:session:*`)).length;
+    const big = { blob: 'x'.repeat(1 << 20) };
+    const refused: [unknown, RegExp][] = [
+      [{ tags: Array.from({ length: 65 }, (_, i) => `t${i}`) }, /tags: at most 64 tags/],
+      [{ tags: ['x'.repeat(257)] }, /tags\.0: a tag has at most 256 characters/],
+      [{ tags: [], user_metadata: big }, /user_metadata: at most 16384 bytes as JSON/],
+      [{ tags: [], user_metadata: Object.fromEntries(Array.from({ length: 65 }, (_, i) => [`k${i}`, 'v'])) }, /user_metadata: at most 64 entries/],
+      [{ tags: [], user_metadata: { ['k'.repeat(129)]: 'v' } }, /a user_metadata key has at most 128 characters/],
+      [{ tags: [], sdk_version: 'v'.repeat(300) }, /sdk_version: at most 256 characters/],
+    ];
+    for (const [body, why] of refused) expectTinkerError(await call(s.baseUrl, 'POST', '/create_session', body), 400, 'user', why);
+    expectTinkerError(await call(s.baseUrl, 'POST', '/create_model', { session_id: 's', model_seq_id: 0, base_model: 'm', user_metadata: big }), 400, 'user', /user_metadata: at most 16384 bytes/);
+    expect((await redis.keys(`${names.prefix}:session:*`)).length).to.equal(before);
+    // At the bounds, accepted.
+    const ok = await call(s.baseUrl, 'POST', '/create_session', { tags: Array.from({ length: 64 }, () => 'x'.repeat(256)), user_metadata: { k: 'v'.repeat(16_000) } });
+    expect(ok.status, JSON.stringify(ok.json)).to.equal(200);
+  });
+
   it('answers 401 in the Tinker error shape for a missing or wrong API key', async () => {
     expectTinkerError(await call(s.baseUrl, 'POST', '/create_session', {}, { key: null }), 401, 'user', /missing X-API-Key/);
     expectTinkerError(await call(s.baseUrl, 'POST', '/create_session', {}, { key: 'tml-wrong' }), 401, 'user', /invalid API key/);
