@@ -1,5 +1,6 @@
 import { expect } from 'chai';
-import { rmSync } from 'node:fs';
+import { mkdirSync, rmSync } from 'node:fs';
+import path from 'node:path';
 import { decodeRequestId } from '../queues/futures.js';
 import { Outcomes } from '../queues/outcomes.js';
 import { deletePrefix } from './helpers/stack.js';
@@ -343,12 +344,19 @@ describe('reliability: worker agents, outcomes and liveness (real processes, own
     const keys = await r.keys(`${st.prefix}:ckpt*`);
     await r.del(...keys, `${st.prefix}:model-ckpts:${m}`);
     expect(await list()).to.deep.equal([]);
+    // What an interrupted sampler save leaves: an empty directory under a final name (as saves before
+    // the write-then-rename did on a full disk), and a half-written one under its temporary name.
+    const samplerDir = path.join(path.dirname(path.dirname(before!.dir)), 'sampler_weights');
+    mkdirSync(path.join(samplerDir, 'empty1'));
+    mkdirSync(path.join(samplerDir, `s2.tmp-${Date.now()}`));
     a.child.kill('SIGTERM');
     expect(await a.exited).to.equal(0);
     const b = await agent(id);
     expect(await list(), b.log()).to.deep.equal(['sampler_weights/s1', 'weights/w1']);
     const after = await api.built.ctx.registry.checkpoints.get(`tinker://${m}/weights/w1`);
     expect(after).to.deep.include({ checkpoint_type: 'training', has_optimizer: true, dir: before!.dir, size_bytes: before!.size_bytes, tenant: before!.tenant, public: false, expires_at: null });
+    expect(await api.built.ctx.registry.checkpoints.get(`tinker://${m}/sampler_weights/empty1`)).to.equal(null);
+    expect(b.log()).to.match(/a sampler directory without an adapter \(adapter_config.json\) is left alone/);
   });
 });
 

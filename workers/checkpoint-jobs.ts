@@ -60,7 +60,7 @@ export class CheckpointJobs {
     // A named sampler version is immutable: a second save under its name is refused.
     if (!ephemeral) await assertSaveAllowed(this.registry.checkpoints, { type: 'sampler', tinker_path: job.tinker_path });
     if (existsSync(job.dir)) await rm(job.dir, { recursive: true, force: true }); // leftovers of an expired or deleted checkpoint
-    const { size_bytes } = await this.adapter.saveSampler(job);
+    const { size_bytes } = await this.written(job.dir, (dir) => this.adapter.saveSampler({ ...job, dir }));
     const model = await this.modelOf(job);
     await this.registry.checkpoints.put(this.checkpointRecord(model, job, 'sampler', { size_bytes, has_optimizer: false, ephemeral }));
     const inflight = job.kind === 'inflight';
@@ -87,7 +87,7 @@ export class CheckpointJobs {
   async saveExternal(job: SaveExternalJob): Promise<{ path: string; size_bytes: number }> {
     await assertSaveAllowed(this.registry.checkpoints, { type: 'external', tinker_path: job.tinker_path });
     if (existsSync(job.dir)) await rm(job.dir, { recursive: true, force: true });
-    await this.adapter.saveSampler({ ...job, op: 'save_weights_for_sampler', sampling_session_id: null, user_metadata: null });
+    await this.written(job.dir, (dir) => this.adapter.saveSampler({ ...job, dir, op: 'save_weights_for_sampler', sampling_session_id: null, user_metadata: null }));
     let size = 0;
     for (const f of await readdir(job.dir, { recursive: true, withFileTypes: true })) {
       if (!f.isFile()) continue;
@@ -99,6 +99,23 @@ export class CheckpointJobs {
       this.checkpointRecord(await this.modelOf(job), { ...job, user_metadata: null }, 'external', { size_bytes: size, has_optimizer: false, ephemeral: false }),
     );
     return { path: job.tinker_path, size_bytes: size };
+  }
+
+  /**
+   * Writes a checkpoint directory under a temporary name (`<dir>.tmp-<ms>`, which the rebuild skips)
+   * and renames it to `dir` once complete: a save that fails (a full disk) leaves no directory under
+   * the final name for a later start to take for a checkpoint.
+   */
+  private async written<T>(dir: string, write: (tmp: string) => Promise<T>): Promise<T> {
+    const tmp = `${dir}.tmp-${Date.now()}`;
+    try {
+      const r = await write(tmp);
+      await rename(tmp, dir);
+      return r;
+    } catch (e) {
+      await rm(tmp, { recursive: true, force: true }).catch(() => undefined);
+      throw e;
+    }
   }
 
   async saveState(job: SaveStateJob): Promise<{ path: string }> {

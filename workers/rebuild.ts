@@ -13,7 +13,8 @@ const KINDS = { weights: 'training', sampler_weights: 'sampler', external_weight
  * checkpoints whose record Redis no longer has (a Redis restarted without its data, a record lost)
  * while their model's record exists (it names the tenant, base model and LoRA config). What only the
  * record knew comes back as defaults: no expiry, not public, no user metadata; the time is the
- * directory's mtime. Directories half-written or being replaced (`*.tmp-*`, `*.old-*`) are skipped.
+ * directory's mtime. Directories half-written or being replaced (`*.tmp-*`, `*.old-*`) are skipped, and
+ * so is a sampler directory without an adapter (an interrupted save of an older version).
  * The unnamed sampler saves behind save_weights_and_get_sampling_client (`sampler_weights/ephemeral-<seq_id>`)
  * come back as what they were: unlisted, expiring `retentionS` after their mtime (the sweeper deletes
  * those already past it), so they neither become permanent nor keep their model's record.
@@ -62,6 +63,10 @@ export async function rebuildCheckpoints(registry: Registry, storageDir: string,
         const dir = path.join(kindDir, e.name);
         let size = 0;
         for (const f of await readdir(dir, { recursive: true, withFileTypes: true })) if (f.isFile()) size += (await stat(path.join(f.parentPath, f.name))).size;
+        if (type === 'sampler' && !existsSync(path.join(dir, 'adapter_config.json'))) {
+          log.warn('a sampler directory without an adapter (adapter_config.json) is left alone', { dir });
+          continue;
+        }
         let hasOptimizer = false;
         if (type === 'training') {
           try {
