@@ -79,7 +79,7 @@ describe('reliability: worker agents, outcomes and liveness (real processes, own
   });
 
   it('a Redis outage longer than the job lock does not turn a completed op into a failure, nor run it twice', async () => {
-    const a = await agent(`a-${st.prefix}`, { TB_JOB_LOCK_MS: '2000' });
+    const a = await agent(`a-${st.prefix}`, { TB_JOB_LOCK_MS: '2000', TB_LOG_LEVEL: 'info' });
     const [m, twin] = [await client.createModel(5), await client.createModel(5)];
     const reference = await client.train(twin, 3);
     // Hold the engine so the op is in flight when Redis goes away, and finishes while it is gone.
@@ -98,6 +98,10 @@ describe('reliability: worker agents, outcomes and liveness (real processes, own
     await client.optim(m);
     const rest = await client.train(m, 2);
     expect([first, ...rest]).to.deep.equal(reference);
+    // The outage is logged once, and its end once, however many connections retried how often.
+    expect(a.log().match(/redis unreachable/g), a.log()).to.have.length(1);
+    expect(a.log().match(/redis reachable again/g)).to.have.length(1);
+    expect(a.log()).to.not.match(/worker error|Unhandled error event/);
   });
 
   it('a killed agent: its running and queued futures fail with OUTCOME_UNKNOWN within the timeout, its models are unavailable, also under a new agent id', async () => {

@@ -70,6 +70,8 @@ export class Agent {
   private engineEpoch = 0;
   /** Why the agent killed its engine (an op past its time limit), for the models' lost reason. */
   private killReason: string | null = null;
+  /** Redis is unreachable: its errors are logged once per outage (redisError). */
+  private redisDown = false;
   /** Set once the agent id is this process's: heartbeats start then. */
   private registered = false;
   private draining: Promise<void> | null = null;
@@ -119,6 +121,12 @@ export class Agent {
   async start(): Promise<void> {
     // Reconnect within a second of Redis coming back, well inside the reaper's grace.
     this.redis = connect(this.config.redisUrl, 'blocking', { retryStrategy: (n) => Math.min(n * 50, 1_000) });
+    this.redis.on('error', (err) => this.redisError('agent', err));
+    this.redis.on('ready', () => {
+      if (!this.redisDown) return;
+      this.redisDown = false;
+      this.log.info('redis reachable again');
+    });
     this.registry = new Registry(this.redis, this.names);
     this.checkpoints = new CheckpointJobs(this.registry, this.adapter, this.config.retentionS);
     this.outcomes = new Outcomes(this.redis, this.names, this.config.retentionS);
@@ -189,7 +197,7 @@ export class Agent {
     );
     if (this.adapter.sampleBatch) for (const m of this.served) this.gatherers.set(m.name, this.makeGatherer(m.name));
     for (const w of this.workers) {
-      w.on('error', (err) => this.log.error('worker error', { queue: w.name, error: String(err) }));
+      w.on('error', (err) => this.redisError(w.name, err));
       w.on('failed', (job, err) => {
         const d = job?.data as { model_id?: string | null; sampling_session_id?: string | null } | undefined;
         this.log.warn('job failed', { queue: w.name, jobId: job?.id, op: job?.name, modelId: d?.model_id ?? undefined, samplingSession: d?.sampling_session_id ?? undefined, error: err.message });
@@ -229,6 +237,21 @@ export class Agent {
     await this.redis.del(key);
     this.log.info('models reloaded after a drain', { models: [...restored] });
     return restored;
+  }
+
+  /**
+   * An error of the agent's Redis connection or of a queue's worker. A lost connection is logged once
+   * per outage (every connection retries several times a second, each retry an error), and its end
+   * once, when the agent's connection is ready again; any other error is logged as it comes.
+   */
+  private redisError(source: string, err: Error): void {
+    if (!isConnectionError(err)) {
+      this.log.error('worker error', { queue: source, error: String(err) });
+      return;
+    }
+    if (this.redisDown) return;
+    this.redisDown = true;
+    this.log.warn('redis unreachable: the agent waits for it (logged once per outage)', { source, error: err.message });
   }
 
   /** Engine memory for /metrics and `tinker-broker agents`; a failure to read it is not an error of the agent. */
@@ -602,6 +625,12 @@ export class Agent {
     this.log.info('agent stopped');
     this.resolveStopped();
   }
+}
+
+/** An error that says the Redis connection is down (refused, reset, closed, timed out), not a fault of a command. */
+function isConnectionError(err: Error): boolean {
+  const code = (err as NodeJS.ErrnoException).code ?? '';
+  return ['ECONNREFUSED', 'ECONNRESET', 'ETIMEDOUT', 'EPIPE', 'ENOTFOUND', 'EHOSTUNREACH', 'EAI_AGAIN'].includes(code) || /Connection is closed|connect ECONNREFUSED|Socket closed unexpectedly|getaddrinfo/.test(err.message);
 }
 
 /** The torch engine process's environment: the configured CPU threads (TB_ENGINE_THREADS) as its OMP_NUM_THREADS. */
