@@ -56,9 +56,12 @@ describe('a node crash: kill -9 of the start command while ops run, restarted wi
 
     await server.kill('SIGKILL');
     engine = 0;
+    const restartedAt = Date.now();
     await server.start();
+    const readyS = (Date.now() - restartedAt) / 1000;
 
     const [r1, r2, r3] = await Promise.all([running, ahead, waiting].map((id) => client.result(id, 'application/json', 120_000)));
+    console.log(`      [node-crash] restart -> healthz ready ${readyS.toFixed(1)} s, -> all 3 futures answered ${((Date.now() - restartedAt) / 1000).toFixed(1)} s`);
     expectUnknownOutcome(r1!, /the agent process that was running it \([0-9a-f-]+\) ended before recording its outcome/);
     for (const r of [r2!, r3!]) {
       expect(r.json, JSON.stringify(r.json)).to.include({ category: 'server', code: 'UNAVAILABLE' });
