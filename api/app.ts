@@ -90,7 +90,7 @@ export function listingSweepMs(retentionS: number): number {
   return Math.min(60_000, Math.max(1_000, Math.round(retentionS * 250)));
 }
 
-export function buildApp(config: ApiConfig): BuiltApp {
+export function buildApp(config: ApiConfig, opts: { localAgentsReady?: () => boolean } = {}): BuiltApp {
   const redis: Redis = watch(connect(config.redisUrl, 'producer'), 'producer');
   const blocking: Redis[] = [];
   const names = new Names(config.prefix);
@@ -116,7 +116,7 @@ export function buildApp(config: ApiConfig): BuiltApp {
     config.retentionS,
     config.resultTtlAfterReadS,
   );
-  const ctx: ApiContext = { config, redis, names, registry, queues, gate, futures };
+  const ctx: ApiContext = { config, redis, names, registry, queues, gate, futures, ...(opts.localAgentsReady ? { localAgentsReady: opts.localAgentsReady } : {}) };
 
   const app = express();
   app.disable('x-powered-by');

@@ -15,4 +15,10 @@ export type ApiContext = {
   queues: QueueSet;
   gate: OrderingGate;
   futures: FutureResolver;
+  /**
+   * Whether the worker agents started in this process (the start command's node) are ready; absent
+   * when none run here. Until then /healthz says starting: after a crash and a quick restart the dead
+   * process's agent still looks live in Redis for up to its timeout.
+   */
+  localAgentsReady?: () => boolean;
 };

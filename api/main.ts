@@ -7,10 +7,11 @@ import { assertSafeKeys, StartRefused } from './auth.js';
 /** The API process: `tsx api/main.ts`. Configuration from the environment (queues/config.ts) or a preset's plan. */
 export async function startApi(
   from: { config: ApiConfig } | { env: NodeJS.ProcessEnv } = { env: process.env },
+  opts: { localAgentsReady?: () => boolean } = {},
 ): Promise<{ server: Server; port: number; stop: () => Promise<void> }> {
   const config = 'config' in from ? from.config : loadApiConfig(from.env);
   assertSafeKeys(config, 'env' in from ? from.env : process.env);
-  const built = buildApp(config);
+  const built = buildApp(config, opts);
   const { close } = built;
   const server = await listen(built, config.port, config.host);
   const addr = server.address();

@@ -166,8 +166,11 @@ async function start(p: Parsed): Promise<void> {
       const { Agent } = await import('../workers/agent.js');
       for (const a of pl.agents) agents.push(new Agent(a));
     }
-    api = pl.api ? await (await import('../api/main.js')).startApi({ config: pl.api }) : null;
+    // /healthz waits for this node's own agents: a dead predecessor's may still look live in Redis.
+    let agentsReady = agents.length === 0;
+    api = pl.api ? await (await import('../api/main.js')).startApi({ config: pl.api }, { localAgentsReady: () => agentsReady }) : null;
     await Promise.all(agents.map((a) => a.start()));
+    agentsReady = true;
     // Agents drained through Redis (`tinker-broker drain`) end this process once all of them stopped.
     if (agents.length) void Promise.all(agents.map((a) => a.stopped)).then(() => (stopping ? undefined : void shutdown('agents drained')));
   } catch (e) {

@@ -72,6 +72,10 @@ export function serviceRoutes(ctx: ApiContext): Router {
  */
 export function healthHandler(ctx: ApiContext): RequestHandler {
   return async (_req, res) => {
+    if (ctx.localAgentsReady && !ctx.localAgentsReady()) {
+      res.status(503).json({ status: 'starting', detail: 'the worker agents of this node are starting' });
+      return;
+    }
     // Only agents that beat lately: a killed node's liveness key outlives it (queues/registry/agents.ts liveAged).
     const served = await ctx.registry.agents.servedModels(true);
     const names = new Set<string>();

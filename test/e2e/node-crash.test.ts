@@ -54,11 +54,16 @@ describe('a node crash: kill -9 of the start command while ops run, restarted wi
     await waitFor('the ops queued', async () => (await redis.llen(`${prefix}active`)) + (await redis.llen(`${prefix}wait`)) === 3);
     expect(await redis.llen(`${prefix}active`)).to.be.at.least(2);
 
+    const incarnation = async () => JSON.parse((await redis.hget(names.agents(), agentId)) ?? '{}').incarnation as string | undefined;
+    const dead = await incarnation();
     await server.kill('SIGKILL');
     engine = 0;
     const restartedAt = Date.now();
     await server.start();
     const readyS = (Date.now() - restartedAt) / 1000;
+    // Ready means the new process's agent serves: not the dead one's record, still live in Redis for its timeout.
+    const now = await incarnation();
+    expect(now).to.be.a('string').and.not.equal(dead);
 
     const [r1, r2, r3] = await Promise.all([running, ahead, waiting].map((id) => client.result(id, 'application/json', 120_000)));
     console.log(`      [node-crash] restart -> healthz ready ${readyS.toFixed(1)} s, -> all 3 futures answered ${((Date.now() - restartedAt) / 1000).toFixed(1)} s`);
