@@ -5,7 +5,7 @@ import type { Logger } from './logger.js';
 import { removeAgentStats } from './metrics.js';
 import type { Names } from './names.js';
 import { Outcomes } from './outcomes.js';
-import { AgentRecord } from './registry/agents.js';
+import { AgentRecord, heartbeatMs } from './registry/agents.js';
 import type { ModelRegistry } from './registry/models.js';
 import { runScript } from './scripts.js';
 
@@ -30,9 +30,7 @@ import { runScript } from './scripts.js';
 /** The reaper's own observation on top of the key's TTL: longer than an agent's reconnect backoff (1 s). */
 export const REAP_GRACE_MIN_MS = 3_000;
 
-export function heartbeatMs(timeoutS: number): number {
-  return Math.max(200, Math.round((timeoutS * 1000) / 5));
-}
+export { heartbeatMs };
 
 export type BeatResult = 'ok' | 'reaped' | 'taken';
 

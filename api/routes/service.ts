@@ -42,8 +42,7 @@ export function serviceRoutes(ctx: ApiContext): Router {
   });
 
   r.get('/get_server_capabilities', async (_req, res) => {
-    // Only agents that beat lately: a killed node's liveness key outlives it (queues/registry/agents.ts liveAged).
-    const served = await ctx.registry.agents.servedModels(true);
+    const served = await ctx.registry.agents.servedModels();
     res.json({
       supported_models: [...served.values()].map(({ model }) => ({
         model_name: model.name,

@@ -149,9 +149,8 @@ export function decodeForwardBackwardRequest(body: Buffer): DecodedForwardBackwa
   let msg: protobuf.Message;
   try {
     msg = ForwardBackwardRequestT.decode(body);
-  } catch (e) {
+  } catch {
     // The decoder's own words ("index out of range: 114 + 44 > 127") tell a client nothing: say what the route takes.
-    void e;
     throw invalid(`forward_backward body is not a valid ForwardBackwardRequest: this route takes the Tinker SDK's protobuf body (Content-Type: ${PROTOBUF_CONTENT_TYPE})`);
   }
   const o = toObj(ForwardBackwardRequestT, msg);

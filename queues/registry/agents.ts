@@ -81,6 +81,11 @@ export function sampleEngine(baseModel: string, agents: AgentRecord[], loraRank:
   return [...new Set(pool)].sort((a, b) => rank(a) - rank(b) || a.localeCompare(b))[0]!;
 }
 
+/** An agent's heartbeat period: a fifth of its timeout (queues/liveness.ts), at least 200 ms. */
+export function heartbeatMs(timeoutS: number): number {
+  return Math.max(200, Math.round((timeoutS * 1000) / 5));
+}
+
 /** Reads the agents' records (`<prefix>:agents`) and liveness keys. */
 export class AgentRegistry extends RedisRegistry {
   /** Agents whose liveness key is current (one round trip). */
@@ -98,7 +103,7 @@ export class AgentRegistry extends RedisRegistry {
     for (let i = 0; i + 1 < flat.length; i += 2) {
       const record = AgentRecord.parse(JSON.parse(String(flat[i])));
       const ageMs = Number(flat[i + 1]);
-      if (fresh && ageMs > Math.max(500, (record.timeout_s ?? 30) * 500)) continue;
+      if (fresh && ageMs > 2.5 * heartbeatMs(record.timeout_s ?? 30)) continue;
       out.push({ record, ageMs });
     }
     return out;
