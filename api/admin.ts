@@ -3,8 +3,8 @@ import { createBullBoard } from '@bull-board/api';
 import { BullMQAdapter } from '@bull-board/api/bullMQAdapter';
 import { ExpressAdapter } from '@bull-board/express';
 import { Router, type RequestHandler } from 'express';
-import { queueNames } from '../queues/inspect.js';
-import type { ApiConfig } from '../queues/config.js';
+import { queueNames } from '../queues/runtime/inspect.js';
+import type { ApiConfig } from '../queues/infra/config.js';
 import type { ApiContext } from './context.js';
 
 /**

@@ -3,12 +3,12 @@ import { readFileSync } from 'node:fs';
 import { createServer, type IncomingMessage, type Server, type ServerOptions, type ServerResponse } from 'node:http';
 import express, { type Express, type RequestHandler } from 'express';
 import type { Redis } from 'ioredis';
-import type { ApiConfig } from '../queues/config.js';
-import { OrderingGate } from '../queues/gate.js';
-import { logger } from '../queues/logger.js';
-import { Names } from '../queues/names.js';
-import { QueueSet } from '../queues/queues.js';
-import { connect } from '../queues/redis.js';
+import type { ApiConfig } from '../queues/infra/config.js';
+import { OrderingGate } from '../queues/runtime/gate.js';
+import { logger } from '../queues/infra/logger.js';
+import { Names } from '../queues/contract/names.js';
+import { QueueSet } from '../queues/runtime/queues.js';
+import { connect } from '../queues/infra/redis.js';
 import { Registry } from '../queues/registry/index.js';
 import { pruneListings } from '../queues/registry/listings.js';
 import { apiKeyAuth } from './auth.js';
@@ -197,7 +197,7 @@ export function buildApp(config: ApiConfig, opts: { localAgentsReady?: () => boo
   // Ops waiting behind a gap fail at its deadline even when nobody polls them.
   const gapTimer = setInterval(() => void gate.expireGaps().catch(() => undefined), Math.min(5_000, gate.gapTimeoutMs));
   gapTimer.unref();
-  // Listing entries whose record expired leave within a quarter of the retention, at most a minute (queues/names.ts).
+  // Listing entries whose record expired leave within a quarter of the retention, at most a minute (queues/contract/names.ts).
   let pruning = false;
   const pruneTimer = setInterval(() => {
     if (pruning) return;

@@ -1,6 +1,6 @@
 import { createHash, timingSafeEqual } from 'node:crypto';
 import type { Request, RequestHandler } from 'express';
-import { BrokerError } from '../queues/errors.js';
+import { BrokerError } from '../queues/contract/errors.js';
 
 /**
  * Authentication: every API key is a tenant. A tenant's id is derived from its key (a digest, so

@@ -1,8 +1,8 @@
 import type { Redis } from 'ioredis';
-import type { ApiConfig } from '../queues/config.js';
-import type { OrderingGate } from '../queues/gate.js';
-import type { Names } from '../queues/names.js';
-import type { QueueSet } from '../queues/queues.js';
+import type { ApiConfig } from '../queues/infra/config.js';
+import type { OrderingGate } from '../queues/runtime/gate.js';
+import type { Names } from '../queues/contract/names.js';
+import type { QueueSet } from '../queues/runtime/queues.js';
 import type { Registry } from '../queues/registry/index.js';
 import type { FutureResolver } from './futures.js';
 

@@ -1,6 +1,6 @@
 import type { ErrorRequestHandler, RequestHandler } from 'express';
-import { BrokerError, invalid, isBrokerError } from '../queues/errors.js';
-import { logger } from '../queues/logger.js';
+import { BrokerError, invalid, isBrokerError } from '../queues/contract/errors.js';
+import { logger } from '../queues/infra/logger.js';
 
 /**
  * The one place errors become HTTP. Every error reply has a JSON body in the Tinker error

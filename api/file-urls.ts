@@ -3,7 +3,7 @@ import { readdir } from 'node:fs/promises';
 import path from 'node:path';
 import type { Request, RequestHandler } from 'express';
 import { z } from 'zod';
-import { BrokerError, invalid } from '../queues/errors.js';
+import { BrokerError, invalid } from '../queues/contract/errors.js';
 import type { ApiContext } from './context.js';
 
 /**

@@ -1,25 +1,25 @@
 import type { Redis } from 'ioredis';
-import { Completions, handOverExpected, takeKept, type ReadOnceExpiry, type Wake } from '../queues/completions.js';
-import { decodeJobFailure, failure, outcomeUnknownMessage, recordedFailure, type Failure } from '../queues/errors.js';
-import { decodeRequestId, encodeRequestId, type FutureRef } from '../queues/futures.js';
-import type { OrderingGate } from '../queues/gate.js';
-import { Liveness } from '../queues/liveness.js';
-import { logger } from '../queues/logger.js';
-import { Outcome, Outcomes } from '../queues/outcomes.js';
-import type { Names } from '../queues/names.js';
-import type { QueueSet } from '../queues/queues.js';
+import { Completions, handOverExpected, takeKept, type ReadOnceExpiry, type Wake } from '../queues/runtime/completions.js';
+import { decodeJobFailure, failure, outcomeUnknownMessage, recordedFailure, type Failure } from '../queues/contract/errors.js';
+import { decodeRequestId, encodeRequestId, type FutureRef } from '../queues/contract/futures.js';
+import type { OrderingGate } from '../queues/runtime/gate.js';
+import { Liveness } from '../queues/runtime/liveness.js';
+import { logger } from '../queues/infra/logger.js';
+import { Outcome, Outcomes } from '../queues/runtime/outcomes.js';
+import type { Names } from '../queues/contract/names.js';
+import type { QueueSet } from '../queues/runtime/queues.js';
 import { FailedFuture } from '../queues/registry/futures.js';
 import type { Registry } from '../queues/registry/index.js';
-import { runScript } from '../queues/scripts.js';
-import type { JobOp } from '../queues/schemas.js';
+import { runScript } from '../queues/runtime/scripts.js';
+import type { JobOp } from '../queues/contract/schemas.js';
 
 /**
- * A training op's future is answered from its outcome record (queues/outcomes.ts), which the agent
- * writes once; a sample's from its job's state (queues/queues.ts `sampleFuture`). A pending training op
- * whose agent was reaped (queues/liveness.ts) fails with OUTCOME_UNKNOWN. Every API process runs the
+ * A training op's future is answered from its outcome record (queues/runtime/outcomes.ts), which the agent
+ * writes once; a sample's from its job's state (queues/runtime/queues.ts `sampleFuture`). A pending training op
+ * whose agent was reaped (queues/runtime/liveness.ts) fails with OUTCOME_UNKNOWN. Every API process runs the
  * reaper (`startReaper`).
  *
- * A `retrieve_future` registers a waiter for the op's completion signal (queues/completions.ts),
+ * A `retrieve_future` registers a waiter for the op's completion signal (queues/runtime/completions.ts),
  * reads the state (one script), and if it is pending sleeps on the waiter for at most the long-poll
  * window. No polling loop. A signal carries the final record when it is small (a training op's
  * outcome, a sample's result or failure): the waiter answers from it and leaves the read-once
@@ -39,7 +39,7 @@ export type FutureState =
 export const EXPIRY_BATCH_MS = 20;
 
 const QUEUE_NAME = /^(train|sample)-[A-Za-z0-9_.-]{1,128}$/;
-/** The job ids the API issues (queues/names.ts jobIds); anything else names no future. */
+/** The job ids the API issues (queues/contract/names.ts jobIds); anything else names no future. */
 const JOB_ID = /^[ctuls]-[A-Za-z0-9-]{1,200}$/;
 
 export class FutureResolver {
@@ -222,7 +222,7 @@ export class FutureResolver {
    * The answer a completion signal carried (a training op's final outcome record, or a finished
    * sample's in the same shape), or null. The read-once expiry that the state scripts apply runs
    * once this turn of the event loop is over, after the answer is on its way, unless the signal's
-   * sender applies it with the record (`expiryTaken`: an agent in this process, queues/completions.ts).
+   * sender applies it with the record (`expiryTaken`: an agent in this process, queues/runtime/completions.ts).
    */
   private signalled(ref: FutureRef, wake: Wake | undefined): FutureState | null {
     if (wake?.record === undefined) return null;

@@ -1,5 +1,5 @@
 import { z } from 'zod';
-import { invalid } from '../queues/errors.js';
+import { invalid } from '../queues/contract/errors.js';
 
 /**
  * Request bodies of the Tinker HTTP API (SDK 0.38), as the SDK sends them. Unknown fields

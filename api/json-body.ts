@@ -1,7 +1,7 @@
 import type { Request, RequestHandler, Response } from 'express';
 import { createBrotliDecompress, createGunzip, createInflate } from 'node:zlib';
 import type { Readable } from 'node:stream';
-import { BrokerError, invalid } from '../queues/errors.js';
+import { BrokerError, invalid } from '../queues/contract/errors.js';
 import { bodyTooLarge } from './errors.js';
 
 /**

@@ -1,10 +1,10 @@
 import type { Server } from 'node:http';
-import { loadApiConfig, type ApiConfig } from '../queues/config.js';
-import { logger } from '../queues/logger.js';
+import { loadApiConfig, type ApiConfig } from '../queues/infra/config.js';
+import { logger } from '../queues/infra/logger.js';
 import { buildApp, listen } from './app.js';
 import { assertSafeKeys, StartRefused } from './auth.js';
 
-/** The API process: `tsx api/main.ts`. Configuration from the environment (queues/config.ts) or a preset's plan. */
+/** The API process: `tsx api/main.ts`. Configuration from the environment (queues/infra/config.ts) or a preset's plan. */
 export async function startApi(
   from: { config: ApiConfig } | { env: NodeJS.ProcessEnv } = { env: process.env },
   opts: { localAgentsReady?: () => boolean } = {},

@@ -1,12 +1,12 @@
 import type { RequestHandler } from 'express';
 import { collectDefaultMetrics, Gauge, Registry as PromRegistry, type Metric } from 'prom-client';
-import { queueCounts } from '../queues/inspect.js';
-import { LATENCY_BUCKETS_S, PHASES, readAgentStats, readMetrics } from '../queues/metrics.js';
+import { queueCounts } from '../queues/runtime/inspect.js';
+import { LATENCY_BUCKETS_S, PHASES, readAgentStats, readMetrics } from '../queues/runtime/metrics.js';
 import type { ApiContext } from './context.js';
 
 /**
  * `GET /metrics` in the Prometheus text format (prom-client). Operation figures are the whole
- * deployment's, read from Redis at each scrape (agents record them, queues/metrics.ts), so every
+ * deployment's, read from Redis at each scrape (agents record them, queues/runtime/metrics.ts), so every
  * API process reports the same numbers; `process_*` and `nodejs_*` are this API process's own.
  *
  * - `tb_jobs_total{op,status}`: finished jobs (`ok`, `user_error`, `server_error`);

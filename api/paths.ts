@@ -1,5 +1,5 @@
 import path from 'node:path';
-import { invalid } from '../queues/errors.js';
+import { invalid } from '../queues/contract/errors.js';
 
 /**
  * `tinker://<model_id>/<kind>/<name>` paths (kind `weights`, `sampler_weights` or `external_weights`) and where

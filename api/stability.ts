@@ -1,13 +1,13 @@
-import { invalid } from '../queues/errors.js';
+import { invalid } from '../queues/contract/errors.js';
 import type { ModelRecord } from '../queues/registry/models.js';
-import type { Datum } from '../queues/schemas.js';
-import { useStabilityRecords, type StabilityRecord } from '../queues/stability.js';
+import type { Datum } from '../queues/contract/schemas.js';
+import { useStabilityRecords, type StabilityRecord } from '../queues/runtime/stability.js';
 import type { ApiContext } from './context.js';
 import type { DatumProvenance, ProvenanceSpan } from './wire/proto.js';
 
 /**
  * stable_reinforce: resolve each datum's provenance spans against the stability records the
- * sampler wrote (queues/stability.ts), check that the datum's tokens are the recorded ones (the
+ * sampler wrote (queues/runtime/stability.ts), check that the datum's tokens are the recorded ones (the
  * model input everywhere, the targets where they are sampled tokens), and
  * add the engine's inputs `stability_logprobs` (the recorded sampler logprob at each sampled
  * target position, 0 elsewhere) and `stability_mask` (1 at those positions). Every refusal names

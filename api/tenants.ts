@@ -1,6 +1,6 @@
 import type { Request } from 'express';
-import { checkpointMissing } from '../queues/checkpoints.js';
-import { BrokerError } from '../queues/errors.js';
+import { checkpointMissing } from '../queues/runtime/checkpoints.js';
+import { BrokerError } from '../queues/contract/errors.js';
 import type { CheckpointRecord } from '../queues/registry/checkpoints.js';
 import type { ModelRecord } from '../queues/registry/models.js';
 import type { SamplingSessionRecord } from '../queues/registry/samplers.js';

@@ -1,5 +1,5 @@
 import type { RequestHandler } from 'express';
-import { invalid } from '../queues/errors.js';
+import { invalid } from '../queues/contract/errors.js';
 import type { ApiContext } from './context.js';
 import { bodyTooLarge } from './errors.js';
 import { MAX_TARGET_K, useUpSeqId } from './services/training.js';

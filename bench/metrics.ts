@@ -1,11 +1,11 @@
 import { performance } from 'node:perf_hooks';
 import { randomUUID } from 'node:crypto';
 import { Redis } from 'ioredis';
-import { Names } from '../queues/names.js';
-import { readMetrics, recordJob, recordTokens } from '../queues/metrics.js';
+import { Names } from '../queues/contract/names.js';
+import { readMetrics, recordJob, recordTokens } from '../queues/runtime/metrics.js';
 
 /**
- * What the operation metrics cost (queues/metrics.ts) against the local Redis: the Redis round
+ * What the operation metrics cost (queues/runtime/metrics.ts) against the local Redis: the Redis round
  * trips an agent adds per finished job (`recordJob`, `recordTokens`; not awaited by the job) and
  * what one `/metrics` scrape spends reading them (`readMetrics`), with `jobs` recorded over 5 ops.
  *

@@ -2,7 +2,7 @@ import { performance } from 'node:perf_hooks';
 import path from 'node:path';
 import { Queue } from 'bullmq';
 import { Redis } from 'ioredis';
-import { Names } from '../queues/names.js';
+import { Names } from '../queues/contract/names.js';
 import { API_KEY, awaitFuture, call, REDIS_URL } from '../test/helpers/stack.js';
 import { E2EServer } from '../test/e2e/server.js';
 import { runBench } from './client.js';

@@ -2,7 +2,7 @@ import os from 'node:os';
 import { performance } from 'node:perf_hooks';
 import { spawnSync } from 'node:child_process';
 import { fileURLToPath } from 'node:url';
-import { logger } from '../queues/logger.js';
+import { logger } from '../queues/infra/logger.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
 import { E2EServer } from '../test/e2e/server.js';
 import { awaitFuture, call, startStack, type TestStack } from '../test/helpers/stack.js';

@@ -1,6 +1,6 @@
 import { existsSync } from 'node:fs';
 import path from 'node:path';
-import { deviceGpus, ENGINES, loadAgentConfig, loadApiConfig, loadCommonConfig, type AgentConfig, type ApiConfig, type BaseModelSpec, type EnvDefaults } from '../queues/config.js';
+import { deviceGpus, ENGINES, loadAgentConfig, loadApiConfig, loadCommonConfig, type AgentConfig, type ApiConfig, type BaseModelSpec, type EnvDefaults } from '../queues/infra/config.js';
 import type { Engine, ModelRole, Preset } from './schema.js';
 
 /**
@@ -29,7 +29,7 @@ export type PlanOptions = {
   apiOnly?: boolean;
   agentsOnly?: boolean;
   python: string;
-  /** The environment: every variable of queues/config.ts overrides the preset (TB_AGENT_ID, TB_ENGINE_DEVICE, TB_VLLM_URL and TB_AGENT_MODELS only in a plan of one agent). */
+  /** The environment: every variable of queues/infra/config.ts overrides the preset (TB_AGENT_ID, TB_ENGINE_DEVICE, TB_VLLM_URL and TB_AGENT_MODELS only in a plan of one agent). */
   env?: NodeJS.ProcessEnv;
 };
 
@@ -49,7 +49,7 @@ const ONE_AGENT_ONLY = ['TB_AGENT_ID', 'TB_ENGINE_DEVICE', 'TB_VLLM_URL', 'TB_AG
 export function planPreset(preset: Preset, presetDir: string, name: string, opts: PlanOptions): Plan {
   const env = opts.env ?? {};
   const node = opts.node ?? preset.api.node;
-  // The preset's values come in as the variables that override them (queues/config.ts parses both).
+  // The preset's values come in as the variables that override them (queues/infra/config.ts parses both).
   const presetEnv: EnvDefaults = {
     REDIS_URL: preset.redis.url,
     TB_PREFIX: preset.redis.prefix,

@@ -2,7 +2,7 @@ import { readFileSync } from 'node:fs';
 import path from 'node:path';
 import YAML from 'yaml';
 import { z } from 'zod';
-import { deviceGpus, ENGINE_KINDS, MODEL_DTYPES } from '../queues/config.js';
+import { deviceGpus, ENGINE_KINDS, MODEL_DTYPES } from '../queues/infra/config.js';
 
 /**
  * Launch presets: one YAML file describes a whole setup (models and their roles, engines, the

@@ -1,14 +1,14 @@
 import { Job, Queue } from 'bullmq';
 import { Redis } from 'ioredis';
-import { decodeJobFailure, recordedFailure, type Failure } from '../queues/errors.js';
-import { decodeRequestId } from '../queues/futures.js';
-import { queueCounts } from '../queues/inspect.js';
-import { readAgentStats, readMetrics } from '../queues/metrics.js';
-import { Names } from '../queues/names.js';
-import { Outcomes } from '../queues/outcomes.js';
+import { decodeJobFailure, recordedFailure, type Failure } from '../queues/contract/errors.js';
+import { decodeRequestId } from '../queues/contract/futures.js';
+import { queueCounts } from '../queues/runtime/inspect.js';
+import { readAgentStats, readMetrics } from '../queues/runtime/metrics.js';
+import { Names } from '../queues/contract/names.js';
+import { Outcomes } from '../queues/runtime/outcomes.js';
 import { Registry } from '../queues/registry/index.js';
 import type { ModelRecord } from '../queues/registry/models.js';
-import type { ApiConfig } from '../queues/config.js';
+import type { ApiConfig } from '../queues/infra/config.js';
 import { planPreset } from '../presets/plan.js';
 import { loadPreset } from '../presets/schema.js';
 import { table, UsageError, type CommandTable, type OptionSpec, type Parsed } from './cli.js';
@@ -35,7 +35,7 @@ async function connectTarget(p: Parsed): Promise<Target> {
   const { preset, dir } = loadPreset(file);
   let api: ApiConfig;
   try {
-    // The preset under the environment, parsed as `start` parses it (queues/config.ts).
+    // The preset under the environment, parsed as `start` parses it (queues/infra/config.ts).
     api = planPreset(preset, dir, file, { apiOnly: true, python: '', env: process.env }).api!;
   } catch (e) {
     throw new UsageError((e as Error).message);

@@ -3,7 +3,7 @@ import { existsSync, mkdirSync } from 'node:fs';
 import { createServer } from 'node:net';
 import path from 'node:path';
 import { Redis } from 'ioredis';
-import { logger } from '../queues/logger.js';
+import { logger } from '../queues/infra/logger.js';
 import { UsageError } from './cli.js';
 
 /**

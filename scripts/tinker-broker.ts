@@ -2,8 +2,8 @@ import type { ChildProcess } from 'node:child_process';
 import { pathToFileURL } from 'node:url';
 import { assertSafeKeys, StartRefused } from '../api/auth.js';
 import type { startApi } from '../api/main.js';
-import { loadLauncherConfig } from '../queues/config.js';
-import { logger } from '../queues/logger.js';
+import { loadLauncherConfig } from '../queues/infra/config.js';
+import { logger } from '../queues/infra/logger.js';
 import { loadPreset, PresetError } from '../presets/schema.js';
 import { formatPlan, planPreset, planProblems, type Plan } from '../presets/plan.js';
 import type { Agent } from '../workers/agent.js';
@@ -24,7 +24,7 @@ const PROG = 'tinker-broker';
 export const presetOption: OptionSpec = { type: 'string', arg: 'FILE', default: DEFAULT_PRESET, help: 'launch preset (YAML, see presets/README.md)' };
 
 const START_DETAILS = `
-Every environment variable of the API and the agents (README, Configuration; queues/config.ts)
+Every environment variable of the API and the agents (README, Configuration; queues/infra/config.ts)
 overrides the preset and is checked as it is without one; among them:
   REDIS_URL          redis.url            TB_PREFIX         redis.prefix
   TB_HOST            api.host             TB_PORT           api.port

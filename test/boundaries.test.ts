@@ -17,17 +17,21 @@ function sources(dir: string): string[] {
 
 const SPECIFIER = /(?:^|[\s;])(?:import|export)\s[^'"]*?from\s*['"]([^'"]+)['"]|import\(\s*['"]([^'"]+)['"]\s*\)|^\s*import\s*['"]([^'"]+)['"]/gm;
 
-/** The top-level folder each relative import of `file` lands in. */
-function importedFolders(file: string): Array<{ spec: string; folder: string }> {
+/** The repository path each relative import of `file` lands on. */
+function importedPaths(file: string): Array<{ spec: string; target: string }> {
   const text = readFileSync(path.join(ROOT, file), 'utf8');
-  const out: Array<{ spec: string; folder: string }> = [];
+  const out: Array<{ spec: string; target: string }> = [];
   for (const m of text.matchAll(SPECIFIER)) {
     const spec = m[1] ?? m[2] ?? m[3];
     if (!spec?.startsWith('.')) continue;
-    const target = path.relative(ROOT, path.resolve(path.dirname(path.join(ROOT, file)), spec));
-    out.push({ spec, folder: target.split(path.sep)[0] ?? '' });
+    out.push({ spec, target: path.relative(ROOT, path.resolve(path.dirname(path.join(ROOT, file)), spec)) });
   }
   return out;
+}
+
+/** The top-level folder each relative import of `file` lands in. */
+function importedFolders(file: string): Array<{ spec: string; folder: string }> {
+  return importedPaths(file).map(({ spec, target }) => ({ spec, folder: target.split(path.sep)[0] ?? '' }));
 }
 
 const FORBIDDEN: Record<string, string[]> = {
@@ -42,6 +46,26 @@ describe('import boundaries', () => {
       const files = sources(folder);
       expect(files.length).to.be.greaterThan(0);
       const bad = files.flatMap((f) => importedFolders(f).filter((i) => forbidden.includes(i.folder)).map((i) => `${f} imports ${i.spec}`));
+      expect(bad).to.deep.equal([]);
+    });
+  }
+
+  // Inside queues/: the contract (what API and agents agree on) stands on nothing else of the broker;
+  // infrastructure (config, logging, Redis, encryption) on the contract alone; the registry and the
+  // runtime (gate, consumer, outcomes, completions, liveness) on both.
+  const QUEUES_LAYERS: Record<string, string[]> = {
+    'queues/contract': ['queues/contract'],
+    'queues/infra': ['queues/contract', 'queues/infra'],
+  };
+  for (const [folder, allowed] of Object.entries(QUEUES_LAYERS)) {
+    it(`${folder}/ imports only ${allowed.join(', ')}`, () => {
+      const files = sources(folder);
+      expect(files.length).to.be.greaterThan(0);
+      const bad = files.flatMap((f) =>
+        importedPaths(f)
+          .filter((i) => !allowed.some((a) => i.target.startsWith(a + path.sep)))
+          .map((i) => `${f} imports ${i.spec}`),
+      );
       expect(bad).to.deep.equal([]);
     });
   }

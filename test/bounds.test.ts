@@ -184,7 +184,7 @@ describe('bounds', function () {
     const [queue, jobId] = (sub.json.request_id as string).split('/') as [string, string];
     const key = `${s.prefix}-bull:${queue}:${jobId}`;
     expect((await awaitFuture(s.baseUrl, sub.json.request_id)).status).to.equal(200);
-    // The answer comes first; the record, whose script sets the read-once expiry, follows it (queues/outcomes.ts).
+    // The answer comes first; the record, whose script sets the read-once expiry, follows it (queues/runtime/outcomes.ts).
     const ttl = await waitFor(
       'the read-once expiry',
       async () => {

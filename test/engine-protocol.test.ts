@@ -1,7 +1,7 @@
 import { expect } from 'chai';
 import { readFileSync } from 'node:fs';
 import { protocolJsonText, PROTOCOL_JSON } from '../scripts/engine-protocol.js';
-import { logger } from '../queues/logger.js';
+import { logger } from '../queues/infra/logger.js';
 import { defaultPython, ensureTinyModel, TINY_MODEL_DIR } from '../scripts/stack.js';
 import { EngineError, EngineProcess } from '../workers/engine.js';
 import { decodeFrame, encodeFrame, FrameError } from '../workers/engine-frame.js';

@@ -2,15 +2,15 @@ import http from 'node:http';
 import { expect } from 'chai';
 import { Redis as RedisClient, type Redis } from 'ioredis';
 import { tenantId } from '../api/auth.js';
-import { encodeRequestId } from '../queues/futures.js';
-import { Names } from '../queues/names.js';
-import { Completions, expectHandOver, handOverDone, KEPT_RECORD_MS, KEPT_RECORDS_MAX, keepHandedOver, sampleEndSignal, signalLocally, signalMessage, takeKept } from '../queues/completions.js';
-import { Outcomes, SIGNALLED_RECORD_MAX_BYTES } from '../queues/outcomes.js';
+import { encodeRequestId } from '../queues/contract/futures.js';
+import { Names } from '../queues/contract/names.js';
+import { Completions, expectHandOver, handOverDone, KEPT_RECORD_MS, KEPT_RECORDS_MAX, keepHandedOver, sampleEndSignal, signalLocally, signalMessage, takeKept } from '../queues/runtime/completions.js';
+import { Outcomes, SIGNALLED_RECORD_MAX_BYTES } from '../queues/runtime/outcomes.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
 import { API_KEY, API_KEY_B, awaitFuture, call, REDIS_URL, startStack, type TestStack } from './helpers/stack.js';
 import { encodeForwardBackward } from './helpers/wire.js';
 import { EngineProcess } from '../workers/engine.js';
-import { localTrainConsumer, type TrainConsumer } from '../queues/train-consumer.js';
+import { localTrainConsumer, type TrainConsumer } from '../queues/runtime/train-consumer.js';
 
 /** Redis commands the API of `s` sends while `fn` runs. */
 async function commands(s: TestStack, fn: () => Promise<unknown>): Promise<string[]> {

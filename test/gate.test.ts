@@ -2,11 +2,11 @@ import { randomUUID } from 'node:crypto';
 import { expect } from 'chai';
 import { Worker } from 'bullmq';
 import { Redis } from 'ioredis';
-import { ModelLost, OrderingGate, type GateOptions } from '../queues/gate.js';
+import { ModelLost, OrderingGate, type GateOptions } from '../queues/runtime/gate.js';
 import { Registry } from '../queues/registry/index.js';
-import { jobIds, Names } from '../queues/names.js';
-import { QueueSet } from '../queues/queues.js';
-import type { TrainJob } from '../queues/schemas.js';
+import { jobIds, Names } from '../queues/contract/names.js';
+import { QueueSet } from '../queues/runtime/queues.js';
+import type { TrainJob } from '../queues/contract/schemas.js';
 import { deletePrefix, REDIS_URL } from './helpers/stack.js';
 
 /** The per-model ordering gate against real Redis and real BullMQ queues. */

@@ -1,7 +1,7 @@
 import { expect } from 'chai';
 import { randomUUID } from 'node:crypto';
 import { Redis } from 'ioredis';
-import { Names } from '../queues/names.js';
+import { Names } from '../queues/contract/names.js';
 import type { CheckpointRecord } from '../queues/registry/checkpoints.js';
 import { Registry } from '../queues/registry/index.js';
 import { pruneListings } from '../queues/registry/listings.js';
@@ -11,7 +11,7 @@ import { awaitFuture, call, deletePrefix, REDIS_URL, startStack, type TestStack 
 import { encodeForwardBackward } from './helpers/wire.js';
 
 /**
- * Redis memory stays bounded under a long run (issue 13): every record has a lifetime (queues/names.ts),
+ * Redis memory stays bounded under a long run (issue 13): every record has a lifetime (queues/contract/names.ts),
  * restarted while it is in use, and listings drop the entries of records that expired. Real Redis,
  * a key prefix of each test's own.
  */

@@ -1,7 +1,7 @@
 import { spawnSync } from 'node:child_process';
 import { expect } from 'chai';
 
-/** queues/logger.ts as an operator configures it: TB_LOG_FORMAT and TB_LOG_LEVEL, read at process start. */
+/** queues/infra/logger.ts as an operator configures it: TB_LOG_FORMAT and TB_LOG_LEVEL, read at process start. */
 function logLines(env: Record<string, string>): string[] {
   const code = [
     "import { logger } from './queues/logger.ts';",
@@ -17,7 +17,7 @@ function logLines(env: Record<string, string>): string[] {
   return r.stderr.trim().split('\n').filter(Boolean);
 }
 
-describe('logs (winston, queues/logger.ts)', function () {
+describe('logs (winston, queues/infra/logger.ts)', function () {
   this.timeout(30_000);
 
   it('TB_LOG_FORMAT=json: one JSON object per line with the ids; TB_LOG_LEVEL=debug includes every job', () => {

@@ -2,11 +2,11 @@ import { spawnSync } from 'node:child_process';
 import { readFileSync } from 'node:fs';
 import path from 'node:path';
 import { expect } from 'chai';
-import { BrokerError } from '../queues/errors.js';
-import { checkLossConfig, LOSS_INPUTS, LOSSES } from '../queues/losses.js';
+import { BrokerError } from '../queues/contract/errors.js';
+import { checkLossConfig, LOSS_INPUTS, LOSSES } from '../queues/contract/losses.js';
 
 /**
- * The loss catalogue (queues/losses.json) is read by the API and by the Python engine: both
+ * The loss catalogue (queues/contract/losses.json) is read by the API and by the Python engine: both
  * readers are compared here, field by field, with the engine's own view of it (its LossSpec
  * table, loaded by the engine's import), and the API's config check is compared with the
  * engine's, message by message, so that neither side can drift from the other or from the docs.

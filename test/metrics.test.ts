@@ -1,8 +1,8 @@
 import { randomUUID } from 'node:crypto';
 import { expect } from 'chai';
 import { Redis } from 'ioredis';
-import { Names } from '../queues/names.js';
-import { JobRecorder, readMetrics, recordJob, type JobTiming } from '../queues/metrics.js';
+import { Names } from '../queues/contract/names.js';
+import { JobRecorder, readMetrics, recordJob, type JobTiming } from '../queues/runtime/metrics.js';
 import { deletePrefix, REDIS_URL } from './helpers/stack.js';
 
 /**

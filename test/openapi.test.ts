@@ -2,7 +2,7 @@ import { expect } from 'chai';
 import type { Router } from 'express';
 import { buildApp } from '../api/app.js';
 import { openApiDocument, OPERATIONS, routesOf } from '../api/openapi.js';
-import { loadApiConfig } from '../queues/config.js';
+import { loadApiConfig } from '../queues/infra/config.js';
 
 /**
  * The OpenAPI document (GET /api/v1/openapi.json) lists every route the API mounts, each with a

@@ -5,8 +5,8 @@ import os from 'node:os';
 import path from 'node:path';
 import { expect } from 'chai';
 import { loadPreset } from '../presets/schema.js';
-import { loadAgentConfig } from '../queues/config.js';
-import { logger } from '../queues/logger.js';
+import { loadAgentConfig } from '../queues/infra/config.js';
+import { logger } from '../queues/infra/logger.js';
 import { Agent } from '../workers/agent.js';
 
 /** Presets: every shipped preset validates and plans (--dry-run); a bad one stops before anything starts. */

@@ -1,8 +1,8 @@
 import { expect } from 'chai';
 import { mkdirSync, rmSync } from 'node:fs';
 import path from 'node:path';
-import { decodeRequestId } from '../queues/futures.js';
-import { Outcomes } from '../queues/outcomes.js';
+import { decodeRequestId } from '../queues/contract/futures.js';
+import { Outcomes } from '../queues/runtime/outcomes.js';
 import { deletePrefix } from './helpers/stack.js';
 import { call } from './helpers/stack.js';
 import { Client, expectUnknownOutcome, PROTO } from './helpers/client.js';

@@ -1,5 +1,5 @@
 import { expect } from 'chai';
-import type { SampleJob, SampleResult } from '../queues/schemas.js';
+import type { SampleJob, SampleResult } from '../queues/contract/schemas.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
 import { SampleGatherer, jobTokens } from '../workers/sample-gather.js';
 import { awaitFuture, call, startStack, type TestStack } from './helpers/stack.js';

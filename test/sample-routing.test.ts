@@ -1,5 +1,5 @@
 import { expect } from 'chai';
-import { Names } from '../queues/names.js';
+import { Names } from '../queues/contract/names.js';
 import { sampleEngine, type AgentRecord, type ServedModel } from '../queues/registry/agents.js';
 
 /**

@@ -1,6 +1,6 @@
 import { expect } from 'chai';
 import { z } from 'zod';
-import { Datum, Tensor } from '../queues/schemas.js';
+import { Datum, Tensor } from '../queues/contract/schemas.js';
 
 /**
  * The number arrays of the job contract (a datum's tokens, a tensor's data) are checked in one loop

@@ -2,17 +2,17 @@ import { randomUUID } from 'node:crypto';
 import { expect } from 'chai';
 import { Job } from 'bullmq';
 import { Redis } from 'ioredis';
-import { OrderingGate } from '../queues/gate.js';
-import { logger } from '../queues/logger.js';
-import { jobIds, Names } from '../queues/names.js';
-import { Outcomes } from '../queues/outcomes.js';
-import { QueueSet } from '../queues/queues.js';
-import type { TrainJob } from '../queues/schemas.js';
-import { TrainConsumer, type TakenTrainJob, type TrainVerdict } from '../queues/train-consumer.js';
+import { OrderingGate } from '../queues/runtime/gate.js';
+import { logger } from '../queues/infra/logger.js';
+import { jobIds, Names } from '../queues/contract/names.js';
+import { Outcomes } from '../queues/runtime/outcomes.js';
+import { QueueSet } from '../queues/runtime/queues.js';
+import type { TrainJob } from '../queues/contract/schemas.js';
+import { TrainConsumer, type TakenTrainJob, type TrainVerdict } from '../queues/runtime/train-consumer.js';
 import { deletePrefix, REDIS_URL } from './helpers/stack.js';
 
 /**
- * The training queue's own consumer (queues/train-consumer.ts) against real Redis: the jobs the gate
+ * The training queue's own consumer (queues/runtime/train-consumer.ts) against real Redis: the jobs the gate
  * writes, taken and claimed by one script, ended by BullMQ's moveToFinished, and read back by
  * BullMQ's Queue and Job as any BullMQ job.
  */

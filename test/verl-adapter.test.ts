@@ -4,8 +4,8 @@ import { TorchAdapter } from '../workers/adapters/torch.js';
 import { readFileSync } from 'node:fs';
 import { gpusOf, VERL_STRATEGIES, VerlAdapter, verlLaunch } from '../workers/adapters/verl.js';
 import { ModelSpec } from '../presets/schema.js';
-import { logger } from '../queues/logger.js';
-import type { BaseModelSpec } from '../queues/config.js';
+import { logger } from '../queues/infra/logger.js';
+import type { BaseModelSpec } from '../queues/infra/config.js';
 import { defaultPython, ensureTinyModel, TINY_MODEL_DIR } from '../scripts/stack.js';
 
 const log = logger.child({ test: 'verl-adapter' });

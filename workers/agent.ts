@@ -6,21 +6,21 @@ import path from 'node:path';
 import { Queue, UnrecoverableError, Worker, type Job } from 'bullmq';
 import type { Redis } from 'ioredis';
 import { ZodError } from 'zod';
-import { DEFAULT_OP_TIMEOUTS_S, type AgentConfig } from '../queues/config.js';
-import { requireCheckpointRecord } from '../queues/checkpoints.js';
-import { sampleEndSignal, signalLocally, type SampleEnd } from '../queues/completions.js';
-import { BrokerError, decodeJobFailure, encodeJobFailure, failure, failureOf, modelUnavailable, outcomeUnknownMessage, recordedFailure, type Failure } from '../queues/errors.js';
-import { heartbeatMs, Liveness } from '../queues/liveness.js';
-import { logger as rootLogger, type Logger } from '../queues/logger.js';
-import { addJobs, JobRecorder, publishAgentStats, removeAgentStats, type JobStatus, type TokenKind } from '../queues/metrics.js';
-import { Names } from '../queues/names.js';
-import { Outcomes, type Outcome } from '../queues/outcomes.js';
-import { connect } from '../queues/redis.js';
+import { DEFAULT_OP_TIMEOUTS_S, type AgentConfig } from '../queues/infra/config.js';
+import { requireCheckpointRecord } from '../queues/runtime/checkpoints.js';
+import { sampleEndSignal, signalLocally, type SampleEnd } from '../queues/runtime/completions.js';
+import { BrokerError, decodeJobFailure, encodeJobFailure, failure, failureOf, modelUnavailable, outcomeUnknownMessage, recordedFailure, type Failure } from '../queues/contract/errors.js';
+import { heartbeatMs, Liveness } from '../queues/runtime/liveness.js';
+import { logger as rootLogger, type Logger } from '../queues/infra/logger.js';
+import { addJobs, JobRecorder, publishAgentStats, removeAgentStats, type JobStatus, type TokenKind } from '../queues/runtime/metrics.js';
+import { Names } from '../queues/contract/names.js';
+import { Outcomes, type Outcome } from '../queues/runtime/outcomes.js';
+import { connect } from '../queues/infra/redis.js';
 import type { AgentRecord, ServedModel } from '../queues/registry/agents.js';
 import { Registry } from '../queues/registry/index.js';
-import { writeStabilityRecords } from '../queues/stability.js';
-import { SampleJob, TrainJob, type SampleResult, type AnyJob } from '../queues/schemas.js';
-import { TrainConsumer, type TakenTrainJob, type TrainVerdict } from '../queues/train-consumer.js';
+import { writeStabilityRecords } from '../queues/runtime/stability.js';
+import { SampleJob, TrainJob, type SampleResult, type AnyJob } from '../queues/contract/schemas.js';
+import { TrainConsumer, type TakenTrainJob, type TrainVerdict } from '../queues/runtime/train-consumer.js';
 import type { EngineAdapter } from './adapters/adapter.js';
 import { TorchAdapter } from './adapters/torch.js';
 import { VerlAdapter } from './adapters/verl.js';
@@ -32,13 +32,13 @@ import { engineMemory } from './stats.js';
 
 /**
  * A worker agent: registers in Redis, supervises its engine, and consumes
- * - its training queue (`train-<agentId>`, taken by queues/train-consumer.ts): the ordered ops of
+ * - its training queue (`train-<agentId>`, taken by queues/runtime/train-consumer.ts): the ordered ops of
  *   the models placed here, one at a time, never retried. Each op's outcome is recorded apart from
- *   BullMQ's job state (queues/outcomes.ts): claimed before it runs, finished once; no stalled-job
+ *   BullMQ's job state (queues/runtime/outcomes.ts): claimed before it runs, finished once; no stalled-job
  *   check runs on this queue, so a lost job lock (a long Redis outage) never turns a completed op
  *   into a failure;
  * - the sample queue of each base model it serves on its engine kind (the API routes each job), concurrently.
- * It heartbeats (queues/liveness.ts), holds its agent id against a second process, and kills an
+ * It heartbeats (queues/runtime/liveness.ts), holds its agent id against a second process, and kills an
  * engine that runs an op past its limit (`TB_OP_TIMEOUTS`). docs/reliability.md has the guarantees.
  */
 
@@ -56,7 +56,7 @@ export class Agent {
   private served: ServedModel[] = [];
   private workers: Worker[] = [];
   private train: TrainConsumer | null = null;
-  /** The training ops' metrics, written every 100 ms (queues/metrics.ts). */
+  /** The training ops' metrics, written every 100 ms (queues/runtime/metrics.ts). */
   private jobMetrics!: JobRecorder;
   private heartbeat: NodeJS.Timeout | undefined;
   private stopping = false;
@@ -301,7 +301,7 @@ export class Agent {
         await this.liveness.clearReaped(this.config.agentId, this.incarnation);
         return await this.liveness.beat(this.record, this.incarnation);
       }
-      // The models loaded here are in use: their records never expire while this agent lives (queues/names.ts),
+      // The models loaded here are in use: their records never expire while this agent lives (queues/contract/names.ts),
       // at least five heartbeats ahead however short the retention.
       if (r === 'ok') await this.registry.models.keep(this.loaded, Math.max(this.config.retentionS, this.timeoutS));
       if (r === 'ok' && (await this.redis.getdel(this.names.agentDrainRequest(this.config.agentId))) !== null) {
@@ -358,7 +358,7 @@ export class Agent {
   }
 
   /**
-   * One training op, its outcome recorded exactly once (queues/outcomes.ts). The result lives in the
+   * One training op, its outcome recorded exactly once (queues/runtime/outcomes.ts). The result lives in the
    * outcome record; BullMQ's job only says the op finished.
    *
    * The training queue's consumer holds one job ahead (concurrency 2): the next op is taken and
@@ -441,7 +441,7 @@ export class Agent {
       }
       await handOn();
       // Early: an API in this process answers the op's future from this result, then it is recorded,
-      // and its job ended in its queue, in one script (queues/outcomes.ts).
+      // and its job ended in its queue, in one script (queues/runtime/outcomes.ts).
       const stood = await this.outcomes.finish(jobId, token, { state: 'done', op, agent_id: this.config.agentId, result, engine }, true, job.end);
       // An op finished after the reaper gave up on this agent keeps the reaper's verdict in Redis (the 'job failed' line says so).
       if (stood.state === 'done') this.log.debug('job done', { queue: this.trainQueue, jobId, op, modelId: parsed.data?.model_id, ms: Date.now() - start });

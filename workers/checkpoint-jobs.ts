@@ -1,17 +1,17 @@
 import { existsSync } from 'node:fs';
 import { readdir, rename, rm, stat } from 'node:fs/promises';
 import path from 'node:path';
-import { encryptFileInPlace } from '../queues/age.js';
-import { assertSaveAllowed } from '../queues/checkpoints.js';
+import { encryptFileInPlace } from '../queues/infra/age.js';
+import { assertSaveAllowed } from '../queues/runtime/checkpoints.js';
 import type { CheckpointRecord } from '../queues/registry/checkpoints.js';
 import type { Registry } from '../queues/registry/index.js';
 import type { ModelRecord } from '../queues/registry/models.js';
-import type { SaveExternalJob, SaveSamplerJob, SaveStateJob } from '../queues/schemas.js';
+import type { SaveExternalJob, SaveSamplerJob, SaveStateJob } from '../queues/contract/schemas.js';
 import type { EngineAdapter } from './adapters/adapter.js';
 
 /**
  * The checkpoint jobs of a worker agent: save_weights_for_sampler, save_weights (state, with the
- * optimizer) and save_weights_external. Each checks that the save is allowed (queues/checkpoints.ts),
+ * optimizer) and save_weights_external. Each checks that the save is allowed (queues/runtime/checkpoints.ts),
  * has the engine write the files, and records the checkpoint in the registry; an overwritten state
  * keeps its old files until the new ones are complete. Loading a state is the engine's alone
  * (Agent.trainOp). docs/architecture.md "Checkpoints" has the layout.

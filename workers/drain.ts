@@ -1,6 +1,6 @@
-import { loadCommonConfig } from '../queues/config.js';
-import { Names } from '../queues/names.js';
-import { connect } from '../queues/redis.js';
+import { loadCommonConfig } from '../queues/infra/config.js';
+import { Names } from '../queues/contract/names.js';
+import { connect } from '../queues/infra/redis.js';
 import { AgentRegistry } from '../queues/registry/agents.js';
 
 export type DrainResult = { agent_id: string; status: 'drained' | 'not_live' | 'timeout'; models_saved?: number; seconds?: number };

@@ -1,6 +1,6 @@
 import { z } from 'zod';
-import { MODEL_DTYPES } from '../queues/config.js';
-import { AdamParams, LoraConfig, SampleJob, SampleResult, Tensor, TargetPromptIds } from '../queues/schemas.js';
+import { MODEL_DTYPES } from '../queues/infra/config.js';
+import { AdamParams, LoraConfig, SampleJob, SampleResult, Tensor, TargetPromptIds } from '../queues/contract/schemas.js';
 
 /**
  * The agent ⇄ engine protocol (version 2, docs/engine-protocol.md): one zod schema per engine

@@ -2,8 +2,8 @@ import { spawn, type ChildProcessWithoutNullStreams } from 'node:child_process';
 import { EventEmitter } from 'node:events';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
-import { BrokerError, engineCode, type ErrorCategory } from '../queues/errors.js';
-import type { Logger } from '../queues/logger.js';
+import { BrokerError, engineCode, type ErrorCategory } from '../queues/contract/errors.js';
+import type { Logger } from '../queues/infra/logger.js';
 import { decodeFrame, encodeFrame } from './engine-frame.js';
 import { describeIssues, ENGINE_OPS, type EngineArgs, type EngineOp, type EngineResult } from './engine-protocol.js';
 

@@ -1,5 +1,5 @@
-import { loadAgentConfig } from '../queues/config.js';
-import { logger } from '../queues/logger.js';
+import { loadAgentConfig } from '../queues/infra/config.js';
+import { logger } from '../queues/infra/logger.js';
 import { Agent } from './agent.js';
 
 /**

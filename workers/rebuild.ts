@@ -1,7 +1,7 @@
 import { existsSync } from 'node:fs';
 import { readdir, readFile, stat } from 'node:fs/promises';
 import path from 'node:path';
-import type { Logger } from '../queues/logger.js';
+import type { Logger } from '../queues/infra/logger.js';
 import type { CheckpointRecord } from '../queues/registry/checkpoints.js';
 import type { Registry } from '../queues/registry/index.js';
 import type { ModelRecord } from '../queues/registry/models.js';

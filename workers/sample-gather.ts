@@ -1,4 +1,4 @@
-import type { SampleJob, SampleResult } from '../queues/schemas.js';
+import type { SampleJob, SampleResult } from '../queues/contract/schemas.js';
 
 /**
  * Gathers the sample jobs an agent holds for one base model into batches for one engine call.

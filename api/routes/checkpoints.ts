@@ -3,7 +3,7 @@ import { tenantOf } from '../auth.js';
 import type { ApiContext } from '../context.js';
 import { signedUrls } from '../file-urls.js';
 import { CheckpointTtlBody, CopyWeightsBody, PageQuery, parseBody, WeightsInfoBody } from '../http-schemas.js';
-import { invalid } from '../../queues/errors.js';
+import { invalid } from '../../queues/contract/errors.js';
 import {
   checkpointAt,
   checkpointView,

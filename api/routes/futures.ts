@@ -1,6 +1,6 @@
 import { Router } from 'express';
-import { BrokerError } from '../../queues/errors.js';
-import { ForwardBackwardResult, ResultSchemas, SampleResult } from '../../queues/schemas.js';
+import { BrokerError } from '../../queues/contract/errors.js';
+import { ForwardBackwardResult, ResultSchemas, SampleResult } from '../../queues/contract/schemas.js';
 import type { ApiContext } from '../context.js';
 import type { DirectRoutes } from '../direct.js';
 import { tenantOf } from '../auth.js';

@@ -1,5 +1,5 @@
 import { Router } from 'express';
-import { invalid } from '../../queues/errors.js';
+import { invalid } from '../../queues/contract/errors.js';
 import { tenantOf } from '../auth.js';
 import type { ApiContext } from '../context.js';
 import { CreateModelBody, ModelIdBody, PageQuery, parseBody } from '../http-schemas.js';

@@ -1,5 +1,5 @@
 import { Router, type RequestHandler } from 'express';
-import { LOSSES } from '../../queues/losses.js';
+import { LOSSES } from '../../queues/contract/losses.js';
 import type { ApiContext } from '../context.js';
 
 /** Client bootstrap, telemetry, billing, health and capabilities (sessions: routes/sessions.ts). */

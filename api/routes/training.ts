@@ -1,13 +1,13 @@
 import express, { Router, type Request, type RequestHandler } from 'express';
 import type { z } from 'zod';
-import { parseRecipient } from '../../queues/age.js';
-import { assertSaveAllowed } from '../../queues/checkpoints.js';
-import { BrokerError, invalid, modelUnavailable } from '../../queues/errors.js';
-import { AgentGone, ModelGone, ModelLost } from '../../queues/gate.js';
-import { encodeRequestId } from '../../queues/futures.js';
-import { jobIds, resourceIds } from '../../queues/names.js';
+import { parseRecipient } from '../../queues/infra/age.js';
+import { assertSaveAllowed } from '../../queues/runtime/checkpoints.js';
+import { BrokerError, invalid, modelUnavailable } from '../../queues/contract/errors.js';
+import { AgentGone, ModelGone, ModelLost } from '../../queues/runtime/gate.js';
+import { encodeRequestId } from '../../queues/contract/futures.js';
+import { jobIds, resourceIds } from '../../queues/contract/names.js';
 import type { ModelRecord } from '../../queues/registry/models.js';
-import type { TrainJob } from '../../queues/schemas.js';
+import type { TrainJob } from '../../queues/contract/schemas.js';
 import type { ApiContext } from '../context.js';
 import type { DirectRoutes } from '../direct.js';
 import {
@@ -53,7 +53,7 @@ async function guardSeq<T>(ctx: ApiContext, req: Request, modelId: unknown, seqI
 
 /**
  * The fast path of every ordered training op: one script admits it, records its future's owner and,
- * when it is in order, queues it (queues/gate.ts); the model was read by the route, usually from this
+ * when it is in order, queues it (queues/runtime/gate.ts); the model was read by the route, usually from this
  * process's copy (ModelRegistry.placed: one round trip in all), and the script checks that it still
  * exists and is not lost. A model that is lost, or whose agent is gone, gets a future that fails with
  * the reason (an HTTP 5xx would be retried by the SDK for minutes).

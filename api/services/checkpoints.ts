@@ -1,11 +1,11 @@
 import { cp, rm } from 'node:fs/promises';
 import type { Request } from 'express';
-import { BrokerError, invalid } from '../../queues/errors.js';
-import { logger } from '../../queues/logger.js';
-import { resourceIds } from '../../queues/names.js';
+import { BrokerError, invalid } from '../../queues/contract/errors.js';
+import { logger } from '../../queues/infra/logger.js';
+import { resourceIds } from '../../queues/contract/names.js';
 import type { CheckpointRecord } from '../../queues/registry/checkpoints.js';
 import type { ModelRecord } from '../../queues/registry/models.js';
-import type { LoraConfig } from '../../queues/schemas.js';
+import type { LoraConfig } from '../../queues/contract/schemas.js';
 import { tenantOf } from '../auth.js';
 import type { ApiContext } from '../context.js';
 import { CHECKPOINT_KINDS, formatTinkerPath, parseTinkerPath, storageDirFor, type CheckpointKind } from '../paths.js';
@@ -16,7 +16,7 @@ import { createSession } from './sessions.js';
  * Checkpoints: their REST view, the checks before a load, copy, TTL, publishing, deletion, and the
  * sweeper that deletes checkpoints whose TTL ran out. Any API process may sweep; a per-checkpoint
  * lock in Redis keeps two from deleting the same one. The rules a save must keep are shared with
- * the agent (queues/checkpoints.ts).
+ * the agent (queues/runtime/checkpoints.ts).
  */
 export function checkpointView(c: CheckpointRecord) {
   return {

@@ -1,10 +1,10 @@
 import type { Request } from 'express';
-import { invalid } from '../../queues/errors.js';
-import { encodeRequestId } from '../../queues/futures.js';
-import { jobIds, resourceIds, shortHash } from '../../queues/names.js';
+import { invalid } from '../../queues/contract/errors.js';
+import { encodeRequestId } from '../../queues/contract/futures.js';
+import { jobIds, resourceIds, shortHash } from '../../queues/contract/names.js';
 import type { CheckpointRecord } from '../../queues/registry/checkpoints.js';
 import type { ModelRecord } from '../../queues/registry/models.js';
-import type { CreateModelJob, LoraConfig, TrainJob } from '../../queues/schemas.js';
+import type { CreateModelJob, LoraConfig, TrainJob } from '../../queues/contract/schemas.js';
 import { tenantOf } from '../auth.js';
 import type { ApiContext } from '../context.js';
 import { issueFuture, requireSession } from '../tenants.js';

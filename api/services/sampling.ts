@@ -1,13 +1,13 @@
 import { randomUUID } from 'node:crypto';
 import type { Request } from 'express';
 import type { z } from 'zod';
-import { BrokerError, invalid } from '../../queues/errors.js';
-import { encodeRequestId } from '../../queues/futures.js';
-import type { SampleFeature } from '../../queues/config.js';
-import { jobIds, resourceIds } from '../../queues/names.js';
+import { BrokerError, invalid } from '../../queues/contract/errors.js';
+import { encodeRequestId } from '../../queues/contract/futures.js';
+import type { SampleFeature } from '../../queues/infra/config.js';
+import { jobIds, resourceIds } from '../../queues/contract/names.js';
 import { sampleEngine } from '../../queues/registry/agents.js';
 import type { SamplingSessionRecord } from '../../queues/registry/samplers.js';
-import type { SampleJob, SamplingParams } from '../../queues/schemas.js';
+import type { SampleJob, SamplingParams } from '../../queues/contract/schemas.js';
 import { tenantOf } from '../auth.js';
 import type { ApiContext } from '../context.js';
 import type { CreateSamplingSessionBody, SampleBody, SamplingParamsBody } from '../http-schemas.js';

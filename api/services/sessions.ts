@@ -1,6 +1,6 @@
 import { randomUUID } from 'node:crypto';
 import type { Request } from 'express';
-import { BrokerError } from '../../queues/errors.js';
+import { BrokerError } from '../../queues/contract/errors.js';
 import { tenantOf } from '../auth.js';
 import type { ApiContext } from '../context.js';
 import { requireSession, unknownSession } from '../tenants.js';

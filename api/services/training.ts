@@ -1,9 +1,9 @@
 import type { Request } from 'express';
-import { invalid } from '../../queues/errors.js';
-import { checkLossConfig, lossInputs } from '../../queues/losses.js';
-import { jobIds } from '../../queues/names.js';
+import { invalid } from '../../queues/contract/errors.js';
+import { checkLossConfig, lossInputs } from '../../queues/contract/losses.js';
+import { jobIds } from '../../queues/contract/names.js';
 import type { ModelRecord } from '../../queues/registry/models.js';
-import type { Datum, ForwardBackwardJob } from '../../queues/schemas.js';
+import type { Datum, ForwardBackwardJob } from '../../queues/contract/schemas.js';
 import type { ApiContext } from '../context.js';
 import { ownsModel } from '../tenants.js';
 import { attachStability } from '../stability.js';
@@ -12,7 +12,7 @@ import type { DecodedForwardBackward } from '../wire/proto.js';
 /**
  * forward_backward (also forward): the checks of a batch against its loss and model, before it is
  * queued. The losses, the `loss_fn_inputs` and config keys each takes come from the loss catalogue
- * (queues/losses.json; definitions and sources: docs/losses.md). stable_reinforce's sampler
+ * (queues/contract/losses.json; definitions and sources: docs/losses.md). stable_reinforce's sampler
  * logprobs come from the server's stability records, not the datum: a datum's `logprobs` is
  * accepted and not used.
  */

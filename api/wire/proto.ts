@@ -1,8 +1,8 @@
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import protobuf from 'protobufjs';
-import { invalid } from '../../queues/errors.js';
-import type { Datum, ForwardBackwardResult, SampleResult, Tensor } from '../../queues/schemas.js';
+import { invalid } from '../../queues/contract/errors.js';
+import type { Datum, ForwardBackwardResult, SampleResult, Tensor } from '../../queues/contract/schemas.js';
 
 /**
  * Protobuf codecs of the Tinker wire format: the forward_backward request body, and the

@@ -1,12 +1,12 @@
 import { z } from 'zod';
-import { ENGINE_KINDS, ENGINES, SAMPLE_FEATURES, type SampleFeature } from '../config.js';
-import { BrokerError } from '../errors.js';
-import { runScript } from '../scripts.js';
+import { ENGINE_KINDS, ENGINES, SAMPLE_FEATURES, type SampleFeature } from '../infra/config.js';
+import { BrokerError } from '../contract/errors.js';
+import { runScript } from '../runtime/scripts.js';
 import { RedisRegistry } from './store.js';
 
 /**
  * The worker agents and the base models they serve, as the API sees them: the agents' records
- * (written, refreshed and removed by queues/liveness.ts), the served models they merge into, and the
+ * (written, refreshed and removed by queues/runtime/liveness.ts), the served models they merge into, and the
  * rule that picks the engine kind a sample job goes to (`sampleEngine`).
  */
 
@@ -29,7 +29,7 @@ export const AgentRecord = z.object({
   engine: z.string(),
   device: z.string(),
   started_at: z.string(),
-  /** One per process start: the liveness key holds it (queues/liveness.ts). */
+  /** One per process start: the liveness key holds it (queues/runtime/liveness.ts). */
   incarnation: z.string().optional(),
   /** Liveness timeout in seconds: the liveness key's TTL. */
   timeout_s: z.number().optional(),
@@ -81,7 +81,7 @@ export function sampleEngine(baseModel: string, agents: AgentRecord[], loraRank:
   return [...new Set(pool)].sort((a, b) => rank(a) - rank(b) || a.localeCompare(b))[0]!;
 }
 
-/** An agent's heartbeat period: a fifth of its timeout (queues/liveness.ts), at least 200 ms. */
+/** An agent's heartbeat period: a fifth of its timeout (queues/runtime/liveness.ts), at least 200 ms. */
 export function heartbeatMs(timeoutS: number): number {
   return Math.max(200, Math.round((timeoutS * 1000) / 5));
 }

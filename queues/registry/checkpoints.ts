@@ -1,11 +1,11 @@
 import { z } from 'zod';
-import { LoraConfig } from '../schemas.js';
+import { LoraConfig } from '../contract/schemas.js';
 import { RedisRegistry } from './store.js';
 
 /**
  * Checkpoint records: one per saved checkpoint, listed under its model and (when named) its tenant,
  * and by expiry when it has a TTL. A named checkpoint keeps its model's record without a TTL while it
- * exists. The rules of saving over one and loading from one are in queues/checkpoints.ts; the files,
+ * exists. The rules of saving over one and loading from one are in queues/runtime/checkpoints.ts; the files,
  * the sweep of expired ones and the REST calls in api/services/checkpoints.ts.
  */
 

@@ -3,7 +3,7 @@ import { RedisRegistry } from './store.js';
 
 /**
  * What the registry keeps of futures beside their jobs: the futures refused before any job existed,
- * and the tenant that owns each future. Request ids are in queues/futures.ts; answering a future is
+ * and the tenant that owns each future. Request ids are in queues/contract/futures.ts; answering a future is
  * api/futures.ts.
  */
 

@@ -1,5 +1,5 @@
 import type { Redis } from 'ioredis';
-import type { Names } from '../names.js';
+import type { Names } from '../contract/names.js';
 import { AgentRegistry } from './agents.js';
 import { CheckpointRegistry } from './checkpoints.js';
 import { FutureRegistry } from './futures.js';
@@ -10,7 +10,7 @@ import { SessionRegistry } from './sessions.js';
 /**
  * The registries kept in Redis, one per concern; everything the API needs between two requests
  * lives in them, so API processes are stateless. Each key they use is built, with its lifetime, in
- * queues/names.ts; the listing sweep that drops expired entries is queues/registry/listings.ts.
+ * queues/contract/names.ts; the listing sweep that drops expired entries is queues/registry/listings.ts.
  */
 export class Registry {
   /** Worker agents, the base models they serve, and sample routing. */

@@ -1,5 +1,5 @@
 import type { Redis } from 'ioredis';
-import type { Names } from '../names.js';
+import type { Names } from '../contract/names.js';
 
 /**
  * The listing sweep (every API process runs it, api/app.ts): drops the entries whose record is gone

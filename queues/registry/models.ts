@@ -1,10 +1,10 @@
 import { z } from 'zod';
-import { LoraConfig } from '../schemas.js';
+import { LoraConfig } from '../contract/schemas.js';
 import { RedisRegistry } from './store.js';
 
 /**
  * Training models (training runs): where each is placed, its LoRA config and vocabulary, and
- * `lost_reason` once its weights are gone; their lifetimes (queues/names.ts `model`) and their
+ * `lost_reason` once its weights are gone; their lifetimes (queues/contract/names.ts `model`) and their
  * listings (per tenant, per session, and each model's last request).
  */
 
@@ -44,7 +44,7 @@ export class ModelRegistry extends RedisRegistry {
    * The model's record for building a training op's job, from a copy this process read within
    * PLACED_CACHE_MS when it has one (else read, and kept). A model's placement, owner, base model,
    * vocabulary and LoRA config never change; its `lost_reason` and its very existence do, so a
-   * caller of this copy submits with the gate's `checkModel` (queues/gate.ts), which checks both in
+   * caller of this copy submits with the gate's `checkModel` (queues/runtime/gate.ts), which checks both in
    * the submit's script, and `forget`s the copy when that refuses.
    */
   async placed(modelId: string): Promise<ModelRecord | null> {

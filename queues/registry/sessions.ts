@@ -1,5 +1,5 @@
 import type { Redis } from 'ioredis';
-import type { Names } from '../names.js';
+import type { Names } from '../contract/names.js';
 import type { CheckpointRegistry } from './checkpoints.js';
 import { RedisRegistry } from './store.js';
 

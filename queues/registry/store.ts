@@ -1,6 +1,6 @@
 import type { Redis } from 'ioredis';
 import type { z } from 'zod';
-import type { Names } from '../names.js';
+import type { Names } from '../contract/names.js';
 
 /** What every registry stands on: the Redis connection, the key names, and JSON records read through their schema. */
 export abstract class RedisRegistry {

@@ -1,9 +1,9 @@
 import { spawnSync } from 'node:child_process';
 import { expect } from 'chai';
 import { Redis } from 'ioredis';
-import { decodeRequestId } from '../../queues/futures.js';
-import { Names } from '../../queues/names.js';
-import { Outcomes } from '../../queues/outcomes.js';
+import { decodeRequestId } from '../../queues/contract/futures.js';
+import { Names } from '../../queues/contract/names.js';
+import { Outcomes } from '../../queues/runtime/outcomes.js';
 import { Client, expectUnknownOutcome } from '../helpers/client.js';
 import { waitFor } from '../helpers/procs.js';
 import { API_KEY, REDIS_URL } from '../helpers/stack.js';

@@ -7,7 +7,7 @@ import { createInterface } from 'node:readline';
 import { Queue } from 'bullmq';
 import { expect } from 'chai';
 import { Redis } from 'ioredis';
-import { Names } from '../../queues/names.js';
+import { Names } from '../../queues/contract/names.js';
 import { Registry } from '../../queues/registry/index.js';
 import { deletePrefix, REDIS_URL } from '../helpers/stack.js';
 import { E2E_KEY, freePort, PYTHON } from './server.js';

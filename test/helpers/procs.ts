@@ -5,7 +5,7 @@ import os from 'node:os';
 import path from 'node:path';
 import { Redis } from 'ioredis';
 import { buildApp, listen, type BuiltApp } from '../../api/app.js';
-import { loadApiConfig } from '../../queues/config.js';
+import { loadApiConfig } from '../../queues/infra/config.js';
 import { defaultPython, ensureTinyModel, TINY_MODEL_ALIAS, TINY_MODEL_DIR } from '../../scripts/stack.js';
 import { freePort } from '../e2e/server.js';
 

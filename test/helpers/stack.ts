@@ -4,7 +4,7 @@ import os from 'node:os';
 import path from 'node:path';
 import { Redis } from 'ioredis';
 import { buildApp, listen, type BuiltApp } from '../../api/app.js';
-import { loadAgentConfig, loadApiConfig } from '../../queues/config.js';
+import { loadAgentConfig, loadApiConfig } from '../../queues/infra/config.js';
 import { Agent } from '../../workers/agent.js';
 import { defaultPython, ensureTinyModel, TINY_MODEL_ALIAS, TINY_MODEL_DIR } from '../../scripts/stack.js';
 

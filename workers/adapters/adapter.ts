@@ -7,8 +7,8 @@ import type {
   SampleJob,
   SampleResult,
   SaveSamplerJob,
-} from '../../queues/schemas.js';
-import type { BaseModelSpec, SampleFeature } from '../../queues/config.js';
+} from '../../queues/contract/schemas.js';
+import type { BaseModelSpec, SampleFeature } from '../../queues/infra/config.js';
 
 /**
  * What an agent needs from an engine: one method per Tinker operation. Each engine

@@ -1,5 +1,5 @@
-import type { BaseModelSpec } from '../../queues/config.js';
-import type { Logger } from '../../queues/logger.js';
+import type { BaseModelSpec } from '../../queues/infra/config.js';
+import type { Logger } from '../../queues/infra/logger.js';
 import type { ServedModel } from '../../queues/registry/agents.js';
 import type {
   CreateModelJob,
@@ -9,7 +9,7 @@ import type {
   SampleJob,
   SampleResult,
   SaveSamplerJob,
-} from '../../queues/schemas.js';
+} from '../../queues/contract/schemas.js';
 import { EngineError, EngineProcess } from '../engine.js';
 import { BinTensor, PROTOCOL_VERSION, type SampleRequest } from '../engine-protocol.js';
 import type { EngineAdapter } from './adapter.js';

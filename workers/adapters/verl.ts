@@ -1,8 +1,8 @@
-import { deviceGpus, type BaseModelSpec } from '../../queues/config.js';
-import type { Logger } from '../../queues/logger.js';
+import { deviceGpus, type BaseModelSpec } from '../../queues/infra/config.js';
+import type { Logger } from '../../queues/infra/logger.js';
 import { EngineError } from '../engine.js';
 import { TorchAdapter } from './torch.js';
-import type { SampleJob, SampleResult } from '../../queues/schemas.js';
+import type { SampleJob, SampleResult } from '../../queues/contract/schemas.js';
 
 /** The GPUs of an agent's device (`cuda` = the first one, `cuda:N`, `cuda:N,M,…`); null for anything else. */
 export function gpusOf(device: string | undefined): number[] | null {

@@ -1,9 +1,9 @@
 import { existsSync } from 'node:fs';
 import path from 'node:path';
-import type { BaseModelSpec, SampleFeature } from '../../../queues/config.js';
-import type { Logger } from '../../../queues/logger.js';
+import type { BaseModelSpec, SampleFeature } from '../../../queues/infra/config.js';
+import type { Logger } from '../../../queues/infra/logger.js';
 import type { ServedModel } from '../../../queues/registry/agents.js';
-import type { CreateModelJob, ForwardBackwardJob, OptimStepJob, SampleJob, SampleResult, SaveSamplerJob } from '../../../queues/schemas.js';
+import type { CreateModelJob, ForwardBackwardJob, OptimStepJob, SampleJob, SampleResult, SaveSamplerJob } from '../../../queues/contract/schemas.js';
 import { EngineError } from '../../engine.js';
 import type { EngineAdapter } from '../adapter.js';
 import { VllmClient } from './client.js';

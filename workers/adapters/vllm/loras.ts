@@ -1,8 +1,8 @@
 import { existsSync } from 'node:fs';
 import { stat } from 'node:fs/promises';
 import path from 'node:path';
-import type { Logger } from '../../../queues/logger.js';
-import type { SampleJob, SampleResult } from '../../../queues/schemas.js';
+import type { Logger } from '../../../queues/infra/logger.js';
+import type { SampleJob, SampleResult } from '../../../queues/contract/schemas.js';
 import { EngineError } from '../../engine.js';
 import type { VllmClient } from './client.js';
 import { ADAPTER_FILES, adapterTargetsLmHead, completionRequest, completionResult, loraName, vllmError, vllmMessage } from './translate.js';

@@ -1,7 +1,7 @@
 import { spawn, type ChildProcess } from 'node:child_process';
 import { createServer } from 'node:net';
-import type { BaseModelSpec } from '../../../queues/config.js';
-import type { Logger } from '../../../queues/logger.js';
+import type { BaseModelSpec } from '../../../queues/infra/config.js';
+import type { Logger } from '../../../queues/infra/logger.js';
 import { EngineError } from '../../engine.js';
 import type { VllmClient } from './client.js';
 

@@ -1,8 +1,8 @@
 import { createHash } from 'node:crypto';
 import { existsSync, readFileSync } from 'node:fs';
 import path from 'node:path';
-import type { BaseModelSpec } from '../../../queues/config.js';
-import { SampleResult, type SampleJob } from '../../../queues/schemas.js';
+import type { BaseModelSpec } from '../../../queues/infra/config.js';
+import { SampleResult, type SampleJob } from '../../../queues/contract/schemas.js';
 import { EngineError } from '../../engine.js';
 
 /**

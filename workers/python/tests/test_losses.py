@@ -442,7 +442,7 @@ def test_per_token_threshold_checks(setup) -> None:
 
 
 def test_catalogue_and_engine_functions_must_agree(tmp_path) -> None:
-    """The engine reads its losses from the catalogue the API reads (queues/losses.json): a loss
+    """The engine reads its losses from the catalogue the API reads (queues/contract/losses.json): a loss
     there without a function here, or a function here without a loss there, stops the import."""
     import json
 

@@ -209,7 +209,7 @@ class LossSpec:
         return parsed
 
 
-# The loss catalogue (queues/losses.json, read by the API too): each loss's inputs, config keys and
+# The loss catalogue (queues/contract/losses.json, read by the API too): each loss's inputs, config keys and
 # defaults. The source of each default (docs/losses.md):
 # - ppo 0.8 / 1.2: Tinker's PPO docs ("epsilon_low and epsilon_high ... currently fixed to 0.2").
 # - cispo 0.0 / 4.0: Tinker's CISPO docs and cookbook tutorial 202 (one-sided clip by default,
@@ -220,7 +220,7 @@ class LossSpec:
 #   clip_high_threshold 4.0 (the truncation of the detached importance weight, CISPO's default).
 # The engine is run from the project's tree (workers/python), so the file is found beside it;
 # TB_LOSS_CATALOGUE names another copy.
-CATALOGUE_FILE = Path(os.environ.get("TB_LOSS_CATALOGUE") or Path(__file__).resolve().parents[3] / "queues/losses.json")
+CATALOGUE_FILE = Path(os.environ.get("TB_LOSS_CATALOGUE") or Path(__file__).resolve().parents[3] / "queues/contract/losses.json")
 
 # The functions of the catalogue's losses, by name.
 _FUNCTIONS: dict[str, tuple[LossFn, InputCheck | None]] = {

@@ -1,0 +1,222 @@
+import { createHash } from 'node:crypto';
+
+/** A short hex digest, for names built from arbitrary strings. */
+export function shortHash(s: string, n = 16): string {
+  return createHash('sha1').update(s).digest('hex').slice(0, n);
+}
+
+/**
+ * Every queue name and Redis key of a deployment, in one place, with its lifetime; `prefix` isolates
+ * deployments (and tests) that share one Redis. "The retention" is `TB_FUTURE_RETENTION_S`
+ * (the preset's `storage.retention_hours`, 24 h by default). Nothing grows with the history of a
+ * deployment: a record lives while it is in use and one retention after that, and a listing's entry
+ * leaves with the record it names (the API's listing sweep, `pruneListings` in
+ * queues/registry/listings.ts, within a quarter of the retention, at most a minute). What stays without a TTL is bounded by what is in use
+ * (agents, the models loaded on them) or by what the user chose to keep (named checkpoints, whose
+ * files are on disk). `test/lifetimes.test.ts` checks this; `bench/redis-memory.ts` measures it.
+ */
+export class Names {
+  constructor(readonly prefix: string) {}
+
+  /**
+   * BullMQ prefix for all queues of this deployment. Jobs (the futures) are kept for the retention
+   * after they finish, and `TB_RESULT_TTL_AFTER_READ_S` after their result was first read (a
+   * create_model job for the retention: its id makes a retried create idempotent); a queue's event
+   * stream is capped by BullMQ (10 000 entries).
+   */
+  get bull(): string {
+    return `${this.prefix}-bull`;
+  }
+  /** Training ops of the models placed on one agent, run one at a time. */
+  trainQueue(agentId: string): string {
+    return `train-${agentId}`;
+  }
+  /**
+   * Sample jobs for one base model on one kind of engine, taken by every agent of that engine serving
+   * it. The API picks the engine of each job (`sampleEngine` in queues/registry/agents.ts).
+   */
+  sampleQueue(baseModel: string, engine: string): string {
+    return `sample-${shortHash(baseModel, 12)}-${engine}`;
+  }
+
+  // Registries.
+  /** Agent id → record (hash). No TTL: an entry leaves when the reaper reaps its agent (it stopped or died). */
+  agents(): string {
+    return `${this.prefix}:agents`;
+  }
+  /** `<incarnation> <ms>`, TTL the agent's timeout, refreshed every heartbeat (queues/runtime/liveness.ts). */
+  agentAlive(agentId: string): string {
+    const [before, after] = this.agentAliveParts();
+    return `${before}${agentId}${after}`;
+  }
+  /** The text of an `agentAlive` key before and after the agent id (for queues/runtime/lua/agents-live.lua). */
+  agentAliveParts(): [before: string, after: string] {
+    return [`${this.prefix}:agent:`, ':alive'];
+  }
+  /** Why the reaper declared the agent dead (kept 7 days; the agent reads it at its next heartbeat). */
+  agentReaped(agentId: string): string {
+    return `${this.prefix}:agent:${agentId}:reaped`;
+  }
+  /** The models a drained agent saved for its next start (TTL TB_DRAIN_KEEP_S; while it exists, the agent is not reaped). */
+  agentDrained(agentId: string): string {
+    return `${this.prefix}:agent:${agentId}:drained`;
+  }
+  /** Set by `tinker-broker drain` (TTL the drain's timeout); the agent's next heartbeat takes it and drains. */
+  agentDrainRequest(agentId: string): string {
+    return `${this.prefix}:agent:${agentId}:drain-request`;
+  }
+  /**
+   * A client session's record: TTL the retention, restarted by every heartbeat (the SDK sends one
+   * every few seconds while its ServiceClient lives). Its `:models` and `:samplers` sets (what it
+   * created) and `:finish` record (ServiceClient.close) share that lifetime.
+   */
+  session(sessionId: string): string {
+    return `${this.prefix}:session:${sessionId}`;
+  }
+  /** The training models a session created (a set; the session's lifetime, `session`). */
+  sessionModels(sessionId: string): string {
+    return `${this.session(sessionId)}:models`;
+  }
+  /** The sampling sessions a session created (a set; the session's lifetime, `session`). */
+  sessionSamplers(sessionId: string): string {
+    return `${this.session(sessionId)}:samplers`;
+  }
+  /** A session's first finish record, from ServiceClient.close (the session's lifetime, `session`). */
+  sessionFinish(sessionId: string): string {
+    return `${this.session(sessionId)}:finish`;
+  }
+  /**
+   * A tenant's listing of its sessions, models (training runs) or checkpoints (sorted sets by time).
+   * No TTL: session and model entries leave with their record (the listing sweep), checkpoint
+   * entries with the checkpoint's record.
+   */
+  tenantIndex(tenant: string, what: 'sessions' | 'models' | 'ckpts'): string {
+    return `${this.prefix}:tenant:${tenant}:${what}`;
+  }
+  /** Every tenant that has a listing (a set; one member per API key ever used), for the listing sweep. */
+  tenants(): string {
+    return `${this.prefix}:tenants`;
+  }
+  /** The tenant that owns a future, by `request_id` (twice the retention; shortly once its result was read). */
+  futureOwner(requestId: string): string {
+    return `${this.prefix}:future-owner:${requestId}`;
+  }
+  /**
+   * A training model (training run). TTL the retention, restarted by every training op submitted and,
+   * while the model is loaded on a live agent, by that agent's every heartbeat to at least the agent's
+   * timeout (so a model in use never expires, however long it is idle); a drain extends it by
+   * TB_DRAIN_KEEP_S. No TTL while the run has a listed (named) checkpoint: a run is kept as long as a
+   * checkpoint of it is. Its gate's `next` key has the same lifetime.
+   */
+  model(modelId: string): string {
+    return `${this.prefix}:model:${modelId}`;
+  }
+  /** A sampling session: TTL the retention, restarted by every sample request that names it. */
+  samplingSession(id: string): string {
+    return `${this.prefix}:sampler:${id}`;
+  }
+  /** A training model's inflight sampler target (its newest `kind: inflight` save; TTL the retention from that save). */
+  inflight(modelId: string): string {
+    return `${this.prefix}:inflight:${modelId}`;
+  }
+  /** What stable_reinforce needs of one sampled sequence (queues/runtime/stability.ts; one day, restarted by each use). */
+  stability(sequenceId: string): string {
+    return `${this.prefix}:stability:${sequenceId}`;
+  }
+  /** A checkpoint's record: as long as the checkpoint (until deleted or its TTL; unnamed sampler saves: the retention). */
+  checkpoint(tinkerPath: string): string {
+    return `${this.prefix}:ckpt:${tinkerPath}`;
+  }
+  /** A model's checkpoints (sorted set by time); entries leave with the checkpoints' records. */
+  modelCheckpoints(modelId: string): string {
+    return `${this.prefix}:model-ckpts:${modelId}`;
+  }
+  /** Checkpoints with a TTL, by expiry (sorted set); entries leave with the checkpoints' records. */
+  checkpointExpiry(): string {
+    return `${this.prefix}:ckpt-expiry`;
+  }
+  /** One API process's claim on deleting an expired checkpoint (60 s). */
+  checkpointSweepLock(tinkerPath: string): string {
+    return `${this.prefix}:sweep:${tinkerPath}`;
+  }
+  /** copy_weights' `X-Idempotency-Key` → the copy's path (24 h). */
+  copyIdempotency(tenant: string, key: string): string {
+    return `${this.prefix}:idem:copy:${tenant}:${key}`;
+  }
+  /** The secret that signs download URLs (one key, no TTL). */
+  urlSecret(): string {
+    return `${this.prefix}:url-secret`;
+  }
+  /**
+   * Operation metrics (queues/runtime/metrics.ts): fixed-size counters and histograms (no TTL), per-second
+   * token counters (3 minutes), and engine stats per agent (the entry leaves when the agent stops or is reaped).
+   */
+  metrics(...parts: string[]): string {
+    return [this.prefix, 'metrics', ...parts].join(':');
+  }
+
+  // The per-model ordering gate (see queues/runtime/gate.ts).
+  /** The seq_id the gate releases next: the lifetime of the model's record (`model`). */
+  gateNext(modelId: string): string {
+    return `${this.prefix}:gate:${modelId}:next`;
+  }
+  /** Ops admitted ahead of a gap (exists only while one waits; a gap times out after TB_SEQ_GAP_TIMEOUT_S). */
+  gateHeld(modelId: string): string {
+    return `${this.prefix}:gate:${modelId}:held`;
+  }
+  /** Replay digests of a model's recent seq_ids (expire `window` seq_ids back, or with the key's TTL, the retention). */
+  gateDigests(modelId: string): string {
+    return `${this.prefix}:gate:${modelId}:digests`;
+  }
+  /** Job id -> model of every held op (entries leave when released or failed). */
+  gateHeldIndex(): string {
+    return `${this.prefix}:gate:held-index`;
+  }
+  /** Models with ops waiting behind a gap, scored by when the wait times out (entries leave at that deadline). */
+  gateGaps(): string {
+    return `${this.prefix}:gate:gaps`;
+  }
+  /** Each model's last training request (ISO time), shown in listings; a model's field leaves with its record (the listing sweep). */
+  modelLast(): string {
+    return `${this.prefix}:model-last`;
+  }
+  /** A future that failed before its job ran (kept for the retention). */
+  failedFuture(jobId: string): string {
+    return `${this.prefix}:failed-future:${jobId}`;
+  }
+  /** A training op's outcome record (queues/runtime/outcomes.ts; kept for the retention, shortly once read). */
+  outcome(jobId: string): string {
+    const [before, after] = this.outcomeParts();
+    return `${before}${jobId}${after}`;
+  }
+  /** The text of an `outcome` key before and after the job id (for queues/runtime/lua/train-take.lua, which claims it). */
+  outcomeParts(): [before: string, after: string] {
+    return [`${this.prefix}:outcome:`, ''];
+  }
+  /**
+   * Pub/sub channel: the job id of every training op whose outcome became final and of every sample
+   * job that ended, with the final record when it is small (queues/runtime/completions.ts; holds nothing).
+   */
+  outcomesChannel(): string {
+    return `${this.prefix}:outcomes`;
+  }
+}
+
+/** BullMQ job ids may not contain ':'; these are deterministic so a repeated submission is the same job. */
+export const jobIds = {
+  createModel: (modelId: string) => `c-${shortHash(modelId)}`,
+  train: (modelId: string, seqId: number) => `t-${shortHash(modelId)}-${seqId}`,
+  unload: (modelId: string) => `u-${shortHash(modelId)}`,
+  loadOnCreate: (modelId: string) => `l-${shortHash(modelId)}`,
+  sample: (samplingSessionId: string, seqId: number) => `s-${shortHash(samplingSessionId)}-${seqId}`,
+};
+
+/**
+ * The ids the API hands out for what a session creates: its training models (`model_id`,
+ * `<session_id>:train:<model_seq_id>`) and sampling sessions (`<session_id>:sample:<seq_id>`).
+ * Deterministic, so a retried create names the same resource.
+ */
+export const resourceIds = {
+  model: (sessionId: string, modelSeqId: number) => `${sessionId}:train:${modelSeqId}`,
+  samplingSession: (sessionId: string, samplingSessionSeqId: number) => `${sessionId}:sample:${samplingSessionSeqId}`,
+};

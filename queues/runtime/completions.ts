@@ -1,0 +1,262 @@
+import type { Redis } from 'ioredis';
+import type { Failure } from '../contract/errors.js';
+import type { FutureRef } from '../contract/futures.js';
+import type { Names } from '../contract/names.js';
+import type { Outcome } from './outcomes.js';
+
+/**
+ * Completion signals, so a waiting `retrieve_future` answers the moment its op finishes, never by
+ * polling. Both come on one channel per deployment (`Names.outcomesChannel`), to which each API
+ * process holds one subscriber connection, as `<job id>` or `<job id> <final record>`:
+ * - a training op's outcome becoming final is published by the script that records it
+ *   (queues/runtime/lua/outcome-finish.lua), with the final record itself when it is small;
+ * - a sample's end is published by the agent once BullMQ has recorded it (`sampleEndSignal`, in
+ *   the transaction that records the job's metrics), with its result or failure when small.
+ * The waiter answers from a record without reading it back. A waiter is registered before the
+ * caller reads the state, so a signal sent between the two is not lost.
+ *
+ * When the agent runs in the same process as the API (`tinker-broker start`), whoever sends a signal
+ * also hands it to this process's waiters at once: the answer does not wait for the message to come
+ * back from Redis on the subscriber connection. A sample's end is handed over once BullMQ has
+ * recorded it (`signalLocally`); a training op's outcome, by the agent that ran it, just before its
+ * record is sent to Redis (`handOverLocally`, queues/runtime/outcomes.ts Outcomes.finish with `early`): the
+ * waiter answers, then the script records it and applies the read-once expiry the waiter registered
+ * (`watch`), so a record read leaves Redis as it would after a read back. The message still goes to
+ * Redis for every other API process; a waiter woken twice answers once.
+ */
+
+/** The keys a future's read leaves Redis by, within `ms` (its read-once expiry, api/futures.ts). */
+export type ReadOnceExpiry = { keys: string[]; ms: number };
+
+/**
+ * What wakes a waiter: the final record when the signal carried it (as JSON, or, handed over in this
+ * process, the record itself), and whether its sender applies the waiter's read-once expiry.
+ */
+export type Wake = { record?: string | Outcome; expiryTaken: boolean };
+
+/**
+ * A final record up to this size travels in its completion signal (queues/runtime/lua/outcome-finish.lua,
+ * `sampleEndSignal`), so a waiting retrieve_future answers without reading it back; a larger one is
+ * read from Redis.
+ */
+export const SIGNALLED_RECORD_MAX_BYTES = 64 * 1024;
+
+/** How a sample job ended, as its completion signal carries it. */
+export type SampleEnd = { state: 'done'; result: unknown } | ({ state: 'failed' } & Failure);
+
+/**
+ * The channel and message that signal a sample job's end: the end as a final record of the
+ * outcome's shape (queues/runtime/outcomes.ts; not stored anywhere) when it is at most
+ * SIGNALLED_RECORD_MAX_BYTES, else the job id alone (the waiter then reads the finished job).
+ * Send it after the job's end is recorded in Redis.
+ */
+export function sampleEndSignal(names: Names, jobId: string, agentId: string, end: SampleEnd): [channel: string, message: string] {
+  const record: Outcome = { ...end, op: 'sample', agent_id: agentId, token: jobId, at: new Date().toISOString() };
+  return [names.outcomesChannel(), signalMessage(jobId, JSON.stringify(record))];
+}
+
+/** A signal's message: the job id and the final record when the record is at most SIGNALLED_RECORD_MAX_BYTES, else the job id alone. */
+export function signalMessage(jobId: string, recordJson: string): string {
+  const small = recordJson.length <= SIGNALLED_RECORD_MAX_BYTES && Buffer.byteLength(recordJson) <= SIGNALLED_RECORD_MAX_BYTES;
+  return small ? `${jobId} ${recordJson}` : jobId;
+}
+
+/** This process's subscribed Completions, by channel (a deployment's prefix; tests run several in one process). */
+const local = new Map<string, Set<Completions>>();
+
+/**
+ * Hands a completion signal (`<job id>` or `<job id> <final record>`, as published) to the waiters
+ * of this process on `channel`. Call it once the end is recorded in Redis, beside the publish.
+ */
+export function signalLocally(channel: string, message: string): void {
+  for (const c of local.get(channel) ?? []) c.deliver(message);
+}
+
+/**
+ * Training ops that an agent of this process runs and will hand over (handOverLocally) when it ends
+ * them: a submit here handed the op's job to its consumer here (queues/runtime/train-consumer.ts handOff).
+ * By `<channel> <job id>`, the tenant the future was issued to. A retrieve_future here for such an
+ * op waits for the hand-over without reading Redis (api/futures.ts): the agent ends every op it
+ * runs with one (a failure too), or lets it go (handOverDone). As for any early hand-over, the
+ * answer is what ran, even in the rare case that a reaper elsewhere counted this process's agent
+ * dead meanwhile and failed the op in Redis.
+ */
+const expected = new Map<string, string>();
+
+/** An op this process's agent now runs, submitted by `tenant` through this process. */
+export function expectHandOver(channel: string, jobId: string, tenant: string): void {
+  expected.set(`${channel} ${jobId}`, tenant);
+}
+
+/** The tenant of an op this process's agent runs and will hand over, if it is one. */
+export function handOverExpected(channel: string, jobId: string): string | undefined {
+  return expected.get(`${channel} ${jobId}`);
+}
+
+/**
+ * The agent is done with the op (its consumer let the job go): when it was not handed over (not run,
+ * or ended without an early record), the waiters here are woken without a record, to read Redis.
+ */
+export function handOverDone(channel: string, jobId: string): void {
+  if (!expected.delete(`${channel} ${jobId}`)) return;
+  for (const c of local.get(channel) ?? []) c.wakeAll(jobId);
+}
+
+/**
+ * Hands a training op's final record to the waiters of this process on `channel` before it is
+ * recorded (queues/runtime/outcomes.ts Outcomes.finish, early): how many it woke, the read-once expiries
+ * they registered, for the script that records it to apply, how many subscriptions of this
+ * process it went through (the script sends no message when they are the channel's only ones), and
+ * the tenant its future was issued to when a submit here handed the op to this process's agent.
+ */
+export function handOverLocally(
+  channel: string,
+  jobId: string,
+  record: Outcome,
+): { woken: number; ownerWoken: boolean; expiries: ReadOnceExpiry[]; subscriptions: number; tenant: string | undefined } {
+  const key = `${channel} ${jobId}`;
+  const tenant = expected.get(key);
+  expected.delete(key);
+  const expiries: ReadOnceExpiry[] = [];
+  let woken = 0;
+  let owners = 0;
+  const mine = local.get(channel) ?? new Set();
+  for (const c of mine) {
+    const n = c.wakeAll(jobId, record, expiries, tenant);
+    woken += n.woken;
+    owners += n.owners;
+  }
+  return { woken, ownerWoken: owners > 0, expiries, subscriptions: mine.size, tenant };
+}
+
+/**
+ * Final records of ops that this process's agent ran for a submit here and handed over while no
+ * waiter here waited for them: the client's retrieve_future usually comes a moment later (the SDK
+ * asks for the result after its submit's answer, and a short op ends first) and answers from here
+ * without reading Redis (`takeKept`). Kept from the hand-over, while the record is on its way to
+ * Redis (`written` settles once the script that records it has answered; a read-once expiry goes
+ * after it), until the first read, for at most KEPT_RECORD_MS; the newest KEPT_RECORDS_MAX of them,
+ * each small enough to travel in a completion signal (a larger one is read from Redis). A record
+ * that lost to another one standing in Redis (the reaper's OUTCOME_UNKNOWN) is no longer kept once
+ * that is known (`dropKept`): a read before that answers what ran, as a waiter handed it does. By
+ * `<channel> <job id>`, in the order kept.
+ */
+const kept = new Map<string, { tenant: string; record: Outcome; written: Promise<void>; until: number }>();
+export const KEPT_RECORD_MS = 10_000;
+export const KEPT_RECORDS_MAX = 256;
+
+/** Keeps a record handed over with no one waiting for the first read of its future here, by `tenant` (Outcomes.finish). */
+export function keepHandedOver(channel: string, jobId: string, tenant: string, record: Outcome, written: Promise<void>, now = Date.now()): void {
+  const key = `${channel} ${jobId}`;
+  kept.delete(key);
+  kept.set(key, { tenant, record, written, until: now + KEPT_RECORD_MS });
+  for (const [k, v] of kept) {
+    if (kept.size <= KEPT_RECORDS_MAX && v.until > now) break;
+    kept.delete(k);
+  }
+}
+
+/** The record is not kept any longer (another record stands in Redis). */
+export function dropKept(channel: string, jobId: string): void {
+  kept.delete(`${channel} ${jobId}`);
+}
+
+/**
+ * The record kept for the op's first read, when `tenant` is the one its future was issued to (it is
+ * then no longer kept), with `written`, which settles once the script writing it to Redis has answered.
+ */
+export function takeKept(channel: string, jobId: string, tenant: string, now = Date.now()): { record: Outcome; written: Promise<void> } | undefined {
+  const key = `${channel} ${jobId}`;
+  const k = kept.get(key);
+  if (!k || k.tenant !== tenant) return undefined;
+  kept.delete(key);
+  return k.until > now ? { record: k.record, written: k.written } : undefined;
+}
+
+export class Completions {
+  private subscriber: Promise<Redis> | null = null;
+  private readonly waiters = new Map<string, Set<{ wake: (w: Wake) => void; expiry?: ReadOnceExpiry | undefined; tenant: string }>>();
+
+  constructor(
+    private readonly blockingConnection: () => Redis,
+    private readonly names: Names,
+  ) {}
+
+  /** A signal's message: '<job id>' or '<job id> <final outcome record>' (job ids hold no space). */
+  deliver(msg: string): void {
+    const sp = msg.indexOf(' ');
+    if (sp === -1) this.wakeAll(msg);
+    else this.wakeAll(msg.slice(0, sp), msg.slice(sp + 1));
+  }
+
+  /**
+   * Wakes the job's waiters and returns how many; with `expiries` (handOverLocally) each one woken
+   * with a record adds its read-once expiry.
+   */
+  wakeAll(jobId: string, record?: string | Outcome, expiries?: ReadOnceExpiry[], owner?: string): { woken: number; owners: number } {
+    const set = this.waiters.get(jobId) ?? new Set();
+    let owners = 0;
+    for (const w of set) {
+      const taken = expiries !== undefined && record !== undefined && w.expiry !== undefined;
+      if (taken) expiries.push(w.expiry!);
+      if (w.tenant === owner) owners++;
+      w.wake({ ...(record !== undefined ? { record } : {}), expiryTaken: taken });
+    }
+    return { woken: set.size, owners };
+  }
+
+  private subscribe(): Promise<Redis> {
+    if (!this.subscriber) {
+      const p = (async () => {
+        const c = this.blockingConnection();
+        c.on('message', (_channel: string, msg: string) => this.deliver(msg));
+        const channel = this.names.outcomesChannel();
+        await c.subscribe(channel);
+        const mine = local.get(channel) ?? new Set();
+        mine.add(this);
+        local.set(channel, mine);
+        return c;
+      })();
+      this.subscriber = p;
+      // A subscription that failed is dropped, so the next wait tries again.
+      p.catch(() => (this.subscriber = null));
+    }
+    return this.subscriber;
+  }
+
+  /**
+   * Registers a waiter for the job's end; `woken` resolves on its signal, with the final record
+   * (JSON) when the signal carried it. Resolves once the signal can no longer be missed (read the
+   * state after this), for `tenant`, the one whose retrieve_future it is. `owns(expiry)`, once that
+   * read found the future pending for `tenant` (so issued to it): the read-once expiry an early
+   * signal's sender applies for this waiter from then on (`expiryTaken`). A waiter that never owns
+   * one (another tenant's, whose read answers unknown) leaves the record's lifetime as it is.
+   * `cancel` removes the waiter.
+   */
+  async watch(ref: FutureRef, tenant: string): Promise<{ woken: Promise<Wake>; owns: (expiry: ReadOnceExpiry | undefined) => void; cancel: () => void }> {
+    await this.subscribe();
+    let wake!: (w: Wake) => void;
+    const woken = new Promise<Wake>((resolve) => (wake = resolve));
+    const set = this.waiters.get(ref.jobId) ?? new Set();
+    const w: { wake: (w: Wake) => void; expiry?: ReadOnceExpiry | undefined; tenant: string } = { wake, tenant };
+    set.add(w);
+    this.waiters.set(ref.jobId, set);
+    return {
+      woken,
+      owns: (expiry) => (w.expiry = expiry),
+      cancel: () => {
+        set.delete(w);
+        if (set.size === 0 && this.waiters.get(ref.jobId) === set) this.waiters.delete(ref.jobId);
+      },
+    };
+  }
+
+  async close(): Promise<void> {
+    const sub = this.subscriber;
+    this.subscriber = null;
+    const channel = this.names.outcomesChannel();
+    local.get(channel)?.delete(this);
+    if (local.get(channel)?.size === 0) local.delete(channel);
+    if (sub) await sub.then((c) => c.unsubscribe().catch(() => undefined)).catch(() => undefined);
+  }
+}

@@ -1,0 +1,37 @@
+--[[
+  Everything a training op's future depends on, read in one round trip (api/futures.ts), for the
+  tenant that asks: a future issued to another tenant (or to none) reads as unknown and is left as
+  it is. A final outcome, once read, leaves Redis soon with the op's job and the owner record,
+  unless `keep` (create_model's: its job id makes it idempotent).
+
+  KEYS[1] the outcome record      KEYS[2] the op's BullMQ job     KEYS[3] the future's owner record
+  KEYS[4] the failed-future record KEYS[5] the gate's held-index  KEYS[6] the agent's reaped marker
+  ARGV[1] job id   ARGV[2] ms to keep a read outcome   ARGV[3] '1' = keep for the retention
+  ARGV[4] the asking tenant
+
+  Returns 0 when the future is not the tenant's, else
+          { outcome | false, failed-future | false, held model | false, job name (its op) | false,
+            job finishedOn | false, job failedReason | false, reaped marker | false }.
+]]
+local owner = redis.call('GET', KEYS[3])
+if not owner or owner == '' or owner ~= ARGV[4] then return 0 end
+local o = redis.call('GET', KEYS[1])
+if o then
+  -- Records are written with `state` first (queues/runtime/outcomes.ts).
+  if string.sub(o, 1, 18) ~= '{"state":"running"' then
+    if ARGV[3] ~= '1' then
+      for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[2], 'LT') end
+    end
+    return { o, false, false, false, false, false, false }
+  end
+end
+local job = redis.call('HMGET', KEYS[2], 'name', 'finishedOn', 'failedReason')
+return {
+  o or false,
+  redis.call('GET', KEYS[4]) or false,
+  redis.call('HGET', KEYS[5], ARGV[1]) or false,
+  job[1] or false,
+  job[2] or false,
+  job[3] or false,
+  redis.call('GET', KEYS[6]) or false,
+}
