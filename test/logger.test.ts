@@ -4,7 +4,7 @@ import { expect } from 'chai';
 /** queues/infra/logger.ts as an operator configures it: TB_LOG_FORMAT and TB_LOG_LEVEL, read at process start. */
 function logLines(env: Record<string, string>): string[] {
   const code = [
-    "import { logger } from './queues/logger.ts';",
+    "import { logger } from './queues/infra/logger.ts';",
     "const log = logger.child({ agentId: 'gpu0' });",
     "log.debug('job done', { queue: 'train-gpu0', jobId: 't-1-2', op: 'forward_backward', modelId: 'm-1', ms: 12 });",
     "log.warn('job failed', { queue: 'train-gpu0', jobId: 't-1-3', op: 'optim_step', modelId: 'm-1', error: 'a \"quoted\" reason' });",
