@@ -9,6 +9,7 @@ import { jobIds, resourceIds } from '../../queues/contract/names.js';
 import type { ModelRecord } from '../../queues/registry/models.js';
 import type { TrainJob } from '../../queues/contract/schemas.js';
 import type { ApiContext } from '../context.js';
+import { ensureRoom } from '../quotas.js';
 import type { DirectRoutes } from '../direct.js';
 import {
   CreateViaLoadBody,
@@ -156,13 +157,17 @@ export function trainingRoutes(ctx: ApiContext, direct: DirectRoutes): Router {
 
   r.post(
     '/save_weights_for_sampler',
-    orderedOp(ctx, json(SaveWeightsForSamplerBody, 'save_weights_for_sampler'), (b, model) => {
+    orderedOp(ctx, json(SaveWeightsForSamplerBody, 'save_weights_for_sampler'), async (b, model, req) => {
       const named = (b.path ?? null) !== null;
+      const to = savePath(ctx, model, 'sampler_weights', named ? b.path! : `ephemeral-${b.seq_id}`);
+      await ensureRoom(ctx, req, 'ckpts', () => ctx.registry.checkpoints.hasRecord(to.tinker_path));
+      // An unnamed save makes a sampling session too.
+      if (!named) await ensureRoom(ctx, req, 'samplers');
       return {
         op: 'save_weights_for_sampler',
         model_id: model.model_id,
         seq_id: b.seq_id,
-        ...savePath(ctx, model, 'sampler_weights', named ? b.path! : `ephemeral-${b.seq_id}`),
+        ...to,
         sampling_session_id: named ? null : resourceIds.samplingSession(model.session_id, b.sampling_session_seq_id!),
         kind: b.kind,
         ttl_seconds: b.ttl_seconds ?? null,
@@ -174,9 +179,10 @@ export function trainingRoutes(ctx: ApiContext, direct: DirectRoutes): Router {
   // save_state / save_weights: adapter and optimizer as tinker://<model_id>/weights/<name>.
   r.post(
     '/save_weights',
-    orderedOp(ctx, json(SaveWeightsBody, 'save_weights'), async (b, model) => {
+    orderedOp(ctx, json(SaveWeightsBody, 'save_weights'), async (b, model, req) => {
       const to = savePath(ctx, model, 'weights', b.path);
       await assertSaveAllowed(ctx.registry.checkpoints, { type: 'training', tinker_path: to.tinker_path, overwrite: b.overwrite });
+      await ensureRoom(ctx, req, 'ckpts', () => ctx.registry.checkpoints.hasRecord(to.tinker_path));
       return {
         op: 'save_weights',
         model_id: model.model_id,
@@ -216,9 +222,10 @@ export function trainingRoutes(ctx: ApiContext, direct: DirectRoutes): Router {
         }
         return b;
       },
-      async (b, model) => {
+      async (b, model, req) => {
         const to = savePath(ctx, model, 'external_weights', b.path);
         await assertSaveAllowed(ctx.registry.checkpoints, { type: 'external', tinker_path: to.tinker_path });
+        await ensureRoom(ctx, req, 'ckpts');
         return {
           op: 'save_weights_external',
           model_id: model.model_id,

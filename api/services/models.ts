@@ -7,6 +7,7 @@ import type { ModelRecord } from '../../queues/registry/models.js';
 import type { CreateModelJob, LoraConfig, TrainJob } from '../../queues/contract/schemas.js';
 import { tenantOf } from '../auth.js';
 import type { ApiContext } from '../context.js';
+import { ensureRoom } from '../quotas.js';
 import { issueFuture, requireSession } from '../tenants.js';
 import { checkpointView, loadableCheckpoint } from './checkpoints.js';
 
@@ -78,6 +79,7 @@ export async function createModel(
   if (body.lora.rank > model.lora_max_rank)
     throw invalid(`LoRA rank ${body.lora.rank} exceeds the largest rank served for '${body.base_model}' (${model.lora_max_rank})`);
   const modelId = resourceIds.model(body.session_id, body.model_seq_id);
+  await ensureRoom(ctx, req, 'models', async () => (await ctx.registry.models.get(modelId)) !== null);
   const rec = await placeModel(ctx, { modelId, sessionId: body.session_id, baseModel: model.name, lora: body.lora, tenant: tenantOf(req) });
   return { request_id: await enqueue(ctx, req, rec, jobIds.createModel(modelId), createJob(rec)), model_id: modelId };
 }
@@ -101,6 +103,7 @@ export async function createModelFromCheckpoint(
     if (model.name !== c.base_model) throw invalid(`checkpoint ${body.path} is of base model ${c.base_model}, not ${body.base_model}`);
   }
   const modelId = resourceIds.model(body.session_id, body.model_seq_id);
+  await ensureRoom(ctx, req, 'models', async () => (await ctx.registry.models.get(modelId)) !== null);
   const rec = await placeModel(ctx, { modelId, sessionId: body.session_id, baseModel: c.base_model, lora: c.lora, tenant: tenantOf(req) });
   await ctx.queues.addTrain(rec.train_queue, jobIds.createModel(modelId), createJob(rec));
   const load: TrainJob = { op: 'load_weights', model_id: modelId, seq_id: 0, tinker_path: c.tinker_path, dir: c.dir, optimizer: body.optimizer };

@@ -10,6 +10,7 @@ import type { SamplingSessionRecord } from '../../queues/registry/samplers.js';
 import type { SampleJob, SamplingParams } from '../../queues/contract/schemas.js';
 import { tenantOf } from '../auth.js';
 import type { ApiContext } from '../context.js';
+import { ensureRoom } from '../quotas.js';
 import type { CreateSamplingSessionBody, SampleBody, SamplingParamsBody } from '../http-schemas.js';
 import { issueFuture, requireSamplingSession, requireSession } from '../tenants.js';
 import { samplerWeights } from './checkpoints.js';
@@ -36,6 +37,7 @@ export async function createSamplingSession(ctx: ApiContext, req: Request, body:
   await requireSession(ctx, req, body.session_id);
   const target = await resolveTarget(ctx, req, body.base_model, body.model_path);
   const id = resourceIds.samplingSession(body.session_id, body.sampling_session_seq_id);
+  await ensureRoom(ctx, req, 'samplers', async () => (await ctx.registry.samplers.get(id)) !== null);
   await ctx.registry.samplers.put({ sampling_session_id: id, session_id: body.session_id, ...target, tenant: tenantOf(req) }, ctx.config.retentionS);
   await ctx.registry.samplers.index(body.session_id, id, ctx.config.retentionS);
   return id;

@@ -3,6 +3,7 @@ import type { Request } from 'express';
 import { BrokerError } from '../../queues/contract/errors.js';
 import { tenantOf } from '../auth.js';
 import type { ApiContext } from '../context.js';
+import { ensureRoom } from '../quotas.js';
 import { requireSession, unknownSession } from '../tenants.js';
 
 /**
@@ -16,6 +17,7 @@ export async function createSession(
   req: Request,
   info: { tags: string[]; user_metadata?: Record<string, unknown>; sdk_version?: string | null; project_id?: string | null },
 ): Promise<string> {
+  await ensureRoom(ctx, req, 'sessions');
   const sessionId = randomUUID();
   await ctx.registry.sessions.create(sessionId, tenantOf(req), info, ctx.config.retentionS);
   return sessionId;

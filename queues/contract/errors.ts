@@ -19,6 +19,11 @@ export const ERROR_CODES = {
   CONFLICT: { status: 409, category: 'user' },
   /** The session has finished (ServiceClient.close): its heartbeats stop. */
   GONE: { status: 410, category: 'user' },
+  /**
+   * The tenant holds as many sessions, models, sampling sessions or checkpoints as it may
+   * (TB_TENANT_MAX_*). Not retried by the SDK: room comes back when records expire or are deleted.
+   */
+  QUOTA_EXCEEDED: { status: 403, category: 'user' },
   /** A bound was reached (queued samples); retry after `Retry-After`. */
   OVERLOADED: { status: 429, category: 'server' },
   /**

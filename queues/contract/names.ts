@@ -15,6 +15,9 @@ export function shortHash(s: string, n = 16): string {
  * (agents, the models loaded on them) or by what the user chose to keep (named checkpoints, whose
  * files are on disk). `test/lifetimes.test.ts` checks this; `bench/redis-memory.ts` measures it.
  */
+/** What a tenant's listings hold: its sessions, models (training runs), sampling sessions and checkpoints. */
+export type TenantListing = 'sessions' | 'models' | 'samplers' | 'ckpts';
+
 export class Names {
   constructor(readonly prefix: string) {}
 
@@ -86,11 +89,12 @@ export class Names {
     return `${this.session(sessionId)}:finish`;
   }
   /**
-   * A tenant's listing of its sessions, models (training runs) or checkpoints (sorted sets by time).
-   * No TTL: session and model entries leave with their record (the listing sweep), checkpoint
-   * entries with the checkpoint's record.
+   * A tenant's listing of its sessions, models (training runs), sampling sessions or checkpoints
+   * (sorted sets by time). No TTL: session, model and sampling-session entries leave with their
+   * record (the listing sweep), checkpoint entries with the checkpoint's record. The tenant quotas
+   * (api/quotas.ts) count them.
    */
-  tenantIndex(tenant: string, what: 'sessions' | 'models' | 'ckpts'): string {
+  tenantIndex(tenant: string, what: TenantListing): string {
     return `${this.prefix}:tenant:${tenant}:${what}`;
   }
   /** Every tenant that has a listing (a set; one member per API key ever used), for the listing sweep. */

@@ -24,9 +24,15 @@ export const InflightTarget = z.object({ model_path: z.string(), adapter_dir: z.
 export type InflightTarget = z.infer<typeof InflightTarget>;
 
 export class SamplerRegistry extends RedisRegistry {
-  /** Stores the record (for `ttlS`) unless one exists; returns the stored one (a retried create names the same session). */
+  /**
+   * Stores the record (for `ttlS`) unless one exists, and lists it under its tenant (for the quota;
+   * the listing sweep drops it once the record expires); returns the stored one (a retried create
+   * names the same session).
+   */
   async put(rec: SamplingSessionRecord, ttlS: number): Promise<SamplingSessionRecord> {
-    return this.putJsonIfAbsent(this.names.samplingSession(rec.sampling_session_id), rec, ttlS, SamplingSessionRecord);
+    const stored = await this.putJsonIfAbsent(this.names.samplingSession(rec.sampling_session_id), rec, ttlS, SamplingSessionRecord);
+    if (stored.tenant) await this.redis.multi().zadd(this.names.tenantIndex(stored.tenant, 'samplers'), 'NX', Date.now(), stored.sampling_session_id).sadd(this.names.tenants(), stored.tenant).exec();
+    return stored;
   }
   async get(id: string): Promise<SamplingSessionRecord | null> {
     return this.getJson(this.names.samplingSession(id), SamplingSessionRecord);
