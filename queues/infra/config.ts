@@ -90,6 +90,14 @@ const ApiEnv = CommonEnv.extend({
   TB_RESULT_TTL_AFTER_READ_S: z.coerce.number().int().positive().default(300),
   /** Largest forward_backward body, in MiB (the SDK sends chunks of about 5 MB; one datum of a 128k context with (N, 20) targets is about 31 MB). @defaultValue 64 */
   TB_MAX_TRAIN_BODY_MB: z.coerce.number().int().positive().default(64),
+  /** Most sessions one API key holds (finished ones count until they expire). @defaultValue 2000 */
+  TB_TENANT_MAX_SESSIONS: z.coerce.number().int().positive().default(2_000),
+  /** Most training models (training runs) one API key holds, lost ones included until they expire. @defaultValue 1000 */
+  TB_TENANT_MAX_MODELS: z.coerce.number().int().positive().default(1_000),
+  /** Most sampling sessions one API key holds (an RL loop makes one per sampler version). @defaultValue 100000 */
+  TB_TENANT_MAX_SAMPLING_SESSIONS: z.coerce.number().int().positive().default(100_000),
+  /** Most checkpoints (training state, sampler weights, external weights) one API key holds. @defaultValue 100000 */
+  TB_TENANT_MAX_CHECKPOINTS: z.coerce.number().int().positive().default(100_000),
 });
 
 const AgentEnv = CommonEnv.extend({
@@ -175,7 +183,12 @@ export type ApiConfig = {
   maxTrainBodyMb?: number | undefined;
   /** Keys of the /admin dashboard; unset: the API key when there is exactly one. */
   adminKeys?: string[] | undefined;
+  /** What one API key may hold at once (TB_TENANT_MAX_*); unset: the defaults (api/quotas.ts). */
+  tenantMax?: Partial<TenantMax> | undefined;
 };
+
+/** The tenant quotas: the most records of each kind one API key holds. */
+export type TenantMax = { sessions: number; models: number; samplers: number; ckpts: number };
 
 export type BaseModelSpec = {
   /** Canonical name: the absolute path of the model directory. */
@@ -305,6 +318,7 @@ export function loadApiConfig(env: NodeJS.ProcessEnv = process.env, defaults: En
     resultTtlAfterReadS: e.TB_RESULT_TTL_AFTER_READ_S,
     maxTrainBodyMb: e.TB_MAX_TRAIN_BODY_MB,
     adminKeys: e.TB_ADMIN_KEYS?.length ? e.TB_ADMIN_KEYS : undefined,
+    tenantMax: { sessions: e.TB_TENANT_MAX_SESSIONS, models: e.TB_TENANT_MAX_MODELS, samplers: e.TB_TENANT_MAX_SAMPLING_SESSIONS, ckpts: e.TB_TENANT_MAX_CHECKPOINTS },
   };
 }
 
