@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from typing import Any
 
+import torch
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import save_file
 
@@ -34,22 +35,33 @@ def _normalise_config(path: str) -> None:
         f.write("\n")
 
 
-def write_adapter_files(model: TrainingModel, directory: str) -> int:
-    """Write ``ADAPTER_FILES`` straight into the existing ``directory``; returns their total bytes.
-
-    The caller makes this atomic (a temporary directory renamed into place).
-    """
+def capture_adapter(model: TrainingModel) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The adapter's PEFT config (for this base, inference mode) and a CPU copy of its LoRA tensors,
+    owned by the caller: later training steps do not change them."""
     base = model.base
     assert base.peft is not None
     config = copy.deepcopy(base.peft.peft_config[model.adapter])
     config.base_model_name_or_path = base.path
     config.inference_mode = True
     state = get_peft_model_state_dict(base.peft, adapter_name=model.adapter, save_embedding_layers=False)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in sorted(state.items())}
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sorted(state.items())}
+    return config, tensors
+
+
+def write_captured_adapter(config: Any, tensors: dict[str, torch.Tensor], directory: str) -> int:
+    """Write ``ADAPTER_FILES`` of a captured adapter into the existing ``directory``; returns their bytes."""
     config.save_pretrained(directory)
     _normalise_config(os.path.join(directory, "adapter_config.json"))
     save_file(tensors, os.path.join(directory, "adapter_model.safetensors"), metadata={"format": "pt"})
     return sum(os.path.getsize(os.path.join(directory, fname)) for fname in ADAPTER_FILES)
+
+
+def write_adapter_files(model: TrainingModel, directory: str) -> int:
+    """Write ``ADAPTER_FILES`` straight into the existing ``directory``; returns their total bytes.
+
+    The caller makes this atomic (a temporary directory renamed into place).
+    """
+    return write_captured_adapter(*capture_adapter(model), directory)
 
 
 def write_adapter(model: TrainingModel, directory: str) -> int:

@@ -30,6 +30,7 @@ import os
 import secrets
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from .errors import UserError
 from .flat import MOMENTS  # re-exported: the AdamW moments a checkpoint holds (the verl engine reads it here)
 from .models import ADAPTER_FILES, Registry, TrainingModel
 from .params import get_bool, get_str
-from .save import write_adapter_files
+from .save import capture_adapter, write_captured_adapter
 
 STATE_FORMAT = 1
 STATE_FILE = "tinker_state.json"
@@ -77,8 +78,8 @@ def _describe_lora(lora: dict[str, Any]) -> str:
 
 
 def _optimizer_payload(model: TrainingModel) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The AdamW state as (tensors, json), per parameter as separate tensors would have it; a model
-    that never stepped gives an empty state."""
+    """The AdamW state as (tensors, json), per parameter as separate tensors would have it, copied
+    (later steps do not change it); a model that never stepped gives an empty state."""
     tensors: dict[str, torch.Tensor] = {}
     steps: dict[str, float] = {}
     hyper: dict[str, Any] | None = None
@@ -94,7 +95,7 @@ def _optimizer_payload(model: TrainingModel) -> tuple[dict[str, torch.Tensor], d
                 continue
             steps[key] = float(st["step"])
             for moment in MOMENTS:
-                tensors[f"{moment}/{key}"] = st[moment].detach().to("cpu", torch.float32).contiguous()
+                tensors[f"{moment}/{key}"] = st[moment].detach().to("cpu", torch.float32, copy=True).contiguous()
     meta = {"format": STATE_FORMAT, "optimizer": "adamw", "hyperparameters": hyper, "step": steps}
     return tensors, meta
 
@@ -137,25 +138,48 @@ def save_state_target(args: dict[str, Any]) -> tuple[str, bool]:
     return path, with_optimizer
 
 
-def save_state(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
-    model = registry.model(get_str(args, "model_id"))
-    path, with_optimizer = save_state_target(args)
+@dataclass
+class CapturedState:
+    """A model's training state copied to CPU memory: what ``write_state`` puts on disk. Later
+    training steps do not change it, so it can be written while the model trains on."""
+
+    adapter_config: Any
+    adapter_tensors: dict[str, torch.Tensor]
+    state_json: dict[str, Any]
+    optimizer: tuple[dict[str, torch.Tensor], dict[str, Any]] | None
+    gradients: dict[str, torch.Tensor] | None
+
+
+def capture_state(model: TrainingModel, with_optimizer: bool, gradients: bool = False) -> CapturedState:
+    config, tensors = capture_adapter(model)
+    optimizer = None
+    if with_optimizer:
+        optimizer = _optimizer_payload(model)
+    grads = None
+    if gradients:
+        grads = {key: p.grad.detach().to("cpu", torch.float32, copy=True).contiguous()
+                 for key, p in _keyed_params(model).items()} if model.flat.pending else {}
+    state_json = {"format": STATE_FORMAT, "base_model": model.base.name, "lora": _lora_json(model),
+                  "has_optimizer": with_optimizer}
+    return CapturedState(config, tensors, state_json, optimizer, grads)
+
+
+def write_state(captured: CapturedState, path: str) -> int:
+    """Write a captured state as a checkpoint at ``path``, atomically: everything goes into
+    ``<path>.tmp-<random>`` (files fsynced), which is renamed to ``path``. Returns its bytes.
+    ``path`` must not exist."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{secrets.token_hex(6)}"
     os.mkdir(tmp)
     try:
-        write_adapter_files(model, tmp)
-        if with_optimizer:
-            tensors, meta = _optimizer_payload(model)
+        write_captured_adapter(captured.adapter_config, captured.adapter_tensors, tmp)
+        if captured.optimizer is not None:
+            tensors, meta = captured.optimizer
             save_file(tensors, os.path.join(tmp, OPTIMIZER_TENSORS), metadata={"format": "pt"})
             _write_json(os.path.join(tmp, OPTIMIZER_META), meta)
-        if get_bool(args, "gradients", default=False):
-            grads = {key: p.grad.detach().to("cpu", torch.float32).contiguous()
-                     for key, p in _keyed_params(model).items()} if model.flat.pending else {}
-            save_file(grads, os.path.join(tmp, GRADIENTS), metadata={"format": "pt"})
-        _write_json(os.path.join(tmp, STATE_FILE), {
-            "format": STATE_FORMAT, "base_model": model.base.name, "lora": _lora_json(model),
-            "has_optimizer": with_optimizer})
+        if captured.gradients is not None:
+            save_file(captured.gradients, os.path.join(tmp, GRADIENTS), metadata={"format": "pt"})
+        _write_json(os.path.join(tmp, STATE_FILE), captured.state_json)
         size = sum(os.path.getsize(os.path.join(tmp, fname)) for fname in os.listdir(tmp))
         _fsync_dir_tree(tmp)
         if os.path.lexists(path):  # created meanwhile; os.rename would replace an empty directory
@@ -165,6 +189,13 @@ def save_state(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _fsync_path(os.path.dirname(path))
+    return size
+
+
+def save_state(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
+    model = registry.model(get_str(args, "model_id"))
+    path, with_optimizer = save_state_target(args)
+    size = write_state(capture_state(model, with_optimizer, get_bool(args, "gradients", default=False)), path)
     return {"dir": get_str(args, "dir"), "size_bytes": size}
 
 
