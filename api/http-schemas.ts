@@ -1,5 +1,6 @@
 import { z } from 'zod';
 import { invalid } from '../queues/contract/errors.js';
+import { AdamParams, SamplingParams } from '../queues/contract/params.js';
 
 /**
  * Request bodies of the Tinker HTTP API (SDK 0.38), as the SDK sends them. Unknown fields
@@ -72,21 +73,12 @@ export const CreateModelBody = z.object({
 
 export const ModelIdBody = z.object({ model_id: id });
 
-const AdamParamsBody = z.object({
-  learning_rate: z.number().finite().nonnegative().default(1e-4),
-  beta1: z.number().min(0).lt(1).default(0.9),
-  beta2: z.number().min(0).lt(1).default(0.95),
-  eps: z.number().finite().nonnegative().default(1e-12),
-  weight_decay: z.number().finite().nonnegative().default(0),
-  grad_clip_norm: z.number().finite().nonnegative().default(0),
-});
-
 export const OptimStepBody = z
   .object({
     model_id: id,
     seq_id: z.number().int().positive(),
-    adam_params: AdamParamsBody.optional(),
-    optim_params: AdamParamsBody.optional(),
+    adam_params: AdamParams.optional(),
+    optim_params: AdamParams.optional(),
     optimizer_params: z.object({ type: z.string() }).passthrough().optional(),
   })
   .superRefine((b, ctx) => {
@@ -194,13 +186,17 @@ const EncodedTextChunk = z.object({ type: z.literal('encoded_text').default('enc
 const OtherChunk = z.object({ type: z.enum(['image', 'image_asset_pointer', 'dmel']) }).passthrough();
 export const ModelInputBody = z.object({ chunks: z.array(z.union([EncodedTextChunk, OtherChunk])) });
 
+/**
+ * The SDK's SamplingParams: the job's fields (queues/contract/params.ts) with their bounds and
+ * defaults, `max_tokens: null` meaning the default, and the SDK's `stop` (a string, a list of strings
+ * or of token ids) in place of stop_tokens, stop_strings and stop_at_eos.
+ */
+const maxTokens = SamplingParams.shape.max_tokens;
 export const SamplingParamsBody = z.object({
-  max_tokens: z.number().int().positive().nullable().optional(),
-  seed: z.number().int().nullable().optional(),
+  max_tokens: maxTokens.unwrap().nullish().transform((v) => v ?? maxTokens.parse(undefined)),
+  seed: SamplingParams.shape.seed,
   stop: z.union([z.string(), z.array(z.string()), z.array(z.number().int().nonnegative())]).nullable().optional(),
-  temperature: z.number().finite().nonnegative().default(1),
-  top_k: z.number().int().min(-1, 'top_k is -1 (off) or a positive count').default(-1),
-  top_p: z.number().gt(0).max(1).default(1),
+  ...SamplingParams.omit({ max_tokens: true, seed: true, stop_tokens: true, stop_strings: true, stop_at_eos: true }).shape,
 });
 
 export const SampleBody = z.object({

@@ -119,13 +119,19 @@ describe('engine protocol (the agent ⇄ engine contract)', () => {
     });
 
     it('refuses arguments that break the op schema before they reach the engine', async () => {
-      const bad = { model_id: 'p', adam: { learning_rate: 1 } } as unknown as Parameters<typeof engine.call<'optim_step'>>[1];
+      const bad = { model_id: 'p', adam: { learning_rate: 1, beta1: 1.5 } };
       const err = await engine.call('optim_step', bad).then(
         () => null,
         (e: unknown) => e,
       );
       expect(err).to.be.instanceOf(EngineError);
       expect((err as EngineError).message).to.match(/^the agent built invalid optim_step arguments: adam\.beta1/);
+    });
+
+    it('sends every field: the defaults of queues/contract/params.ts fill what a call leaves out', async () => {
+      // The engine requires every field of adam (protocol.json); the agent's parse of the args adds the defaults.
+      const r = await engine.call('optim_step', { model_id: 'p', adam: { learning_rate: 0 } });
+      expect(r.metrics.learning_rate).to.equal(0);
     });
 
     it('a user error from the engine is a user error here', async () => {

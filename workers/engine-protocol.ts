@@ -163,7 +163,9 @@ export type EngineResult<O extends EngineOp> = z.output<(typeof ENGINE_OPS)[O]['
 /**
  * The protocol as JSON Schema (draft 2020-12) for the Python engines: `{protocol, ops: {op: {args,
  * result}}}`. A tensor, in either direction, is the keyword `{"tensor": true}`; objects are closed
- * (`additionalProperties: false`), so a field one side sends and the other does not know fails.
+ * (`additionalProperties: false`), so a field one side sends and the other does not know fails. A
+ * field with a default (the sampling and Adam parameters, queues/contract/params.ts) is still
+ * required, since the agent sends every field; its `default` is where the Python engines read it.
  */
 export function protocolJsonSchema(): Record<string, unknown> {
   const toJson = (schema: z.ZodType): unknown => {

@@ -17,9 +17,6 @@ import { samplerWeights } from './checkpoints.js';
 
 /** Sampling sessions (pinned to a base model or one immutable sampler version) and asample. */
 
-/** Tokens generated when the client sets no max_tokens. */
-const DEFAULT_MAX_TOKENS = 256;
-
 type Target = Pick<SamplingSessionRecord, 'base_model' | 'model_path' | 'adapter_dir'>;
 
 /** A session for a base model or a saved sampler version, resolved from the registries. */
@@ -47,11 +44,11 @@ function toEngineParams(p: z.output<typeof SamplingParamsBody>): SamplingParams 
   const stop = p.stop ?? null;
   const list = stop === null ? [] : typeof stop === 'string' ? [stop] : stop;
   return {
-    max_tokens: p.max_tokens ?? DEFAULT_MAX_TOKENS,
+    max_tokens: p.max_tokens,
     temperature: p.temperature,
     top_k: p.top_k,
     top_p: p.top_p,
-    seed: p.seed ?? null,
+    seed: p.seed,
     stop_tokens: list.filter((s): s is number => typeof s === 'number'),
     stop_strings: list.filter((s): s is string => typeof s === 'string' && s.length > 0),
     // `stop: []` disables every stop, EOS included; `stop: null` keeps EOS.

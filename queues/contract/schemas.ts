@@ -1,4 +1,5 @@
 import { z } from 'zod';
+import { AdamParams, SamplingParams } from './params.js';
 
 /**
  * The contract between the API and the agents: one schema per job type and per result,
@@ -57,28 +58,8 @@ export const LoraConfig = z.object({
 });
 export type LoraConfig = z.infer<typeof LoraConfig>;
 
-export const AdamParams = z.object({
-  learning_rate: z.number().finite().nonnegative(),
-  beta1: z.number().min(0).lt(1),
-  beta2: z.number().min(0).lt(1),
-  eps: z.number().finite().nonnegative(),
-  weight_decay: z.number().finite().nonnegative(),
-  grad_clip_norm: z.number().finite().nonnegative(),
-});
-export type AdamParams = z.infer<typeof AdamParams>;
-
-export const SamplingParams = z.object({
-  max_tokens: z.number().int().positive(),
-  temperature: z.number().finite().nonnegative(),
-  top_k: z.number().int(),
-  top_p: z.number().gt(0).max(1),
-  seed: z.number().int().nullable(),
-  stop_tokens: z.array(z.number().int().nonnegative()),
-  stop_strings: z.array(z.string().min(1)),
-  /** False when the client sent `stop: []`, which disables every stop including EOS. */
-  stop_at_eos: z.boolean(),
-});
-export type SamplingParams = z.infer<typeof SamplingParams>;
+/** The sampling and Adam parameters are declared in params.ts, each field once; jobs carry them complete. */
+export { AdamParams, SamplingParams } from './params.js';
 
 // ---- Training queue jobs (one queue per agent, concurrency 1, seq_id order per model) ----
 

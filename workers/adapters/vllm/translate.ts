@@ -2,7 +2,7 @@ import { createHash } from 'node:crypto';
 import { existsSync, readFileSync } from 'node:fs';
 import path from 'node:path';
 import type { BaseModelSpec } from '../../../queues/infra/config.js';
-import { SampleResult, type SampleJob } from '../../../queues/contract/schemas.js';
+import { SampleResult, type SampleJob, type SamplingParams } from '../../../queues/contract/schemas.js';
 import { EngineError } from '../../engine.js';
 
 /**
@@ -61,30 +61,38 @@ export function findServedModel(models: unknown, spec: BaseModelSpec, url: strin
 }
 
 /**
+ * Each sampling field (queues/contract/params.ts) as `/v1/completions` fields. Keyed by every field of
+ * SamplingParams: a field added there without an entry here fails typecheck. EOS: vLLM would also
+ * stop at every EOS id of the model's generation_config.json; the torch engine stops only at the
+ * tokenizer's EOS. So vLLM's own EOS handling is always off (`ignore_eos`) and the tokenizer's EOS,
+ * when `stop_at_eos`, is a stop token id, which vLLM keeps in the output like the torch engine.
+ */
+export const VLLM_SAMPLING_FIELDS: { [K in keyof SamplingParams]-?: (p: SamplingParams, eosTokenId: number | null) => Record<string, unknown> } = {
+  max_tokens: (p) => ({ max_tokens: p.max_tokens }),
+  temperature: (p) => ({ temperature: p.temperature }),
+  top_k: (p) => ({ top_k: p.top_k > 0 ? p.top_k : -1 }),
+  top_p: (p) => ({ top_p: p.top_p }),
+  seed: (p) => (p.seed !== null ? { seed: p.seed } : {}),
+  stop_tokens: (p, eos) => ({ stop_token_ids: p.stop_at_eos && eos !== null && !p.stop_tokens.includes(eos) ? [...p.stop_tokens, eos] : [...p.stop_tokens] }),
+  stop_strings: (p) => (p.stop_strings.length ? { stop: p.stop_strings } : {}),
+  // Applied in stop_tokens (the tokenizer's EOS as a stop id); vLLM's own EOS handling stays off.
+  stop_at_eos: () => ({ ignore_eos: true }),
+};
+
+/**
  * SampleJob → `POST /v1/completions` body. The prompt goes as token ids; every sampling field is
- * sent (nothing falls back to the server's defaults). EOS: vLLM would also stop at every EOS id
- * of the model's generation_config.json; the torch engine stops only at the tokenizer's EOS. So
- * vLLM's own EOS handling is always off (`ignore_eos`) and the tokenizer's EOS, when `stop_at_eos`,
- * is a stop token id, which vLLM keeps in the output like the torch engine.
+ * sent (nothing falls back to the server's defaults), and vLLM's other sampling options at their
+ * neutral values.
  */
 export function completionRequest(job: SampleJob, model: string, eosTokenId: number | null): Record<string, unknown> {
-  const p = job.sampling_params;
-  const stopIds = [...p.stop_tokens];
-  if (p.stop_at_eos && eosTokenId !== null && !stopIds.includes(eosTokenId)) stopIds.push(eosTokenId);
   const body: Record<string, unknown> = {
     model,
     prompt: job.prompt,
     n: job.num_samples,
-    max_tokens: p.max_tokens,
-    temperature: p.temperature,
-    top_p: p.top_p,
-    top_k: p.top_k > 0 ? p.top_k : -1,
     min_p: 0,
     presence_penalty: 0,
     frequency_penalty: 0,
     repetition_penalty: 1,
-    stop_token_ids: stopIds,
-    ignore_eos: true,
     // topk_sample_logprobs: vLLM's top_logprobs per sampled token, from the same (processed) distribution.
     logprobs: job.topk_sample_logprobs ?? 0,
     return_token_ids: true,
@@ -92,8 +100,7 @@ export function completionRequest(job: SampleJob, model: string, eosTokenId: num
     skip_special_tokens: false,
     stream: false,
   };
-  if (p.seed !== null) body.seed = p.seed;
-  if (p.stop_strings.length) body.stop = p.stop_strings;
+  for (const map of Object.values(VLLM_SAMPLING_FIELDS)) Object.assign(body, map(job.sampling_params, eosTokenId));
   if (job.prompt_logprobs || job.topk_prompt_logprobs > 0) body.prompt_logprobs = job.topk_prompt_logprobs;
   return body;
 }

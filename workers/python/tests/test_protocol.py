@@ -12,7 +12,7 @@ import torch
 from tinker_engine import PROTOCOL_VERSION
 from tinker_engine.engine import Engine
 from tinker_engine.errors import UserError
-from tinker_engine.protocol import OPS, VERSION, check_args, check_result, problem
+from tinker_engine.protocol import OPS, VERSION, check_args, check_result, defaults, problem
 
 from helpers import adam, lora, sampling
 
@@ -82,6 +82,18 @@ def test_numbers_enums_nullables_and_tuples() -> None:
     assert problem(3.5, one_of, "v") is None
     assert problem(["a", 0.5], {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "number"}],
                                 "items": False}, "x") == "x[0]: must be integer, got str"
+
+
+def test_defaults_are_read_from_the_schema_and_fields_stay_required() -> None:
+    # The sampling and Adam defaults of queues/contract/params.ts, for in-process callers.
+    adam_schema = OPS["optim_step"]["args"]["properties"]["adam"]
+    assert defaults("optim_step", "adam") == {k: v["default"] for k, v in adam_schema["properties"].items()}
+    assert set(defaults("sample", "sampling_params")) == set(sampling())
+    # On the wire a default does not make a field optional: the agent sends every one.
+    hp = adam()
+    del hp["eps"]
+    with pytest.raises(UserError, match=r"args.adam: missing required field 'eps'"):
+        check_args("optim_step", {"model_id": "m", "adam": hp})
 
 
 def test_results_are_checked_in_the_tests(engine: Engine, tiny_model_dir: Path) -> None:

@@ -1,12 +1,11 @@
 """Typed access to the JSON ``args`` of a request; every mistake becomes a ``UserError``.
 
-Each function names the offending field (``where`` is a dotted path such as ``sampling_params``)
+Each function names the offending field (``where`` is a dotted path such as ``lora``)
 so the message that reaches the client says exactly what was wrong.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -79,27 +78,10 @@ def get_opt_int(obj: Mapping[str, Any], key: str, where: str = "") -> int | None
     return get_int(obj, key, where)
 
 
-def get_float(obj: Mapping[str, Any], key: str, where: str = "", default: Any = _MISSING) -> float:
-    value = _get(obj, key, where, default)
-    if not (is_int(value) or isinstance(value, float)):
-        raise UserError(f"'{_field(where, key)}' must be a number")
-    value = float(value)
-    if not math.isfinite(value):
-        raise UserError(f"'{_field(where, key)}' must be finite, got {value}")
-    return value
-
-
 def get_int_list(obj: Mapping[str, Any], key: str, where: str = "", default: Any = _MISSING) -> list[int]:
     value = _get(obj, key, where, default)
     if not isinstance(value, list) or not all(is_int(v) for v in value):
         raise UserError(f"'{_field(where, key)}' must be a list of integers")
-    return value
-
-
-def get_str_list(obj: Mapping[str, Any], key: str, where: str = "", default: Any = _MISSING) -> list[str]:
-    value = _get(obj, key, where, default)
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise UserError(f"'{_field(where, key)}' must be a list of strings")
     return value
 
 

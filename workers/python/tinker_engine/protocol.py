@@ -5,7 +5,8 @@ does not follow the protocol is refused with a user error naming the field); the
 result against its op's result schema (``TB_ENGINE_CHECK_RESULTS=1``). The checker knows the JSON
 Schema keywords the generator emits, plus ``{"tensor": true}``: a tensor as it travels (a binary
 reference ``{"dtype", "shape", "bin"}`` or an inline ``{"dtype", "shape", "data"}``) or, in a result,
-a ``torch.Tensor`` before it is encoded.
+a ``torch.Tensor`` before it is encoded. ``default`` is not checked: the agent sends every field, and
+``defaults`` reads it for in-process callers that leave fields out (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ OPS: dict[str, dict[str, Any]] = SCHEMA["ops"]
 #: Known keywords; one the checker does not know stops the engine at import (a generator change).
 _KEYWORDS = {"type", "properties", "required", "additionalProperties", "propertyNames", "items", "prefixItems",
              "minItems", "maxItems", "minLength", "enum", "const", "anyOf", "oneOf", "minimum", "maximum",
-             "exclusiveMinimum", "exclusiveMaximum", "tensor"}
+             "exclusiveMinimum", "exclusiveMaximum", "tensor", "default"}
 WIRE_DTYPES = ("float32", "int32", "int64")
 
 
@@ -55,6 +56,15 @@ def _check_keywords(schema: Any) -> None:
 for _op in OPS.values():
     _check_keywords(_op["args"])
     _check_keywords(_op["result"])
+
+
+def defaults(op: str, *path: str) -> dict[str, Any]:
+    """The declared default of each field of the object at ``path`` in ``op``'s args, e.g.
+    ``defaults("optim_step", "adam")``: the sampling and Adam defaults of queues/contract/params.ts."""
+    schema = OPS[op]["args"]
+    for key in path:
+        schema = schema["properties"][key]
+    return {k: v["default"] for k, v in schema["properties"].items() if "default" in v}
 
 
 def _type_ok(value: Any, name: str) -> bool:

@@ -37,8 +37,8 @@ from transformers.cache_utils import DynamicLayer
 from .errors import UserError
 from .models import BaseModel, Registry
 from .prompt_scores import alt_tokens, parse_targets, score_targets
-from .params import (check_token_ids, get_bool, get_float, get_int, get_int_list, get_obj, get_opt_int,
-                     get_opt_str, get_str, get_str_list)
+from .params import check_token_ids, get_bool, get_int, get_int_list, get_obj, get_opt_str, get_str
+from .protocol import defaults
 
 log = logging.getLogger("tinker_engine")
 
@@ -49,37 +49,32 @@ DEFAULT_SAMPLE_TOKENS = 262144
 PROMPT_LOGPROB_CHUNK = 512
 
 
+#: The sampling defaults (queues/contract/params.ts, read from protocol.json), for in-process callers.
+SAMPLING_DEFAULTS = defaults("sample", "sampling_params")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
+    """A request's ``sampling_params``. Their fields, bounds and defaults are declared once, in
+    queues/contract/params.ts. The engine checks every request's args against protocol.json before
+    the op runs, so ``parse`` only converts; a field an in-process caller leaves out takes its default."""
+
     max_tokens: int
-    temperature: float = 1.0
-    top_k: int = -1  # <= 0: off
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_tokens: frozenset[int] = field(default_factory=frozenset)
-    stop_strings: tuple[str, ...] = ()
-    stop_at_eos: bool = True  # false: the tokenizer's EOS does not end a sequence
+    temperature: float  # 0: greedy
+    top_k: int  # <= 0: off
+    top_p: float  # 1: off
+    seed: int | None
+    stop_tokens: frozenset[int]
+    stop_strings: tuple[str, ...]
+    stop_at_eos: bool  # false: the tokenizer's EOS does not end a sequence
 
     @classmethod
     def parse(cls, obj: dict[str, Any]) -> SamplingParams:
-        w = "sampling_params"
-        params = cls(
-            max_tokens=get_int(obj, "max_tokens", w, minimum=1),
-            temperature=get_float(obj, "temperature", w, default=1.0),
-            top_k=get_int(obj, "top_k", w, default=-1, minimum=-1),
-            top_p=get_float(obj, "top_p", w, default=1.0),
-            seed=get_opt_int(obj, "seed", w),
-            stop_tokens=frozenset(get_int_list(obj, "stop_tokens", w, default=[])),
-            stop_strings=tuple(get_str_list(obj, "stop_strings", w, default=[])),
-            stop_at_eos=get_bool(obj, "stop_at_eos", w, default=True),
-        )
-        if params.temperature < 0:
-            raise UserError(f"sampling_params.temperature must be >= 0, got {params.temperature}")
-        if not 0.0 < params.top_p <= 1.0:
-            raise UserError(f"sampling_params.top_p must be in (0, 1], got {params.top_p}")
-        if any(s == "" for s in params.stop_strings):
-            raise UserError("sampling_params.stop_strings must not contain an empty string")
-        return params
+        p = {**SAMPLING_DEFAULTS, **obj}
+        return cls(max_tokens=int(p["max_tokens"]), temperature=float(p["temperature"]), top_k=int(p["top_k"]),
+                   top_p=float(p["top_p"]), seed=None if p["seed"] is None else int(p["seed"]),
+                   stop_tokens=frozenset(p["stop_tokens"]), stop_strings=tuple(p["stop_strings"]),
+                   stop_at_eos=bool(p["stop_at_eos"]))
 
 
 def filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

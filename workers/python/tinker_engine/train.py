@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -21,7 +21,8 @@ from .errors import UserError
 from .logprobs import target_logprobs
 from .losses import LossSpec, get_loss
 from .models import BaseModel, Registry
-from .params import check_token_tensor, get_bool, get_float, get_obj, get_str, is_int
+from .params import check_token_tensor, get_bool, get_obj, get_str, is_int
+from .protocol import defaults
 from .rollback import StepUndo, check_grad_max_abs, check_losses, check_norm, grad_max_abs, step_max_abs
 from .tensors import tensor_from_json, wire
 
@@ -270,36 +271,27 @@ def forward_backward(registry: Registry, args: dict[str, Any]) -> dict[str, Any]
     }
 
 
+#: Tinker's AdamParams defaults (queues/contract/params.ts, read from protocol.json), for in-process callers.
+ADAM_DEFAULTS = defaults("optim_step", "adam")
+
+
 @dataclass(frozen=True)
 class AdamParams:
-    """The ``adam`` object of ``optim_step``; missing fields take Tinker's AdamParams defaults."""
+    """The ``adam`` object of ``optim_step``. Its fields, bounds and defaults are declared once, in
+    queues/contract/params.ts. The engine checks every request's args against protocol.json before
+    the op runs, so ``parse`` only converts; a field an in-process caller leaves out takes its default."""
 
     learning_rate: float
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float  # decoupled (AdamW)
+    grad_clip_norm: float  # 0: no clipping
 
     @classmethod
     def parse(cls, obj: dict[str, Any]) -> AdamParams:
-        hp = cls(
-            learning_rate=get_float(obj, "learning_rate", "adam"),
-            beta1=get_float(obj, "beta1", "adam", default=cls.beta1),
-            beta2=get_float(obj, "beta2", "adam", default=cls.beta2),
-            eps=get_float(obj, "eps", "adam", default=cls.eps),
-            weight_decay=get_float(obj, "weight_decay", "adam", default=cls.weight_decay),
-            grad_clip_norm=get_float(obj, "grad_clip_norm", "adam", default=cls.grad_clip_norm),
-        )
-        if hp.learning_rate < 0:
-            raise UserError(f"adam.learning_rate must be >= 0, got {hp.learning_rate}")
-        for name, beta in (("beta1", hp.beta1), ("beta2", hp.beta2)):
-            if not 0.0 <= beta < 1.0:
-                raise UserError(f"adam.{name} must be in [0, 1), got {beta}")
-        for name, value in (("eps", hp.eps), ("weight_decay", hp.weight_decay), ("grad_clip_norm", hp.grad_clip_norm)):
-            if value < 0:
-                raise UserError(f"adam.{name} must be >= 0, got {value}")
-        return hp
+        p = {**ADAM_DEFAULTS, **obj}
+        return cls(**{f.name: float(p[f.name]) for f in fields(cls)})
 
 
 def optim_step(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:

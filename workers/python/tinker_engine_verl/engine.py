@@ -51,6 +51,17 @@ from . import translate, veomni
 log = logging.getLogger("tinker_engine_verl")
 
 
+def initial_adam() -> AdamParams:
+    """The AdamW settings verl builds its optimizer with: Tinker's AdamParams defaults (protocol.json).
+    Every optim_step then sets lr, betas, eps, weight decay and clipping from the job's ``adam``."""
+    return AdamParams.parse({})
+
+
+def _clip_grad(hp: AdamParams) -> float:
+    """verl's ``clip_grad`` for ``grad_clip_norm`` (0: no clipping)."""
+    return hp.grad_clip_norm if hp.grad_clip_norm > 0 else math.inf
+
+
 STRATEGIES = ("fsdp2", "fsdp", "veomni")
 
 
@@ -238,9 +249,11 @@ class VerlEngine:
                 strategy=strategy(), forward_only=False, use_dynamic_bsz=True,
                 max_token_len_per_gpu=max_batch_tokens(), use_remove_padding=False, use_torch_compile=False,
                 param_offload=offload, optimizer_offload=offload)
+            adam = initial_adam()
             optimizer_config = FSDPOptimizerConfig(
-                lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, clip_grad=math.inf, total_training_steps=1,
-                lr_warmup_steps=0, override_optimizer_config={"eps": 1e-12})
+                lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), weight_decay=adam.weight_decay,
+                clip_grad=_clip_grad(adam), total_training_steps=1, lr_warmup_steps=0,
+                override_optimizer_config={"eps": adam.eps})
         return TrainingWorkerConfig(model_type="language_model", model_config=model_config,
                                     engine_config=engine_config, optimizer_config=optimizer_config,
                                     checkpoint_config=CheckpointConfig())
@@ -348,9 +361,9 @@ class VerlEngine:
         engine = model.engine
         groups = engine.optimizer.param_groups
         betas_type = type(groups[0]["betas"])
-        engine.optimizer_config.clip_grad = hp.grad_clip_norm if hp.grad_clip_norm > 0 else math.inf
-        params = {"lr": float(hp.learning_rate), "betas": betas_type((float(hp.beta1), float(hp.beta2))),
-                  "eps": float(hp.eps), "weight_decay": float(hp.weight_decay)}
+        engine.optimizer_config.clip_grad = _clip_grad(hp)
+        params = {"lr": hp.learning_rate, "betas": betas_type((hp.beta1, hp.beta2)), "eps": hp.eps,
+                  "weight_decay": hp.weight_decay}
         metrics = model.worker.optimizer_step(params)
         model.hyper = {"lr": params["lr"], "betas": [params["betas"][0], params["betas"][1]],
                        "eps": params["eps"], "weight_decay": params["weight_decay"]}

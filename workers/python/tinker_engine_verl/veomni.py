@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from tinker_engine.models import LoraSpec
+from tinker_engine.train import AdamParams
 
 # The LoRA of the model being created (create_model runs one at a time on every rank).
 _building: dict[str, Any] = {}
@@ -83,6 +84,8 @@ def engine_config(world_size: int, offload: bool, max_tokens: int) -> Any:
 def optimizer_config() -> Any:
     from verl.workers.config import VeOmniOptimizerConfig
 
-    # The per-step AdamParams replace lr, betas, eps and weight decay (optim_step); no clipping by default.
-    return VeOmniOptimizerConfig(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, clip_grad=float("inf"),
+    # Built with Tinker's AdamParams defaults (protocol.json); each optim_step then applies the job's adam.
+    adam = AdamParams.parse({})
+    return VeOmniOptimizerConfig(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), weight_decay=adam.weight_decay,
+                                 clip_grad=adam.grad_clip_norm if adam.grad_clip_norm > 0 else float("inf"),
                                  total_training_steps=1, lr_warmup_steps=0, lr_scheduler_type="constant")
