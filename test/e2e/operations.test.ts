@@ -8,6 +8,7 @@ import { Queue } from 'bullmq';
 import { Redis } from 'ioredis';
 import { TINY_MODEL_ALIAS } from '../../scripts/stack.js';
 import { processTree } from '../../workers/stats.js';
+import { needDependency } from '../helpers/deps.js';
 import { freePort, PYTHON } from './server.js';
 
 /**
@@ -203,7 +204,7 @@ describe('operations: metrics, CLI, dashboard, OpenAPI and SIGTERM on a stack st
     expect((await fetch(`${base()}/admin`)).status).to.equal(401);
     const wrong = await fetch(`${base()}/admin`, { headers: { authorization: `Basic ${Buffer.from('x:tml-wrong').toString('base64')}` } });
     expect(wrong.status).to.equal(401);
-    if (!existsSync(CHROMIUM)) this.skip(); // scripts/test.sh installs it
+    needDependency(this, existsSync(CHROMIUM), `${CHROMIUM} (apt-get install chromium)`);
     const { chromium } = await import('playwright-core');
     const profile = mkdtempSync(path.join(tmp, 'chromium-'));
     const browser = await chromium.launchPersistentContext(profile, {

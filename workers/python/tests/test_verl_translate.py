@@ -3,8 +3,10 @@
 Synthetic inputs, checked against the torch engine on the tiny model: verl's FSDP engine scores
 row position t with log p(input_ids[t+1] | input_ids[:t+1]) (it rolls the packed ids by -1); this
 test computes exactly that from the same model and checks that our translation and loss give the
-torch engine's loss, per-token logprobs and gradients. Fixtures recorded from the real engine on
-the H200 (test/fixtures/verl/*.json, written by bench/gpu/verl_check.sh) are replayed at the end.
+torch engine's loss, per-token logprobs and gradients; the loss and logprobs over TensorDict
+micro-batches as verl's engine passes them (tensordict, without verl). Fixtures recorded from the
+real engine on the H200 (test/fixtures/verl/*.json, written by bench/gpu/verl_check.sh) are
+replayed at the end.
 """
 
 from __future__ import annotations
@@ -219,24 +221,46 @@ def test_row_length_mismatch_is_an_error(engine: Any) -> None:
         translate.row_losses(get_loss("cross_entropy"), {}, short, fields, [])
 
 
-# --- with verl's own TensorDict utilities, when verl is importable -------------------------------
+# --- TensorDict micro-batches, as verl's engine hands them to the loss ---------------------------
 
 
-def test_micro_batching_with_verl_tensordict(engine: Any) -> None:
-    tu = pytest.importorskip("verl.utils.tensordict_utils")
-    engine_utils = pytest.importorskip("verl.workers.engine.utils")
+def micro_batches(fields: dict[str, torch.Tensor], budget: int, dp_size: int) -> tuple[list[Any], list[int]]:
+    """``fields``' rows regrouped in another order, as verl's dynamic batching may: longest first,
+    in TensorDicts of at most ``budget`` ids each (a longer row alone), each with ``dp_size`` as
+    non-tensor data (as the engine's ``tu.get_tensordict`` stores it); and the rows' order across
+    them. tensordict is the version verl 0.9 requires (test/e2e/requirements.txt)."""
+    from tensordict import NonTensorData, TensorDict
+
+    lengths = fields["input_ids"].offsets().diff().tolist()
+    groups: list[list[int]] = []
+    used = budget
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if used + lengths[i] > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += lengths[i]
+    batches = []
+    for rows in groups:
+        part = {key: torch.nested.as_nested_tensor([value.unbind()[i] for i in rows], layout=torch.jagged)
+                if value.is_nested else value[rows] for key, value in fields.items()}
+        td = TensorDict(part, batch_size=[len(rows)])
+        td["dp_size"] = NonTensorData(dp_size)
+        batches.append(td)
+    return batches, [i for rows in groups for i in rows]
+
+
+def test_loss_and_logprobs_over_tensordict_micro_batches(engine: Any) -> None:
     seqs = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15, 16]]
     data = [next_token_datum(s, weights=torch.full((len(s) - 1,), float(i + 1))) for i, s in enumerate(seqs)]
     datums = parsed(engine, "cross_entropy", data)
     spec = get_loss("cross_entropy")
     names = translate.input_names_for(spec, datums)
     fields = translate.build_fields(datums, list(range(len(datums))), names)
-    meta = translate.non_tensor_fields(fields, 8)
-    td = tu.get_tensordict(tensor_dict=dict(fields), non_tensor_dict={**meta, "dp_size": 1})
-    micro, indices = engine_utils.prepare_micro_batches(td, dp_group=None, same_micro_num_in_dp=False)
-    assert len(micro) > 1  # the 8-token budget splits the batch
+    micro, order = micro_batches(fields, 8, dp_size=2)
+    assert len(micro) > 1 and order != sorted(order)  # the 8-id budget splits and reorders the batch
     fn = translate.make_loss_fn(spec, {}, names)
-    outputs, total = [], 0.0
+    total, rows_out = 0.0, []
     for mb in micro:
         # a stand-in for verl's log_probs: -(position + 1) / 10 on every row
         lp = torch.nested.as_nested_tensor(
@@ -244,10 +268,14 @@ def test_micro_batching_with_verl_tensordict(engine: Any) -> None:
             layout=torch.jagged)
         loss, _ = fn({"log_probs": lp}, mb)
         total += float(loss)
-        outputs.append({"model_output": {"log_probs": lp}, "loss": float(loss), "metrics": {}})
-    post = engine_utils.postprocess_batch_func(outputs, indices, td)
-    rows = translate.row_logprobs(post["model_output"]["log_probs"], fields)
-    expected = sum(float(i + 1) * sum((k + 1) / 10 for k in range(len(s) - 1)) for i, s in enumerate(seqs))
+        rows_out += list(lp.unbind())
+    # back in the batch's row order, as verl returns log_probs
+    restored: list[torch.Tensor] = [torch.empty(0)] * len(order)
+    for pos, i in enumerate(order):
+        restored[i] = rows_out[pos]
+    rows = translate.row_logprobs(torch.nested.as_nested_tensor(restored, layout=torch.jagged), fields)
+    # each rank's loss is its sum times dp_size (2, read from the TensorDict's non-tensor data)
+    expected = 2 * sum(float(i + 1) * sum((k + 1) / 10 for k in range(len(s) - 1)) for i, s in enumerate(seqs))
     assert total == pytest.approx(expected, rel=1e-6)
     for s, lp in zip(seqs, rows):
         assert lp.tolist() == pytest.approx([-(k + 1) / 10 for k in range(len(s) - 1)])
@@ -267,7 +295,11 @@ def recorded_fixtures() -> list[tuple[str, dict[str, Any]]]:
     return found
 
 
-@pytest.mark.skipif(not recorded_fixtures(), reason="no fixtures recorded from the H200 run yet (test/fixtures/verl/)")
+def test_fixtures_are_recorded() -> None:
+    """The replays below need them: test/fixtures/verl/ is part of the repository."""
+    assert recorded_fixtures(), f"no fixtures in {FIXTURES}"
+
+
 @pytest.mark.parametrize("fx", [fx for _, fx in recorded_fixtures()], ids=[i for i, _ in recorded_fixtures()])
 def test_recorded_fixture_replays(fx: dict[str, Any]) -> None:
     replay(fx)
