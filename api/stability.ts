@@ -1,4 +1,5 @@
 import { invalid } from '../queues/contract/errors.js';
+import { checkServerInputs } from '../queues/contract/losses.js';
 import type { ModelRecord } from '../queues/registry/models.js';
 import type { Datum } from '../queues/contract/schemas.js';
 import { useStabilityRecords, type StabilityRecord } from '../queues/runtime/stability.js';
@@ -6,12 +7,13 @@ import type { ApiContext } from './context.js';
 import type { DatumProvenance, ProvenanceSpan } from './wire/proto.js';
 
 /**
- * stable_reinforce: resolve each datum's provenance spans against the stability records the
- * sampler wrote (queues/runtime/stability.ts), check that the datum's tokens are the recorded ones (the
- * model input everywhere, the targets where they are sampled tokens), and
- * add the engine's inputs `stability_logprobs` (the recorded sampler logprob at each sampled
- * target position, 0 elsewhere) and `stability_mask` (1 at those positions). Every refusal names
- * the datum and position.
+ * For a loss with `provenance` in the loss catalogue (stable_reinforce): resolve each datum's
+ * provenance spans against the stability records the sampler wrote (queues/runtime/stability.ts),
+ * check that the datum's tokens are the recorded ones (the model input everywhere, the targets
+ * where they are sampled tokens), and add the engine's inputs `stability_logprobs` (the recorded
+ * sampler logprob at each sampled target position, 0 elsewhere) and `stability_mask` (1 at those
+ * positions): the loss's `server_inputs`. Then the catalogue's datum rules that read them are
+ * checked. Every refusal names the datum and position.
  */
 
 type Run = { span: ProvenanceSpan; rec: StabilityRecord };
@@ -24,7 +26,7 @@ function tile(spans: ProvenanceSpan[], n: number, what: string): void {
 /**
  * Walks the runs of `spans` over `values`, checking each value against the record. With
  * `promptValuesFree`, values under a prompt span are not checked: targets there are not scored
- * (stable_reinforce takes advantages on sampled tokens only), and the cookbook's rl_loop pads them
+ * (the loss takes advantages on sampled tokens only), and the cookbook's rl_loop pads them
  * with 0 rather than repeating the prompt.
  */
 function walk(values: number[], spans: ProvenanceSpan[], recs: Map<string, StabilityRecord>, what: string, visit?: (pos: number, run: Run, k: number) => void, promptValuesFree = false): void {
@@ -46,13 +48,13 @@ function walk(values: number[], spans: ProvenanceSpan[], recs: Map<string, Stabi
   }
 }
 
-export async function attachStability(ctx: ApiContext, model: ModelRecord, data: Datum[], provenance: DatumProvenance[]): Promise<void> {
+export async function attachStability(ctx: ApiContext, model: ModelRecord, lossFn: string, data: Datum[], provenance: DatumProvenance[]): Promise<void> {
   const ids = new Set<string>();
   data.forEach((d, i) => {
     const p = provenance[i];
     if (!p)
       throw invalid(
-        `data[${i}]: loss_fn 'stable_reinforce' needs provenance on every datum: sample with record_stability_info=True and ` +
+        `data[${i}]: loss_fn '${lossFn}' needs provenance on every datum: sample with record_stability_info=True and ` +
           `attach the sequences' sequence_ids with Datum.with_provenance`,
       );
     tile(p.model_input, d.tokens.length, `data[${i}].model_input_spans`);
@@ -64,11 +66,11 @@ export async function attachStability(ctx: ApiContext, model: ModelRecord, data:
   for (const [id, rec] of found) {
     if (!rec)
       throw invalid(
-        `stable_reinforce: sequence '${id}' has no stability record: sample it with record_stability_info=True ` +
+        `${lossFn}: sequence '${id}' has no stability record: sample it with record_stability_info=True ` +
           `(records live one day after sampling, restarted by each training request that uses them)`,
       );
     if (rec.session_id !== null && rec.session_id !== model.session_id)
-      throw invalid(`stable_reinforce: sequence '${id}' was sampled in session ${rec.session_id}; model ${model.model_id} belongs to session ${model.session_id}`);
+      throw invalid(`${lossFn}: sequence '${id}' was sampled in session ${rec.session_id}; model ${model.model_id} belongs to session ${model.session_id}`);
     recs.set(id, rec);
   }
   data.forEach((d, i) => {
@@ -83,11 +85,8 @@ export async function attachStability(ctx: ApiContext, model: ModelRecord, data:
       q[pos] = run.rec.logprobs[run.span.offset + k]!;
       mask[pos] = 1;
     }, true);
-    const adv = d.loss_fn_inputs.advantages!.data;
-    const bad = adv.findIndex((a, pos) => a !== 0 && mask[pos] === 0);
-    if (bad >= 0)
-      throw invalid(`data[${i}]: stable_reinforce takes nonzero advantages only on sampled tokens, but position ${bad} is not a sampled token (its provenance is a prompt span) and has advantage ${adv[bad]}`);
     d.loss_fn_inputs.stability_logprobs = { dtype: 'float32', shape: [n], data: q };
     d.loss_fn_inputs.stability_mask = { dtype: 'float32', shape: [n], data: mask };
+    checkServerInputs(lossFn, d.loss_fn_inputs, `data[${i}]`);
   });
 }

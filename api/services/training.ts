@@ -1,6 +1,6 @@
 import type { Request } from 'express';
 import { invalid } from '../../queues/contract/errors.js';
-import { checkLossConfig, lossInputs } from '../../queues/contract/losses.js';
+import { checkLossConfig, lossEntry, lossInputs } from '../../queues/contract/losses.js';
 import { jobIds } from '../../queues/contract/names.js';
 import type { ModelRecord } from '../../queues/registry/models.js';
 import type { Datum, ForwardBackwardJob } from '../../queues/contract/schemas.js';
@@ -11,10 +11,10 @@ import type { DecodedForwardBackward } from '../wire/proto.js';
 
 /**
  * forward_backward (also forward): the checks of a batch against its loss and model, before it is
- * queued. The losses, the `loss_fn_inputs` and config keys each takes come from the loss catalogue
- * (queues/contract/losses.json; definitions and sources: docs/losses.md). stable_reinforce's sampler
- * logprobs come from the server's stability records, not the datum: a datum's `logprobs` is
- * accepted and not used.
+ * queued. Every rule about a loss (its inputs, target shapes, config keys, whether it needs
+ * provenance) comes from the loss catalogue (queues/contract/losses.json; definitions and sources:
+ * docs/losses.md): no loss is named here. A loss with `provenance` gets its server inputs from the
+ * server's stability records (api/stability.ts).
  */
 
 /** Widest 2-D loss input (N, K) accepted (top-K distillation targets and weights). */
@@ -29,6 +29,7 @@ async function contextLength(ctx: ApiContext, model: ModelRecord): Promise<numbe
 /** Checks a batch against the loss and the model before it is queued; the engine re-checks. */
 export function validateBatch(lossFn: string, data: Datum[], vocabSize: number): void {
   const spec = lossInputs(lossFn);
+  const { topk } = lossEntry(lossFn);
   if (data.length === 0) throw invalid('forward_backward needs at least one datum');
   data.forEach((d, i) => {
     const n = d.tokens.length;
@@ -46,7 +47,7 @@ export function validateBatch(lossFn: string, data: Datum[], vocabSize: number):
       if (t.data.some((v) => !Number.isFinite(v))) throw invalid(`data[${i}]: loss_fn_inputs.${k} contains NaN or infinite values`);
     }
     if (target.shape.length > 2) throw invalid(`data[${i}]: target_tokens must be (N,) or (N, K), got [${target.shape.join(', ')}]`);
-    if (lossFn !== 'cross_entropy' && target.shape.length !== 1) throw invalid(`data[${i}]: '${lossFn}' needs 1-D target_tokens`);
+    if (!topk && target.shape.length !== 1) throw invalid(`data[${i}]: '${lossFn}' needs 1-D target_tokens`);
     for (const t of target.data)
       if (!Number.isInteger(t) || t < 0 || t >= vocabSize) throw invalid(`data[${i}]: target token id ${t} is outside the vocabulary [0, ${vocabSize})`);
     for (const [k, t] of Object.entries(d.loss_fn_inputs)) {
@@ -62,7 +63,7 @@ export async function forwardBackwardJob(ctx: ApiContext, fb: DecodedForwardBack
   const data = fb.data({ maxTokens: await contextLength(ctx, model), vocabSize: model.vocab_size, maxK: MAX_TARGET_K });
   validateBatch(fb.loss_fn, data, model.vocab_size);
   checkLossConfig(fb.loss_fn, fb.loss_fn_config);
-  if (fb.loss_fn === 'stable_reinforce') await attachStability(ctx, model, data, fb.provenance);
+  if (lossEntry(fb.loss_fn).provenance) await attachStability(ctx, model, fb.loss_fn, data, fb.provenance);
   const { data: _lazy, provenance: _spans, ...rest } = fb;
   return { op: 'forward_backward', ...rest, data };
 }

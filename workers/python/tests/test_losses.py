@@ -456,3 +456,59 @@ def test_catalogue_and_engine_functions_must_agree(tmp_path) -> None:
     (tmp_path / "fewer.json").write_text(json.dumps(fewer))
     with pytest.raises(RuntimeError, match="but the engine implements"):
         losses.load_catalogue(tmp_path / "fewer.json")
+
+
+def test_a_new_loss_is_its_catalogue_entry_and_its_function(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adding a loss: an entry in the catalogue and a function of the same name. Its rules come from the
+    entry alone: the generic checker applies them, with no code of its own."""
+    import json
+
+    catalogue = json.loads(losses.CATALOGUE_FILE.read_text())
+    catalogue["losses"]["toy"] = {
+        "inputs": ["advantages"], "optional_inputs": ["margin"], "server_inputs": [], "provenance": False, "topk": False,
+        "config": {"margin": {"default": 2.0, "above": 1}, "scale": {"default": None, "at_least": -3}},
+        "ordered": [["scale", "margin"]],
+        "datum_rules": [{"some_nonzero": "advantages", "message": "toy needs an advantage"}],
+    }
+    (tmp_path / "toy.json").write_text(json.dumps(catalogue))
+    monkeypatch.setitem(losses._FUNCTIONS, "toy", lambda lp, inputs, config: -(lp * inputs["advantages"]).sum())
+    toy = losses.load_catalogue(tmp_path / "toy.json")["toy"]
+    assert toy.required_inputs == ("advantages",) and not toy.allows_topk
+    with pytest.raises(UserError, match=r"loss 'toy' requires loss_fn_config\['scale'\]"):
+        toy.parse_config({})
+    with pytest.raises(UserError, match=r"loss_fn_config\['scale'\] must be >= -3, got -4$"):
+        toy.parse_config({"scale": -4})
+    with pytest.raises(UserError, match="loss_fn_config: scale must not exceed margin"):
+        toy.parse_config({"scale": 3})
+    # margin may come per token: its bound is checked per datum, on the values the datum uses.
+    config = toy.parse_config({"scale": "0.5", "margin": 1})
+    assert config == {"margin": 1.0, "scale": 0.5}
+    adv = torch.tensor([0.0, 1.0])
+    with pytest.raises(UserError, match="^datum 3: margin must be > 1$"):
+        toy.check({"advantages": adv}, config, "datum 3")
+    toy.check({"advantages": adv, "margin": torch.tensor([1.5, 2.0])}, config, "datum 3")
+    with pytest.raises(UserError, match="^datum 3: scale exceeds margin$"):
+        toy.check({"advantages": adv, "margin": torch.tensor([2.0, 1.25])}, toy.parse_config({"scale": 1.5}), "datum 3")
+    with pytest.raises(UserError, match="^datum 3: toy needs an advantage$"):
+        toy.check({"advantages": torch.zeros(2), "margin": torch.tensor([1.5, 2.0])}, config, "datum 3")
+
+
+def test_the_catalogue_may_hold_only_rules_the_checker_knows(tmp_path) -> None:
+    import json
+
+    catalogue = json.loads(losses.CATALOGUE_FILE.read_text())
+    for change, match in [
+        (lambda c: c["losses"]["gspo"]["datum_rules"].append({"all_positive": "advantages", "message": "x"}), "datum rule this engine does not know"),
+        (lambda c: c["losses"]["ppo"]["config"]["clip_high_threshold"].update(below=10), "fields this engine does not know"),
+    ]:
+        copy = json.loads(json.dumps(catalogue))
+        change(copy)
+        (tmp_path / "c.json").write_text(json.dumps(copy))
+        with pytest.raises(RuntimeError, match=match):
+            losses.load_catalogue(tmp_path / "c.json")
+
+
+@pytest.mark.parametrize("x, text", [(-1.0, "-1"), (0.8, "0.8"), (1e-7, "1e-7"), (2.5e-5, "0.000025"), (1e21, "1e+21"),
+                                     (1e20, "100000000000000000000"), (float("inf"), "Infinity"), (-0.0, "0")])
+def test_numbers_in_messages_are_written_as_the_api_writes_them(x: float, text: str) -> None:
+    assert losses.js_number(x) == text
