@@ -10,7 +10,7 @@ import type { Names } from '../queues/contract/names.js';
 import type { QueueSet } from '../queues/runtime/queues.js';
 import { FailedFuture } from '../queues/registry/futures.js';
 import type { Registry } from '../queues/registry/index.js';
-import { runScript } from '../queues/runtime/scripts.js';
+import { scripts } from '../queues/runtime/scripts.js';
 import type { JobOp } from '../queues/contract/schemas.js';
 
 /**
@@ -129,20 +129,18 @@ export class FutureResolver {
     const kept = this.keptState(ref, tenant);
     if (kept) return kept;
     const agentId = ref.queue.slice('train-'.length);
-    const read = (await runScript(
-      this.redis,
-      'future-train',
-      [
-        this.outcomes.key(ref.jobId),
-        this.queues.jobKey(ref.queue, ref.jobId),
-        this.names.futureOwner(encodeRequestId(ref)),
-        this.names.failedFuture(ref.jobId),
-        this.names.gateHeldIndex(),
-        this.names.agentReaped(agentId),
-      ],
-      [ref.jobId, this.ttlAfterReadS * 1000, this.keepsOutcome(ref) ? '1' : '0', tenant],
-    )) as 0 | (string | null)[];
-    if (read === 0) return { kind: 'unknown' };
+    const read = await scripts.futureTrain.run(this.redis, {
+      keys: {
+        outcome: this.outcomes.key(ref.jobId),
+        job: this.queues.jobKey(ref.queue, ref.jobId),
+        owner: this.names.futureOwner(encodeRequestId(ref)),
+        failed: this.names.failedFuture(ref.jobId),
+        heldIndex: this.names.gateHeldIndex(),
+        reaped: this.names.agentReaped(agentId),
+      },
+      args: { jobId: ref.jobId, readTtlMs: this.ttlAfterReadS * 1000, keep: this.keepsOutcome(ref) ? '1' : '0', tenant },
+    });
+    if (read === scripts.futureTrain.codes.notOwner) return { kind: 'unknown' };
     const [o, failed, held, name, finishedOn, failedReason, reaped] = read;
     const outcome = o ? Outcome.parse(JSON.parse(o)) : null;
     if (outcome && outcome.state !== 'running') return this.fromOutcome(outcome);

@@ -5,7 +5,7 @@ import { encodeRequestId } from '../contract/futures.js';
 import { jobIds, type Names } from '../contract/names.js';
 import type { QueueSet } from './queues.js';
 import { TrainJob } from '../contract/schemas.js';
-import { runScript } from './scripts.js';
+import { scripts } from './scripts.js';
 import { localTrainConsumer, type HandedJob, type HandOff } from './train-consumer.js';
 
 /**
@@ -32,6 +32,8 @@ import { localTrainConsumer, type HandedJob, type HandOff } from './train-consum
  */
 
 export type AdmitOutcome = 'admitted' | 'duplicate';
+
+const codes = scripts.gateSubmit.codes;
 
 /** The model's agent is not alive: nothing was admitted (the caller fails the op's future instead). */
 export class AgentGone extends Error {
@@ -96,8 +98,23 @@ export class OrderingGate {
     this.modelTtlS = opts.modelTtlS ?? 86_400;
   }
 
-  private keys(modelId: string): string[] {
-    return [this.names.gateNext(modelId), this.names.gateHeld(modelId), this.names.gateHeldIndex(), this.names.gateDigests(modelId), this.names.gateGaps()];
+  /** The keys of a model's gate (queues/runtime/lua/gate-lib.lua). */
+  private keys(modelId: string) {
+    return { next: this.names.gateNext(modelId), held: this.names.gateHeld(modelId), heldIndex: this.names.gateHeldIndex(), digests: this.names.gateDigests(modelId), gaps: this.names.gateGaps() };
+  }
+
+  /** The arguments the gate's scripts share: its bounds, and where a gap's failures are written. */
+  private common(modelId: string) {
+    return {
+      modelId,
+      window: this.window,
+      gapMs: this.gapTimeoutMs,
+      bullPrefix: `${this.names.bull}:`,
+      failedPrefix: this.names.failedFuture(''),
+      failedTtlS: this.failedTtlS,
+      gapS: String(this.gapTimeoutMs / 1000),
+      trainJobIdPrefix: jobIds.train(modelId, 0).slice(0, -1),
+    };
   }
 
   /** Opens a model's gate after create_model (seq 0): the next op to release is seq 1. */
@@ -153,30 +170,29 @@ export class OrderingGate {
     const handOff = op ? (localTrainConsumer(`${this.names.bull}:${op.queue}:`)?.handOff() ?? null) : null;
     let handed: HandedJob | null = null;
     let answered = false;
-    let r: number | [number, string];
+    let reply: Awaited<ReturnType<OrderingGate['admitScript']>>;
     try {
-      r = await this.admitScript(modelId, seqId, jobId, op, extras, now, handOff);
+      reply = await this.admitScript(modelId, seqId, jobId, op, extras, now, handOff);
       answered = true;
-      if (Array.isArray(r) && r[0] === 1) {
-        handed = r.slice(1) as unknown as HandedJob;
-        r = 1;
-      }
+      // Admitted, with the job the script took for this process's consumer.
+      if (Array.isArray(reply) && reply[0] === codes.admitted) handed = reply.slice(1) as unknown as HandedJob;
     } finally {
       handOff?.settle(handed, { id: jobId, data: op?.parsed, at: now, tenant: extras.tenant }, !answered);
     }
-    if (Array.isArray(r)) throw new ModelLost(r[1]);
-    if (r === -7) throw new ModelGone(`model ${modelId} has no record`);
-    if (r === -1) throw new Error(`ordering gate of model ${modelId} is not open`);
+    if (Array.isArray(reply) && reply[0] === codes.modelLost) throw new ModelLost(reply[1]);
+    const r = Array.isArray(reply) ? reply[0] : reply;
+    if (r === codes.modelGone) throw new ModelGone(`model ${modelId} has no record`);
+    if (r === codes.notOpen) throw new Error(`ordering gate of model ${modelId} is not open`);
     // A refusal is recorded only where it can be; the request is refused either way.
-    if (op === null && r < 0) return 'duplicate';
-    if (r === -5) throw new AgentGone(`agent ${extras.agentId} is not alive`);
-    if (r === -2) {
+    if (op === null && r !== codes.admitted && r !== codes.duplicate) return 'duplicate';
+    if (r === codes.agentGone) throw new AgentGone(`agent ${extras.agentId} is not alive`);
+    if (r === codes.beyondWindow) {
       const { next } = await this.state(modelId);
       throw new BrokerError('INVALID_REQUEST', `seq_id ${seqId} of model ${modelId} is too far ahead: the next op to run is seq_id ${next}, and at most ${this.window} are accepted ahead of it`);
     }
-    if (r === -3) throw new BrokerError('INVALID_REQUEST', `seq_id ${seqId} of model ${modelId} was already submitted with a different request; a seq_id names one op`);
-    if (r === -4) throw new BrokerError('INVALID_REQUEST', `seq_id ${seqId} of model ${modelId} is more than ${this.window} ops old; it cannot be submitted again`);
-    return r === 1 ? 'admitted' : 'duplicate';
+    if (r === codes.otherPayload) throw new BrokerError('INVALID_REQUEST', `seq_id ${seqId} of model ${modelId} was already submitted with a different request; a seq_id names one op`);
+    if (r === codes.tooOld) throw new BrokerError('INVALID_REQUEST', `seq_id ${seqId} of model ${modelId} is more than ${this.window} ops old; it cannot be submitted again`);
+    return r === codes.admitted ? 'admitted' : 'duplicate';
   }
 
   /** queues/runtime/lua/gate-submit.lua, with a hand-off's take when there is one. */
@@ -188,46 +204,36 @@ export class OrderingGate {
     extras: SubmitExtras,
     now: number,
     handOff: HandOff | null,
-  ): Promise<number | [number, string]> {
-    const owner = op && extras.tenant !== undefined ? extras.tenant : '';
-    return (await runScript(
-      this.redis,
-      'gate-submit',
-      [
+  ) {
+    return scripts.gateSubmit.run(this.redis, {
+      keys: {
         ...this.keys(modelId),
-        this.names.agentAlive(extras.agentId ?? ''),
-        this.names.futureOwner(encodeRequestId({ queue: op?.queue ?? '-', jobId })),
-        this.names.modelLast(),
-        this.names.agentDrained(extras.agentId ?? ''),
-        this.names.model(modelId),
-      ],
-      [
+        agentAlive: this.names.agentAlive(extras.agentId ?? ''),
+        owner: this.names.futureOwner(encodeRequestId({ queue: op?.queue ?? '-', jobId })),
+        modelLast: this.names.modelLast(),
+        agentDrained: this.names.agentDrained(extras.agentId ?? ''),
+        model: this.names.model(modelId),
+      },
+      args: {
+        ...this.common(modelId),
         seqId,
         jobId,
-        modelId,
-        op?.digest ?? 'skip',
-        this.window,
-        this.gapTimeoutMs,
-        this.failedTtlS * 1000,
-        `${this.names.bull}:`,
-        op?.queue ?? '',
-        op?.name ?? '',
-        op?.data ?? '',
-        this.queues.storedJobOptions(),
-        now,
-        this.names.failedFuture(''),
-        this.failedTtlS,
-        String(this.gapTimeoutMs / 1000),
-        jobIds.train(modelId, 0).slice(0, -1),
-        owner,
-        extras.ownerTtlS ?? 172_800,
-        new Date(now).toISOString(),
-        op && extras.agentId ? '1' : '0',
-        this.modelTtlS * 1000,
-        op && extras.checkModel ? '1' : '0',
-        ...(handOff?.args ?? []),
-      ],
-    )) as number | [number, string];
+        digest: op?.digest ?? 'skip',
+        digestTtlMs: this.failedTtlS * 1000,
+        queue: op?.queue ?? '',
+        jobName: op?.name ?? '',
+        jobData: op?.data ?? '',
+        jobOpts: this.queues.storedJobOptions(),
+        timestamp: now,
+        tenant: op && extras.tenant !== undefined ? extras.tenant : '',
+        ownerTtlS: extras.ownerTtlS ?? 172_800,
+        nowIso: new Date(now).toISOString(),
+        checkAgent: op && extras.agentId ? '1' : '0',
+        modelTtlMs: this.modelTtlS * 1000,
+        checkModel: op && extras.checkModel ? '1' : '0',
+      },
+      optional: handOff?.take,
+    });
   }
 
   /** When the ops of `modelId` waiting behind a gap time out (ms since the epoch), or null. */
@@ -245,16 +251,7 @@ export class OrderingGate {
 
   /** Fails the ops held behind a timed-out gap and queues whatever is then in order. */
   async release(modelId: string): Promise<void> {
-    await runScript(this.redis, 'gate-release', this.keys(modelId), [
-      modelId,
-      this.window,
-      this.gapTimeoutMs,
-      `${this.names.bull}:`,
-      this.names.failedFuture(''),
-      this.failedTtlS,
-      String(this.gapTimeoutMs / 1000),
-      jobIds.train(modelId, 0).slice(0, -1),
-    ]);
+    await scripts.gateRelease.run(this.redis, { keys: this.keys(modelId), args: this.common(modelId) });
   }
 
   /** The seq_id the gate releases next, and how many ops wait behind a gap. */

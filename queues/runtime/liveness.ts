@@ -7,7 +7,7 @@ import type { Names } from '../contract/names.js';
 import { Outcomes } from './outcomes.js';
 import { AgentRecord, heartbeatMs } from '../registry/agents.js';
 import type { ModelRegistry } from '../registry/models.js';
-import { runScript } from './scripts.js';
+import { BEAT, scripts, type BeatResult } from './scripts.js';
 
 /**
  * Agent liveness (docs/reliability.md). An agent holds its id through a liveness key whose value is
@@ -32,7 +32,7 @@ export const REAP_GRACE_MIN_MS = 3_000;
 
 export { heartbeatMs };
 
-export type BeatResult = 'ok' | 'reaped' | 'taken';
+export { BEAT, type BeatResult };
 
 export class Liveness {
   private readonly missingSince = new Map<string, number>();
@@ -67,19 +67,17 @@ export class Liveness {
         );
       }
     }
-    if ((await this.beat(rec, incarnation, true)) !== 'ok') throw new Error(`agent id '${rec.agent_id}' could not be registered`);
+    if ((await this.beat(rec, incarnation, true)) !== BEAT.ok) throw new Error(`agent id '${rec.agent_id}' could not be registered`);
   }
 
   /** Refreshes the liveness key and the agent's record (re-registering after Redis lost them). */
   async beat(rec: AgentRecord, incarnation: string, takeOver = false): Promise<BeatResult> {
     if (takeOver) await this.redis.del(this.names.agentAlive(rec.agent_id), this.names.agentReaped(rec.agent_id));
     const ttl = Math.round((rec.timeout_s ?? 30) * 1000);
-    return (await runScript(
-      this.redis,
-      'liveness-beat',
-      [this.names.agentAlive(rec.agent_id), this.names.agentReaped(rec.agent_id), this.names.agents()],
-      [incarnation, ttl, rec.agent_id, JSON.stringify(rec)],
-    )) as BeatResult;
+    return scripts.livenessBeat.run(this.redis, {
+      keys: { alive: this.names.agentAlive(rec.agent_id), reaped: this.names.agentReaped(rec.agent_id), agents: this.names.agents() },
+      args: { incarnation, ttlMs: ttl, agentId: rec.agent_id, record: JSON.stringify(rec) },
+    });
   }
 
   /** After a `reaped` heartbeat: the agent has dropped its models and comes back as alive. */
@@ -89,7 +87,8 @@ export class Liveness {
   }
 
   async release(agentId: string, incarnation: string): Promise<boolean> {
-    return (await runScript(this.redis, 'liveness-release', [this.names.agentAlive(agentId), this.names.agents()], [incarnation, agentId])) === 1;
+    const r = await scripts.livenessRelease.run(this.redis, { keys: { alive: this.names.agentAlive(agentId), agents: this.names.agents() }, args: { incarnation, agentId } });
+    return r === scripts.livenessRelease.codes.released;
   }
 
   private async agentRecord(agentId: string): Promise<AgentRecord | null> {

@@ -2,7 +2,7 @@ import type { Redis } from 'ioredis';
 import { z } from 'zod';
 import type { Names } from '../contract/names.js';
 import { dropKept, handOverLocally, keepHandedOver, signalLocally, signalMessage, SIGNALLED_RECORD_MAX_BYTES } from './completions.js';
-import { runScript } from './scripts.js';
+import { scripts } from './scripts.js';
 
 /**
  * The outcome of each training op, recorded by the agent in a key of its own (not in BullMQ's job
@@ -64,7 +64,10 @@ export class Outcomes {
    * the job (`jobKey`) and the owner record (`ownerKey`), unless `keep` (one round trip).
    */
   async read(jobId: string, jobKey: string, ownerKey: string, ttlAfterReadMs: number, keep: boolean): Promise<Outcome | null> {
-    const raw = (await runScript(this.redis, 'outcome-read', [this.key(jobId), jobKey, ownerKey], [ttlAfterReadMs, keep ? '1' : '0'])) as string | null;
+    const raw = await scripts.outcomeRead.run(this.redis, {
+      keys: { outcome: this.key(jobId), job: jobKey, owner: ownerKey },
+      args: { readTtlMs: ttlAfterReadMs, keep: keep ? '1' : '0' },
+    });
     return raw === null ? null : Outcome.parse(JSON.parse(raw));
   }
 
@@ -76,13 +79,13 @@ export class Outcomes {
   /** Claims the op for running; returns null when claimed, else the record that was there first (do not run). */
   async claim(jobId: string, op: string, agentId: string, token: string): Promise<Outcome | null> {
     const rec: Outcome = { state: 'running', op, agent_id: agentId, token, at: new Date().toISOString() };
-    const prev = (await runScript(this.redis, 'outcome-claim', [this.key(jobId)], [JSON.stringify(rec), this.ttlS])) as string | null;
+    const prev = await scripts.outcomeClaim.run(this.redis, { keys: { outcome: this.key(jobId) }, args: { record: JSON.stringify(rec), ttlS: this.ttlS } });
     return prev === null ? null : Outcome.parse(JSON.parse(prev));
   }
 
   /** Gives back a claim whose op never started (it goes back to its queue); true when it was still this claim's. */
   async release(jobId: string, token: string): Promise<boolean> {
-    return (await runScript(this.redis, 'outcome-release', [this.key(jobId)], [token])) === 1;
+    return (await scripts.outcomeRelease.run(this.redis, { keys: { outcome: this.key(jobId) }, args: { token } })) === scripts.outcomeRelease.codes.released;
   }
 
   /**
@@ -121,15 +124,21 @@ export class Outcomes {
       // After the waiters' answers: they are written in the promise jobs that handing over queued
       // (the HTTP answer is a synchronous socket write), and a tick runs once those have run.
       if (woken) await new Promise((r) => process.nextTick(r));
-      prev = (await runScript(
-        this.redis,
-        'outcome-finish',
-        [this.key(jobId), ...new Set(expiries.flatMap((e) => e.keys))],
-        [
-          json, this.ttlS, token, channel, jobId, SIGNALLED_RECORD_MAX_BYTES, Math.min(...expiries.map((e) => e.ms), 0x7fffffff), subscriptions,
-          ...(end && state === 'done' ? [end.queuePrefix, end.lockToken, Date.now()] : []),
-        ],
-      )) as string | number | null;
+      prev = await scripts.outcomeFinish.run(this.redis, {
+        keys: { outcome: this.key(jobId), readOnce: [...new Set(expiries.flatMap((e) => e.keys))] },
+        args: {
+          record: json,
+          ttlS: this.ttlS,
+          token,
+          channel,
+          jobId,
+          signalMaxBytes: SIGNALLED_RECORD_MAX_BYTES,
+          readOnceMs: Math.min(...expiries.map((e) => e.ms), 0x7fffffff),
+          handed: subscriptions,
+        },
+        // A done record ends the op's job in the same script.
+        optional: end && state === 'done' ? { endQueuePrefix: end.queuePrefix, lockToken: end.lockToken, finishedOn: Date.now() } : undefined,
+      });
     } finally {
       written();
     }

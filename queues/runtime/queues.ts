@@ -2,7 +2,7 @@ import { Job, Queue, type JobsOptions } from 'bullmq';
 import type { Redis } from 'ioredis';
 import type { AnyJob, SampleJob, SampleResult, TrainJob } from '../contract/schemas.js';
 import type { Names } from '../contract/names.js';
-import { runScript } from './scripts.js';
+import { scripts } from './scripts.js';
 
 /** A job as a future sees it: its op, and its end once it has one. */
 export type JobView = {
@@ -115,13 +115,23 @@ export class QueueSet {
     o: { maxWaiting: number; ownerKey: string; tenant: string; ownerTtlS: number; session: { key: string; ttlS: number } | null },
   ): Promise<SampleAdmission> {
     const q = `${this.names.bull}:${queue}:`;
-    const r = (await runScript(
-      this.connection,
-      'sample-submit',
-      [this.jobKey(queue, jobId), `${q}wait`, o.ownerKey, o.session?.key ?? o.ownerKey],
-      [q, jobId, job.op, JSON.stringify(job), this.storedJobOptions(), Date.now(), o.maxWaiting, o.tenant, o.session ? o.session.ttlS : '', o.ownerTtlS],
-    )) as number;
-    return r === 1 ? 'queued' : r === 0 ? 'replay' : r === -1 ? 'full' : 'conflict';
+    const r = await scripts.sampleSubmit.run(this.connection, {
+      keys: { job: this.jobKey(queue, jobId), wait: `${q}wait`, owner: o.ownerKey, session: o.session?.key ?? o.ownerKey },
+      args: {
+        queuePrefix: q,
+        jobId,
+        jobName: job.op,
+        jobData: JSON.stringify(job),
+        jobOpts: this.storedJobOptions(),
+        timestamp: Date.now(),
+        maxWaiting: o.maxWaiting,
+        tenant: o.tenant,
+        sessionTtlS: o.session ? o.session.ttlS : '',
+        ownerTtlS: o.ownerTtlS,
+      },
+    });
+    const codes = scripts.sampleSubmit.codes;
+    return r === codes.queued ? 'queued' : r === codes.replay ? 'replay' : r === codes.full ? 'full' : 'conflict';
   }
 
   /**
@@ -130,10 +140,11 @@ export class QueueSet {
    * with its owner record (`ownerKey`).
    */
   async sampleFuture(queue: string, jobId: string, ownerKey: string, failedKey: string, tenant: string, ttlAfterReadMs: number): Promise<SampleFutureView> {
-    const r = (await runScript(this.connection, 'future-sample', [ownerKey, this.jobKey(queue, jobId), failedKey], [tenant, ttlAfterReadMs])) as
-      | 0
-      | (string | null)[];
-    if (r === 0) return { kind: 'not-owner' };
+    const r = await scripts.futureSample.run(this.connection, {
+      keys: { owner: ownerKey, job: this.jobKey(queue, jobId), failed: failedKey },
+      args: { tenant, readTtlMs: ttlAfterReadMs },
+    });
+    if (r === scripts.futureSample.codes.notOwner) return { kind: 'not-owner' };
     const [name, finishedOn, failedReason, returnvalue, failed] = r;
     if (!name) return { kind: 'no-job', failedFuture: failed ?? null };
     return { kind: 'job', op: name, finished: !!finishedOn, failedReason: failedReason || null, returnvalue: returnvalue ? JSON.parse(returnvalue) : null };

@@ -5,7 +5,7 @@ import { expectHandOver, handOverDone } from './completions.js';
 import type { Logger } from '../infra/logger.js';
 import type { Names } from '../contract/names.js';
 import { Outcome, type CompletedEnd, type Outcomes } from './outcomes.js';
-import { runScript } from './scripts.js';
+import { scripts, TAKE_CLAIM, type OptionalArgs } from './scripts.js';
 import type { TrainJob } from '../contract/schemas.js';
 
 /** A training job as its agent takes it: the payload is unparsed (it crossed Redis; the agent parses it) unless `parsed`. */
@@ -36,13 +36,16 @@ export type TakenTrainJob = {
  * the script's take (or null: nothing taken, or the script failed).
  */
 export type HandOff = {
-  args: (string | number)[];
+  take: OptionalArgs<typeof scripts.gateSubmit>;
   /** `submitted`: the op the submit queued, its job as the gate parsed it, and the tenant its future was issued to. */
   settle: (taken: HandedJob | null, submitted: { id: string; data: TrainJob | undefined; at: number; tenant?: string | undefined }, failed: boolean) => void;
 };
 
 /** The take a submit made (queues/runtime/lua/gate-submit.lua's answer after its admit code). */
 export type HandedJob = [id: string, more: number, claim: number, prev: string | null, fields: (string | null)[]];
+
+const adopted = scripts.trainAdopt.codes;
+const finished = scripts.outcomeFinish.codes;
 
 /** The consumers of this process, by their queue's key prefix: a gate here hands them jobs (handOff). */
 const local = new Map<string, TrainConsumer>();
@@ -199,12 +202,22 @@ export class TrainConsumer {
     const claim = this.o.claimAtTake();
     const [outcomeBefore, outcomeAfter] = this.names.outcomeParts();
     const now = Date.now();
-    const r = (await runScript(
-      this.redis,
-      'train-take',
-      [this.keys.wait, this.keys.active, this.keys.events, this.keys.marker],
-      [this.keys.prefix, now, this.lockToken, this.o.lockMs, claim ? '1' : '0', outcomeBefore, outcomeAfter, this.o.agentId, this.o.tokenPrefix, new Date(now).toISOString(), this.outcomes.ttlS],
-    )) as null | [string[], string, number, number, string | null];
+    const r = await scripts.trainTake.run(this.redis, {
+      keys: { wait: this.keys.wait, active: this.keys.active, events: this.keys.events, marker: this.keys.marker },
+      args: {
+        queuePrefix: this.keys.prefix,
+        now,
+        lockToken: this.lockToken,
+        lockMs: this.o.lockMs,
+        claim: claim ? '1' : '0',
+        outcomeBefore,
+        outcomeAfter,
+        agentId: this.o.agentId,
+        tokenPrefix: this.o.tokenPrefix,
+        nowIso: new Date(now).toISOString(),
+        outcomeTtlS: this.outcomes.ttlS,
+      },
+    });
     if (!r) return null;
     const [hash, id, more, claimed, prev] = r;
     const raw: Record<string, string> = {};
@@ -225,7 +238,17 @@ export class TrainConsumer {
     const claim = this.o.claimAtTake();
     const [outcomeBefore, outcomeAfter] = this.names.outcomeParts();
     return {
-      args: ['1', this.lockToken, this.o.lockMs, claim ? '1' : '0', outcomeBefore, outcomeAfter, this.o.agentId, this.o.tokenPrefix, this.outcomes.ttlS],
+      take: {
+        take: '1',
+        lockToken: this.lockToken,
+        lockMs: this.o.lockMs,
+        claim: claim ? '1' : '0',
+        outcomeBefore,
+        outcomeAfter,
+        agentId: this.o.agentId,
+        tokenPrefix: this.o.tokenPrefix,
+        outcomeTtlS: this.outcomes.ttlS,
+      },
       settle: (handed, submitted, failed) => {
         if (failed) {
           // The script may have taken a job: find it before anything else is taken.
@@ -244,9 +267,10 @@ export class TrainConsumer {
             if (!handed) return;
             const [id, more, claimed, prev, f] = handed;
             const raw: Record<string, string> = {};
-            if (claimed !== -1) ['name', 'opts', 'timestamp', 'ats', 'atm'].forEach((k, i) => f[i] != null && (raw[k] = f[i]!));
+            const gone = claimed === TAKE_CLAIM.jobGone;
+            if (!gone) ['name', 'opts', 'timestamp', 'ats', 'atm'].forEach((k, i) => f[i] != null && (raw[k] = f[i]!));
             const data = id === submitted.id ? submitted.data : f[5] == null ? undefined : JSON.parse(f[5]);
-            const t = this.received(id, more, Math.max(claimed, 0), prev, raw, data, submitted.at);
+            const t = this.received(id, more, gone ? TAKE_CLAIM.notClaimed : claimed, prev, raw, data, submitted.at);
             if (id === submitted.id && submitted.data !== undefined) t.taken.parsed = true;
             // Its future, asked for here, waits for this agent's hand-over without reading Redis.
             if (id === submitted.id && t.job && submitted.tenant) expectHandOver(this.names.outcomesChannel(), id, submitted.tenant);
@@ -281,19 +305,17 @@ export class TrainConsumer {
     for (const id of ids) {
       if (this.held.has(id)) continue;
       const jobKey = `${this.keys.prefix}${id}`;
-      const r = (await runScript(
-        this.redis,
-        'train-adopt',
-        [this.keys.active, this.keys.wait, this.keys.marker, this.keys.events, jobKey, `${jobKey}:lock`, this.names.outcome(id)],
-        [id, this.lockToken, this.o.lockMs],
-      )) as [string, string?];
-      if (r[0] === 'requeued') requeued++;
-      if (r[0] === 'held') held.push({ id, record: r[1]! });
+      const r = await scripts.trainAdopt.run(this.redis, {
+        keys: { active: this.keys.active, wait: this.keys.wait, marker: this.keys.marker, events: this.keys.events, job: jobKey, lock: `${jobKey}:lock`, outcome: this.names.outcome(id) },
+        args: { jobId: id, lockToken: this.lockToken, lockMs: this.o.lockMs },
+      });
+      if (r[0] === adopted.requeued) requeued++;
+      if (r[0] === adopted.held) held.push({ id, record: r[1]! });
     }
     // Oldest first.
     for (const { id, record } of held.reverse()) {
       const raw = await this.redis.hgetall(`${this.keys.prefix}${id}`);
-      const t = this.received(id, 0, 2, record, raw, raw.data === undefined ? undefined : JSON.parse(raw.data), Number(raw.processedOn ?? Date.now()));
+      const t = this.received(id, 0, TAKE_CLAIM.recordFirst, record, raw, raw.data === undefined ? undefined : JSON.parse(raw.data), Number(raw.processedOn ?? Date.now()));
       if (t.job) this.run(t.job, t.taken);
     }
     if (requeued || held.length) this.o.log.warn('training queue: ops left by an earlier process of this agent are settled', { queue: this.name, requeued, held: held.length });
@@ -315,7 +337,8 @@ export class TrainConsumer {
       const raw = await this.redis.hgetall(`${this.keys.prefix}${id}`);
       // Claimed by the take (this consumer's token on a running record), by no one, or another record stands.
       const rec = outcome === null ? null : Outcome.parse(JSON.parse(outcome));
-      const claimed = rec === null ? 0 : rec.state === 'running' && rec.token === `${this.o.tokenPrefix}${id}` ? 1 : 2;
+      const claimed =
+        rec === null ? TAKE_CLAIM.notClaimed : rec.state === 'running' && rec.token === `${this.o.tokenPrefix}${id}` ? TAKE_CLAIM.claimed : TAKE_CLAIM.recordFirst;
       this.o.log.warn('training queue: a job taken without its answer reaching this agent runs now', { queue: this.name, jobId: id });
       const t = this.received(id, 0, claimed, outcome, raw, raw.data === undefined ? undefined : JSON.parse(raw.data), Number(raw.processedOn ?? Date.now()));
       if (t.job) this.run(t.job, t.taken);
@@ -330,7 +353,7 @@ export class TrainConsumer {
       op: raw.name ?? '',
       data,
       timestamp: Number(raw.timestamp ?? takenAt),
-      claim: claimed === 0 ? null : { prev: claimed === 2 && prev ? Outcome.parse(JSON.parse(prev)) : null },
+      claim: claimed === TAKE_CLAIM.notClaimed ? null : { prev: claimed === TAKE_CLAIM.recordFirst && prev ? Outcome.parse(JSON.parse(prev)) : null },
       token: `${this.o.tokenPrefix}${id}`,
       end: { queuePrefix: this.keys.prefix, lockToken: this.lockToken },
     };
@@ -375,8 +398,8 @@ export class TrainConsumer {
       try {
         // Ended already by the script that recorded its outcome (Outcomes.finish with taken.end).
         const ended = verdict.state === 'done' ? taken.end.ended : undefined;
-        if (ended === 1) return;
-        if (ended !== undefined && ended < 0) throw new Error(`the job was not active under this consumer's lock (code ${ended})`);
+        if (ended === finished.ended) return;
+        if (ended !== undefined && ended !== finished.leftForBullmq) throw new Error(`the job was not active under this consumer's lock (code ${ended})`);
         const job = makeJob();
         if (verdict.state === 'done') await job.moveToCompleted(null, this.lockToken, false);
         else if (verdict.state === 'failed') await job.moveToFailed(Object.assign(new Error(verdict.reason), { name: 'UnrecoverableError' }), this.lockToken, false);

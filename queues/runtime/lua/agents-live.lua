@@ -2,9 +2,9 @@
   The records of the agents whose liveness key is current, in one round trip
   (queues/registry/agents.ts AgentRegistry.live), each with the age of its last heartbeat.
 
-  KEYS[1] the agents' records (hash: agent id -> record)
-  ARGV[1] a liveness key's text before the agent id   ARGV[2] its text after the agent id
-          (queues/contract/names.ts Names.agentAliveParts)
+  KEYS[1] agents: the agents' records (hash: agent id -> record)
+  ARGV[1] aliveBefore: a liveness key's text before the agent id
+  ARGV[2] aliveAfter: its text after the agent id (queues/contract/names.ts Names.agentAliveParts)
 
   Returns { record (JSON), ms since its last heartbeat (Redis's clock; -1 when the key's value has
   no time), ... } for each live agent.

@@ -3,8 +3,9 @@
   QueueSet.sampleFuture): a future issued to another tenant (or to none) reads as unknown and is
   left as it is. A finished job, once read, leaves Redis soon with the owner record.
 
-  KEYS[1] the future's owner record   KEYS[2] the sample's BullMQ job   KEYS[3] the failed-future record
-  ARGV[1] the asking tenant           ARGV[2] ms to keep a finished job once read
+  KEYS[1] owner: the future's owner record   KEYS[2] job: the sample's BullMQ job
+  KEYS[3] failed: the failed-future record
+  ARGV[1] tenant: the asking tenant          ARGV[2] readTtlMs: ms to keep a finished job once read
 
   Returns 0 when the future is not the tenant's, else
           { job name (its op) | false, finishedOn | false, failedReason | false, returnvalue | false,

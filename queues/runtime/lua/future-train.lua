@@ -4,10 +4,12 @@
   it is. A final outcome, once read, leaves Redis soon with the op's job and the owner record,
   unless `keep` (create_model's: its job id makes it idempotent).
 
-  KEYS[1] the outcome record      KEYS[2] the op's BullMQ job     KEYS[3] the future's owner record
-  KEYS[4] the failed-future record KEYS[5] the gate's held-index  KEYS[6] the agent's reaped marker
-  ARGV[1] job id   ARGV[2] ms to keep a read outcome   ARGV[3] '1' = keep for the retention
-  ARGV[4] the asking tenant
+  KEYS[1] outcome: the outcome record       KEYS[2] job: the op's BullMQ job
+  KEYS[3] owner: the future's owner record  KEYS[4] failed: the failed-future record
+  KEYS[5] heldIndex: the gate's held-index  KEYS[6] reaped: the agent's reaped marker
+  ARGV[1] jobId: job id                     ARGV[2] readTtlMs: ms to keep a read outcome
+  ARGV[3] keep: '1' = keep for the retention
+  ARGV[4] tenant: the asking tenant
 
   Returns 0 when the future is not the tenant's, else
           { outcome | false, failed-future | false, held model | false, job name (its op) | false,

@@ -2,11 +2,13 @@
   Fails the ops held behind a gap past its deadline and releases whatever is then in order (run for
   models with a timed-out gap, and when a held future is polled). queues/runtime/gate.ts OrderingGate.release.
 
-  KEYS[1] gate next   KEYS[2] gate held   KEYS[3] gate held-index   KEYS[4] gate digests   KEYS[5] gate gaps
+  KEYS[1] next: gate next   KEYS[2] held: gate held   KEYS[3] heldIndex: gate held-index
+  KEYS[4] digests: gate digests   KEYS[5] gaps: gate gaps
 
-  ARGV[1] model id    ARGV[2] window      ARGV[3] gap timeout ms    ARGV[4] BullMQ key prefix
-  ARGV[5] failed-future key prefix        ARGV[6] failed-future ttl s
-  ARGV[7] gap timeout s (for messages)    ARGV[8] job id prefix of the model's train jobs
+  ARGV[1] modelId: model id       ARGV[2] window: seq_ids held ahead   ARGV[3] gapMs: gap timeout ms
+  ARGV[4] bullPrefix: BullMQ key prefix                       ARGV[5] failedPrefix: failed-future key prefix
+  ARGV[6] failedTtlS: failed-future ttl s                     ARGV[7] gapS: gap timeout s (for messages)
+  ARGV[8] trainJobIdPrefix: job id prefix of the model's train jobs
 
   Returns the number of held ops failed.
 ]]

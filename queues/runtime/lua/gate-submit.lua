@@ -3,31 +3,36 @@
   is in order, releases it and every held op now in order onto the model's queue: the whole submit in
   one round trip (queues/runtime/gate.ts OrderingGate.submit / skip).
 
-  KEYS[1] gate next          KEYS[2] gate held        KEYS[3] gate held-index
-  KEYS[4] gate digests       KEYS[5] gate gaps        KEYS[6] the agent's liveness key
-  KEYS[7] the future's owner record                   KEYS[8] models' last-request hash
-  KEYS[9] the agent's drain record (the models a drained agent saved for its restart)
-  KEYS[10] the model's record
+  KEYS[1] next: gate next            KEYS[2] held: gate held        KEYS[3] heldIndex: gate held-index
+  KEYS[4] digests: gate digests      KEYS[5] gaps: gate gaps        KEYS[6] agentAlive: the agent's liveness key
+  KEYS[7] owner: the future's owner record                          KEYS[8] modelLast: models' last-request hash
+  KEYS[9] agentDrained: the agent's drain record (the models a drained agent saved for its restart)
+  KEYS[10] model: the model's record
 
-  ARGV[1]  seq_id                ARGV[2]  job id               ARGV[3]  model id
-  ARGV[4]  payload digest ('skip' for a refused request)
-  ARGV[5]  window                ARGV[6]  gap timeout ms       ARGV[7]  digest ttl ms
-  ARGV[8]  BullMQ key prefix ('<prefix>-bull:')                ARGV[9]  queue ('' for a refused request)
-  ARGV[10] job name (op)         ARGV[11] job data (JSON, stored as given)
-  ARGV[12] job opts (JSON)       ARGV[13] job timestamp ms
-  ARGV[14] failed-future key prefix                            ARGV[15] failed-future ttl s
-  ARGV[16] gap timeout s (for messages)                        ARGV[17] job id prefix of the model's train jobs
-  ARGV[18] owner tenant ('' = record no owner)                 ARGV[19] owner ttl s
-  ARGV[20] now (ISO time, the model's last request)            ARGV[21] '1': refuse when the agent is not alive
-  ARGV[22] the model's lifetime ms (its record and gate live at least this long after each op; never shortened)
-  ARGV[23] '1': check the model's record (the caller used a copy read earlier): refuse when it is gone or lost
-  ARGV[24] '1': the queue's agent runs in the caller's process and no take of its own is in flight: when the op is released,
-           take the queue's next job for it (queues/runtime/lua/train-take-lib.lua) and return it, to be handed
-           over in memory (queues/runtime/train-consumer.ts TrainConsumer.handOff); then
-  ARGV[25] the lock token    ARGV[26] the lock's duration, ms    ARGV[27] '1' = claim the outcome
-  ARGV[28] the outcome key's text before the job id              ARGV[29] its text after the job id
-  ARGV[30] the agent id      ARGV[31] the claim token's text before the job id
-  ARGV[32] the outcome record's TTL, s
+  ARGV[1]  seqId: seq_id            ARGV[2]  jobId: job id          ARGV[3]  modelId: model id
+  ARGV[4]  digest: payload digest ('skip' for a refused request)
+  ARGV[5]  window: seq_ids held ahead   ARGV[6]  gapMs: gap timeout ms
+  ARGV[7]  digestTtlMs: digest ttl ms
+  ARGV[8]  bullPrefix: BullMQ key prefix ('<prefix>-bull:')         ARGV[9]  queue: queue ('' for a refused request)
+  ARGV[10] jobName: job name (op)   ARGV[11] jobData: job data (JSON, stored as given)
+  ARGV[12] jobOpts: job opts (JSON) ARGV[13] timestamp: job timestamp ms
+  ARGV[14] failedPrefix: failed-future key prefix                   ARGV[15] failedTtlS: failed-future ttl s
+  ARGV[16] gapS: gap timeout s (for messages)
+  ARGV[17] trainJobIdPrefix: job id prefix of the model's train jobs
+  ARGV[18] tenant: owner tenant ('' = record no owner)              ARGV[19] ownerTtlS: owner ttl s
+  ARGV[20] nowIso: now (ISO time, the model's last request)
+  ARGV[21] checkAgent: '1': refuse when the agent is not alive
+  ARGV[22] modelTtlMs: the model's lifetime ms (its record and gate live at least this long after each op; never shortened)
+  ARGV[23] checkModel: '1': check the model's record (the caller used a copy read earlier): refuse when it is gone or lost
+  Optional, sent together or not at all (absent: no take):
+  ARGV[24] take: '1': the queue's agent runs in the caller's process and no take of its own is in flight: when the op is
+           released, take the queue's next job for it (queues/runtime/lua/train-take-lib.lua) and return it, to be
+           handed over in memory (queues/runtime/train-consumer.ts TrainConsumer.handOff); then
+  ARGV[25] lockToken: the lock token   ARGV[26] lockMs: the lock's duration, ms   ARGV[27] claim: '1' = claim the outcome
+  ARGV[28] outcomeBefore: the outcome key's text before the job id
+  ARGV[29] outcomeAfter: its text after the job id
+  ARGV[30] agentId: the agent id   ARGV[31] tokenPrefix: the claim token's text before the job id
+  ARGV[32] outcomeTtlS: the outcome record's TTL, s
 
   Returns 1 admitted, 0 duplicate (same payload, or a seq_id already past), -1 gate not open,
   -2 beyond the window, -3 the seq_id was used with another payload, -4 too old to recognise,

@@ -3,8 +3,10 @@
   The key's value is `<incarnation> <ms>`, the ms read from Redis's own clock (TIME), so its age can be
   told on any host (queues/runtime/lua/agents-live.lua).
 
-  KEYS[1] the agent's liveness key   KEYS[2] its reaped marker   KEYS[3] the agents' records (hash)
-  ARGV[1] incarnation   ARGV[2] the key's ttl ms   ARGV[3] agent id   ARGV[4] record (JSON)
+  KEYS[1] alive: the agent's liveness key   KEYS[2] reaped: its reaped marker
+  KEYS[3] agents: the agents' records (hash)
+  ARGV[1] incarnation: this process's incarnation   ARGV[2] ttlMs: the key's ttl ms   ARGV[3] agentId: agent id
+  ARGV[4] record: record (JSON)
 
   Returns 'reaped' (this incarnation was reaped), 'taken' (another incarnation holds the id) or 'ok'.
 ]]

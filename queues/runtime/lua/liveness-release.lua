@@ -2,8 +2,8 @@
   An agent stopping (queues/runtime/liveness.ts Liveness.release): deletes its liveness key while it is still
   this incarnation's. The record stays (the reaper fails what is left on a stopped agent).
 
-  KEYS[1] the agent's liveness key   KEYS[2] the agents' records (unused; declared for the caller)
-  ARGV[1] incarnation   ARGV[2] agent id
+  KEYS[1] alive: the agent's liveness key   KEYS[2] agents: the agents' records (unused; declared for the caller)
+  ARGV[1] incarnation: this process's incarnation   ARGV[2] agentId: agent id
 
   Returns 1 when deleted, else 0.
 ]]

@@ -1,8 +1,8 @@
 --[[
   Claims a training op for running (queues/runtime/outcomes.ts Outcomes.claim): only when it has no record.
 
-  KEYS[1] the op's outcome record
-  ARGV[1] the running record (JSON)   ARGV[2] ttl s
+  KEYS[1] outcome: the op's outcome record
+  ARGV[1] record: the running record (JSON)   ARGV[2] ttlS: ttl s
 
   Returns false when claimed, else the record that was there first (the op must not run).
 ]]

@@ -10,19 +10,21 @@
   queues/runtime/completions.ts), its read-once expiry is applied here, whichever record stands: KEYS[2..]
   then leave Redis within ARGV[7] ms (PEXPIRE LT, as api/futures.ts does after a read).
 
-  KEYS[1] the op's outcome record   KEYS[2..] the keys of a read-once expiry (none: no expiry)
-  ARGV[1] the final record (JSON)   ARGV[2] ttl s
-  ARGV[3] the claim token that may finish; '' = the reaper, which may finish any running or absent record
-  ARGV[4] the outcomes channel      ARGV[5] the job id
-  ARGV[6] the largest record sent in the message, in bytes
-  ARGV[7] the read-once expiry, ms (with KEYS[2..])
-  ARGV[8] how many subscriptions to the channel were handed the record in the caller's process: no
-          message is sent when no other connection subscribes ('0': always sent)
-  ARGV[9] '' or, to end the op's BullMQ job as completed once this (done) record is written, its
-          queue's key prefix ('<prefix>-bull:<queue>:'; queues/runtime/lua/bullmq-job.lua bullCompleteJob)
-  ARGV[10] the job lock's token     ARGV[11] the job's finishedOn, ms
+  KEYS[1] outcome: the op's outcome record
+  KEYS[2..] readOnce: the keys of a read-once expiry (none: no expiry)
+  ARGV[1] record: the final record (JSON)   ARGV[2] ttlS: ttl s
+  ARGV[3] token: the claim token that may finish; '' = the reaper, which may finish any running or absent record
+  ARGV[4] channel: the outcomes channel   ARGV[5] jobId: the job id
+  ARGV[6] signalMaxBytes: the largest record sent in the message, in bytes
+  ARGV[7] readOnceMs: the read-once expiry, ms (with KEYS[2..])
+  ARGV[8] handed: how many subscriptions to the channel were handed the record in the caller's process:
+          no message is sent when no other connection subscribes ('0': always sent)
+  Optional, sent together or not at all (absent: the job is not ended here):
+  ARGV[9] endQueuePrefix: '' or, to end the op's BullMQ job as completed once this (done) record is
+          written, its queue's key prefix ('<prefix>-bull:<queue>:'; queues/runtime/lua/bullmq-job.lua bullCompleteJob)
+  ARGV[10] lockToken: the job lock's token   ARGV[11] finishedOn: the job's finishedOn, ms
 
-  Returns false when recorded (with ARGV[8]: bullCompleteJob's code: 1 ended, 0 left for BullMQ,
+  Returns false when recorded (with ARGV[9]: bullCompleteJob's code: 1 ended, 0 left for BullMQ,
   negative not ended), else the record that stands (the job is not ended).
 ]]
 --- @include "bullmq-job"

@@ -3,8 +3,8 @@
   Redis soon, with the op's job (its payload) and its owner record, unless it must stay (`keep`:
   create_model's, whose job id makes it idempotent).
 
-  KEYS[1] the outcome record   KEYS[2] the op's job   KEYS[3] the future's owner record
-  ARGV[1] ms to keep them once read   ARGV[2] '1' = keep for the retention
+  KEYS[1] outcome: the outcome record   KEYS[2] job: the op's job   KEYS[3] owner: the future's owner record
+  ARGV[1] readTtlMs: ms to keep them once read   ARGV[2] keep: '1' = keep for the retention
 
   Returns the record, or false.
 ]]

@@ -3,8 +3,8 @@
   as the agent began to drain or stop goes back to its queue unstarted, and its next taker must be
   able to claim it. Only a running record of that very claim is removed.
 
-  KEYS[1] the op's outcome record
-  ARGV[1] the claim token
+  KEYS[1] outcome: the op's outcome record
+  ARGV[1] token: the claim token
 
   Returns 1 when removed, else 0.
 ]]

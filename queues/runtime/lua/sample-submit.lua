@@ -4,14 +4,16 @@
   future's owner is recorded and the sampling session's lifetime restarted. A job id names one
   request: an existing job with another payload is a replay that is refused (nothing written).
 
-  KEYS[1] the job (its hash)         KEYS[2] the queue's wait list
-  KEYS[3] the future's owner record  KEYS[4] the sampling session's record (touched when ARGV[9] ~= '')
+  KEYS[1] job: the job (its hash)          KEYS[2] wait: the queue's wait list
+  KEYS[3] owner: the future's owner record
+  KEYS[4] session: the sampling session's record (touched when ARGV[9] ~= '')
 
-  ARGV[1] the queue's key prefix ('<prefix>-bull:<queue>:')   ARGV[2] job id
-  ARGV[3] job name (op)    ARGV[4] job data (JSON, stored as given)    ARGV[5] job opts (JSON)
-  ARGV[6] job timestamp ms ARGV[7] the most jobs that may wait in the queue
-  ARGV[8] owner tenant     ARGV[9] the sampling session's ttl s ('' = no session to touch)
-  ARGV[10] owner ttl s
+  ARGV[1] queuePrefix: the queue's key prefix ('<prefix>-bull:<queue>:')   ARGV[2] jobId: job id
+  ARGV[3] jobName: job name (op)   ARGV[4] jobData: job data (JSON, stored as given)
+  ARGV[5] jobOpts: job opts (JSON)   ARGV[6] timestamp: job timestamp ms
+  ARGV[7] maxWaiting: the most jobs that may wait in the queue
+  ARGV[8] tenant: owner tenant   ARGV[9] sessionTtlS: the sampling session's ttl s ('' = no session to touch)
+  ARGV[10] ownerTtlS: owner ttl s
 
   Returns 1 queued, 0 a replay of the same request (its job exists with this payload),
   -1 the queue is full (nothing written), -2 the job id was used by another payload (nothing written).

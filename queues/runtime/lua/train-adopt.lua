@@ -4,9 +4,9 @@
   agent id is this process's, queues/runtime/liveness.ts claimId), so nothing will ever end the job unless
   this process does.
 
-  KEYS[1] active list   KEYS[2] wait list   KEYS[3] marker   KEYS[4] event stream
-  KEYS[5] the job's hash   KEYS[6] the job's lock   KEYS[7] the op's outcome record
-  ARGV[1] job id   ARGV[2] this consumer's lock token   ARGV[3] the lock's duration, ms
+  KEYS[1] active: active list   KEYS[2] wait: wait list   KEYS[3] marker: the wake marker  KEYS[4] events: event stream
+  KEYS[5] job: the job's hash   KEYS[6] lock: the job's lock   KEYS[7] outcome: the op's outcome record
+  ARGV[1] jobId: job id   ARGV[2] lockToken: this consumer's lock token   ARGV[3] lockMs: the lock's duration, ms
 
   Returns
     { 'gone' }          the job is not active, or its hash is gone (taken off the active list);

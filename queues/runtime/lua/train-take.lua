@@ -2,14 +2,16 @@
   Takes the next job of a training queue for its agent (queues/runtime/train-consumer.ts TrainConsumer.take),
   in one round trip: see queues/runtime/lua/train-take-lib.lua.
 
-  KEYS[1] wait list   KEYS[2] active list   KEYS[3] event stream   KEYS[4] marker
+  KEYS[1] wait: wait list   KEYS[2] active: active list   KEYS[3] events: event stream   KEYS[4] marker: the wake marker
     (declared for the reader; the library builds them from ARGV[1])
-  ARGV[1] the queue's key prefix (`<prefix>-bull:train-<agent>:`)
-  ARGV[2] now, ms            ARGV[3] the lock token      ARGV[4] the lock's duration, ms
-  ARGV[5] '1' = claim the outcome, '0' = do not
-  ARGV[6] the outcome key's text before the job id     ARGV[7] its text after the job id
-  ARGV[8] the agent id       ARGV[9] the claim token's text before the job id
-  ARGV[10] now, ISO 8601     ARGV[11] the outcome record's TTL, s
+  ARGV[1] queuePrefix: the queue's key prefix (`<prefix>-bull:train-<agent>:`)
+  ARGV[2] now: now, ms       ARGV[3] lockToken: the lock token   ARGV[4] lockMs: the lock's duration, ms
+  ARGV[5] claim: '1' = claim the outcome, '0' = do not
+  ARGV[6] outcomeBefore: the outcome key's text before the job id
+  ARGV[7] outcomeAfter: its text after the job id
+  ARGV[8] agentId: the agent id
+  ARGV[9] tokenPrefix: the claim token's text before the job id
+  ARGV[10] nowIso: now, ISO 8601   ARGV[11] outcomeTtlS: the outcome record's TTL, s
 
   Returns false when the wait list is empty, else
   { job hash (HGETALL; empty when the job's hash is gone), job id, 1 when more jobs wait else 0,
