@@ -140,6 +140,11 @@ export const ENGINE_OPS = {
     args: ModelRef.extend({ dir: z.string().min(1), optimizer: z.boolean(), gradients: z.boolean().optional() }),
     result: z.object({ dir: z.string(), size_bytes: z.number().int() }),
   },
+  /** A continuous snapshot (workers/snapshots.ts): captured at once, written on the engine's writer thread under `root/<seq_id>`. */
+  snapshot_state: {
+    args: ModelRef.extend({ root: z.string().min(1), seq_id: z.number().int().nonnegative(), keep: z.number().int().positive(), wait: z.boolean().optional() }),
+    result: z.object({ dir: z.string(), captured_bytes: z.number().int(), last_written: z.string().nullable(), last_error: z.string().nullable() }),
+  },
   load_state: {
     args: ModelRef.extend({ dir: z.string().min(1), optimizer: z.boolean(), gradients: z.boolean().optional() }),
     result: z.object({ model_id: z.string(), has_optimizer: z.boolean() }),

@@ -73,3 +73,10 @@ def test_a_failed_write_is_reported_and_the_next_one_succeeds(engine: Engine, tm
     root = str(tmp_path / "f")
     good = snapshot_state(engine.registry, writer, {"model_id": "f", "root": root, "seq_id": 2, "keep": 1, "wait": True})
     assert good["last_written"] == snapshot_dir(root, 2) and good["last_error"] is None
+
+
+def test_the_engine_op_checks_its_frame_and_writes(engine: Engine, tmp_path) -> None:
+    create(engine, "o", seed=1)
+    root = str(tmp_path / "o")
+    r = engine.call("snapshot_state", {"model_id": "o", "root": root, "seq_id": 3, "keep": 1, "wait": True})
+    assert r["last_written"] == snapshot_dir(root, 3) and complete_snapshots(root) == [snapshot_dir(root, 3)]

@@ -21,6 +21,7 @@ from .params import get_obj, get_opt_str, get_str, is_int
 from .protocol import check_args, check_result
 from .sample import Sampler
 from .save import save_sampler
+from .snapshot import SnapshotWriter, snapshot_state
 from .state import load_state, save_state
 from .train import forward_backward, optim_step
 
@@ -86,6 +87,7 @@ class Engine:
         self.placement = placement
         self.registry = Registry(placement=placement, sampler_cache_size=max(1, sampler_cache_size))
         self.sampler = Sampler(self.registry)
+        self.snapshots = SnapshotWriter()
         self.ops: dict[str, Op] = {
             "hello": self.hello,
             "load_base": self.load_base,
@@ -94,6 +96,7 @@ class Engine:
             "optim_step": lambda args: optim_step(self.registry, args),
             "save_sampler": lambda args: save_sampler(self.registry, args),
             "save_state": lambda args: save_state(self.registry, args),
+            "snapshot_state": lambda args: snapshot_state(self.registry, self.snapshots, args),
             "load_state": lambda args: load_state(self.registry, args),
             "sample": lambda args: self.sampler.run_to_end(self.sampler.sample_steps(args)),
             "sample_batch": lambda args: self.sampler.run_to_end(self.sampler.sample_batch_steps(args)),
