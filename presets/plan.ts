@@ -1,6 +1,7 @@
 import { existsSync } from 'node:fs';
 import path from 'node:path';
-import { deviceGpus, ENGINES, loadAgentConfig, loadApiConfig, loadCommonConfig, type AgentConfig, type ApiConfig, type BaseModelSpec, type EnvDefaults } from '../queues/infra/config.js';
+import { deviceGpus, loadAgentConfig, loadApiConfig, loadCommonConfig, type AgentConfig, type ApiConfig, type BaseModelSpec, type EnvDefaults } from '../queues/infra/config.js';
+import { engineCatalogue, engineOf, kindsWith } from '../workers/adapters/index.js';
 import type { Engine, ModelRole, Preset } from './schema.js';
 
 /**
@@ -80,7 +81,9 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
             dtype: m.dtype,
             tensorParallel: m.parallelism.tensor,
             ...(m.parallelism.expert > 1 ? { expertParallel: true } : {}),
-            ...(m.engine === 'verl' ? { strategy: m.parallelism.strategy, offload: m.offload } : {}),
+            // The fields only some engines use (presets/schema.ts refuses them on the others).
+            ...(engineOf(m.engine).capabilities.modelOptions.includes('strategy') ? { strategy: m.parallelism.strategy } : {}),
+            ...(engineOf(m.engine).capabilities.modelOptions.includes('offload') ? { offload: m.offload } : {}),
             roles: [],
           };
           e.aliases.push(m.name);
@@ -104,7 +107,7 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
             TB_PYTHON: opts.python,
           },
           models: specs.map(({ roles: _roles, ...s }) => s),
-        });
+        }, engineCatalogue());
         return { ...config, engine, device: a.device, roles: Object.fromEntries(specs.map((s) => [s.aliases.join('|'), s.roles])) };
       });
 
@@ -156,12 +159,13 @@ export function planProblems(p: Plan, generated: (modelPath: string) => boolean 
   if (p.agents.length === 0 && !p.api) out.push(`nothing to start on node '${p.node}' (no API and no agent placed there); pass --node with a node of the preset`);
   for (const a of p.agents) {
     const device = a.engineDevice ?? a.device;
-    if (a.engine === 'verl' && deviceGpus(device).length === 0)
-      out.push(`agent ${a.agentId}: engine 'verl' runs on GPUs; its device is '${device}' (use cuda, cuda:N or cuda:N,M,…)`);
-    if (!ENGINES[a.engine].trains) {
+    const { capabilities } = engineOf(a.engine);
+    if (capabilities.gpuOnly && deviceGpus(device).length === 0)
+      out.push(`agent ${a.agentId}: engine '${a.engine}' runs on GPUs; its device is '${device}' (use cuda, cuda:N or cuda:N,M,…)`);
+    if (!capabilities.trains) {
       const trainable = a.models.filter((m) => m.trainable);
       if (trainable.length)
-        out.push(`agent ${a.agentId}: engine '${a.engine}' samples only, but model ${trainable.map((m) => m.aliases.join('|') || m.name).join(', ')} has role actor; train it on a torch agent`);
+        out.push(`agent ${a.agentId}: engine '${a.engine}' samples only, but model ${trainable.map((m) => m.aliases.join('|') || m.name).join(', ')} has role actor; train it on an agent of an engine that trains (${kindsWith((c) => c.trains).join(', ')})`);
     }
     for (const m of a.models)
       if (!generated(m.path) && !existsSync(path.join(m.path, 'config.json')))

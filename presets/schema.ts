@@ -2,7 +2,9 @@ import { readFileSync } from 'node:fs';
 import path from 'node:path';
 import YAML from 'yaml';
 import { z } from 'zod';
-import { deviceGpus, ENGINE_KINDS, MODEL_DTYPES } from '../queues/infra/config.js';
+import { deviceGpus, MODEL_DTYPES } from '../queues/infra/config.js';
+import { defaultEngine, engineKinds, findEngine, kindsWith, type ModelOption, type PresetProblem } from '../workers/adapters/index.js';
+import { VERL_STRATEGIES } from '../workers/adapters/verl.js';
 
 /**
  * Launch presets: one YAML file describes a whole setup (models and their roles, engines, the
@@ -13,7 +15,11 @@ import { deviceGpus, ENGINE_KINDS, MODEL_DTYPES } from '../queues/infra/config.j
 export const ModelRole = z.enum(['actor', 'rollout', 'reference', 'teacher']);
 export type ModelRole = z.infer<typeof ModelRole>;
 
-export const Engine = z.enum(ENGINE_KINDS);
+/** A registered engine (workers/adapters/registry.ts), looked up when a preset is parsed. */
+export const Engine = z.string().refine((kind) => findEngine(kind) !== undefined, {
+  error: () => `Invalid option: expected one of ${engineKinds().map((k) => JSON.stringify(k)).join('|')}`,
+  abort: true,
+});
 export type Engine = z.infer<typeof Engine>;
 
 const Device = z
@@ -27,8 +33,8 @@ export const ModelSpec = z
     /** A local directory (relative paths are resolved against the preset's directory, then the working directory). */
     path: z.string().min(1),
     role: ModelRole,
-    /** @defaultValue `torch` */
-    engine: Engine.default('torch'),
+    /** @defaultValue the registered default engine (torch) */
+    engine: Engine.default(() => defaultEngine()),
     /** How the engine splits the model over the agent's GPUs; each field applies to one engine, and is refused on the others (`parallelismProblems`). */
     parallelism: z
       .object({
@@ -41,7 +47,7 @@ export const ModelSpec = z
         /** vllm: 1 (off), or the tensor size to run the experts expert-parallel over those GPUs (`--enable-expert-parallel`). @defaultValue 1 */
         expert: z.number().int().positive().default(1),
         /** verl: the training strategy (verl's FSDP2 or FSDP engine, or its VeOmni engine). @defaultValue `fsdp2` */
-        strategy: z.enum(['fsdp', 'fsdp2', 'veomni'], { error: 'verl strategies available in this version: fsdp2, fsdp, veomni (megatron is not)' }).optional(),
+        strategy: z.enum(VERL_STRATEGIES as [string, ...string[]], { error: `verl strategies available in this version: ${VERL_STRATEGIES.join(', ')} (megatron is not)` }).optional(),
       })
       .strict()
       .default({ tensor: 1, pipeline: 1, expert: 1 }),
@@ -147,27 +153,26 @@ export const Preset = z
 export type Preset = z.infer<typeof Preset>;
 
 /**
- * The fields of a model that only some engines use, refused where they would be ignored:
- * `parallelism.tensor` and `.expert` (vllm), `.data`, `.strategy` and `offload` (verl),
- * `.pipeline` (none). `agents`: the GPUs of each agent serving the model.
+ * The fields of a model that only some engines use, refused where they would be ignored: each
+ * engine registers those it uses (`modelOptions`) and its own rules for them (`presetProblems`);
+ * `.pipeline` no engine uses. `agents`: the GPUs of each agent serving the model.
  */
-function parallelismProblems(m: ModelSpec, agents: { id: string; device: string; n: number }[]): [(string | number)[], string][] {
-  const out: [(string | number)[], string][] = [];
+function parallelismProblems(m: ModelSpec, agents: { id: string; device: string; n: number }[]): PresetProblem[] {
+  const out: PresetProblem[] = [];
   const par = m.parallelism;
+  const def = findEngine(m.engine);
+  if (!def) return out; // the engine field's own issue says so
+  const uses = (o: ModelOption) => def.capabilities.modelOptions.includes(o);
+  const users = (o: ModelOption) => kindsWith((c) => c.modelOptions.includes(o));
+  const owners = (o: ModelOption) => users(o).map((k) => `engine '${k}'`).join(' or ');
   const engine = `engine '${m.engine}'`;
-  if (par.pipeline !== 1) out.push([['parallelism', 'pipeline'], 'pipeline parallelism is not available in this version (vllm splits a model with tensor, verl with data)']);
-  if (m.engine !== 'vllm') {
-    if (par.tensor !== 1) out.push([['parallelism', 'tensor'], `tensor parallelism applies to engine 'vllm'; ${engine} ${m.engine === 'verl' ? "shards the model over its agent's GPUs with FSDP" : 'runs a model on one device'}`]);
-    if (par.expert !== 1) out.push([['parallelism', 'expert'], `expert parallelism applies to engine 'vllm', not ${engine}`]);
-  } else if (par.expert !== 1 && par.expert !== par.tensor)
-    out.push([['parallelism', 'expert'], `vLLM runs the experts over the tensor-parallel GPUs: expert is 1 (off) or equal to tensor (${par.tensor}), got ${par.expert}`]);
-  if (m.engine !== 'verl') {
-    if (par.data !== undefined && par.data !== 1) out.push([['parallelism', 'data'], `data parallelism applies to engine 'verl', not ${engine}`]);
-    if (par.strategy !== undefined) out.push([['parallelism', 'strategy'], `strategy applies to engine 'verl', not ${engine}`]);
-    if (m.offload) out.push([['offload'], `offload applies to engine 'verl', not ${engine}`]);
-  } else if (par.data !== undefined)
-    for (const a of agents.filter((x) => x.n > 0 && x.n !== par.data))
-      out.push([['parallelism', 'data'], `data ${par.data}, but agent '${a.id}' runs this model on ${a.n} GPU(s) (${a.device}): verl shards it over every GPU of its agent`]);
+  if (par.pipeline !== 1) out.push([['parallelism', 'pipeline'], `pipeline parallelism is not available in this version (${users('tensor').join(' and ')} splits a model with tensor, ${users('data').join(' and ')} with data)`]);
+  if (!uses('tensor') && par.tensor !== 1) out.push([['parallelism', 'tensor'], `tensor parallelism applies to ${owners('tensor')}; ${engine} ${def.capabilities.placement}`]);
+  if (!uses('expert') && par.expert !== 1) out.push([['parallelism', 'expert'], `expert parallelism applies to ${owners('expert')}, not ${engine}`]);
+  if (!uses('data') && par.data !== undefined && par.data !== 1) out.push([['parallelism', 'data'], `data parallelism applies to ${owners('data')}, not ${engine}`]);
+  if (!uses('strategy') && par.strategy !== undefined) out.push([['parallelism', 'strategy'], `strategy applies to ${owners('strategy')}, not ${engine}`]);
+  if (!uses('offload') && m.offload) out.push([['offload'], `offload applies to ${owners('offload')}, not ${engine}`]);
+  out.push(...(def.presetProblems?.(m, agents) ?? []));
   return out;
 }
 

@@ -1,6 +1,8 @@
 import { expect } from 'chai';
 import { Names } from '../queues/contract/names.js';
 import { sampleEngine, type AgentRecord, type ServedModel } from '../queues/registry/agents.js';
+import type { SampleFeature } from '../queues/infra/config.js';
+import { findEngine, recordCapabilities } from '../workers/adapters/index.js';
 
 /**
  * Which engine's agents take a sample job (queues/registry/agents.ts `sampleEngine`): the API routes every
@@ -11,9 +13,14 @@ const BASE = '/models/tiny-qwen3';
 const served = (o: Partial<ServedModel> = {}): ServedModel => ({
   name: BASE, aliases: [], arch: 'Qwen3ForCausalLM', vocab_size: 1029, max_context_length: 2048, trainable: false, lora_max_rank: 8, topk_max: 20, ...o,
 });
-const agent = (id: string, engine: string, models: ServedModel[]): AgentRecord => ({
-  agent_id: id, train_queue: `train-${id}`, models, engine, device: 'cpu', started_at: '2026-12-01T00:00:00Z',
-});
+/** A record as an agent of a registered engine publishes it (its capabilities; `deviceLacks`: what its adapter lacks on its device); others publish none. */
+const agent = (id: string, engine: string, models: ServedModel[], deviceLacks: SampleFeature[] = []): AgentRecord => {
+  const def = findEngine(engine);
+  return {
+    agent_id: id, train_queue: `train-${id}`, models, engine, device: 'cpu', started_at: '2026-12-01T00:00:00Z',
+    ...(def ? recordCapabilities(def.capabilities, deviceLacks) : {}),
+  };
+};
 const actor = agent('actor', 'torch', [served({ trainable: true, lora_max_rank: 64 })]);
 const rollout = agent('rollout', 'vllm', [served({ lora_max_rank: 16 })]);
 
@@ -47,7 +54,7 @@ describe('sample routing', () => {
     const verl = agent('trainer', 'verl', [served({ trainable: true, lora_max_rank: 128 })]);
     expect(sampleEngine(BASE, [verl, actor], 64)).to.equal('torch');
     expect(sampleEngine(BASE, [verl, rollout, actor], 8)).to.equal('vllm');
-    expect(() => sampleEngine(BASE, [verl], null)).to.throw(/served here only by engines that do not sample \(verl\); start a vLLM or torch agent/);
+    expect(() => sampleEngine(BASE, [verl], null)).to.throw(/served here only by engines that do not sample \(verl\); start an agent whose engine samples it/);
   });
 
   it('sends a request using a field vLLM cannot answer (prompt_alt_tokens_k, target_prompt_logprobs) to the torch actor, else to vLLM (whose engine refuses it)', () => {
@@ -60,7 +67,7 @@ describe('sample routing', () => {
   });
 
   it('sends prompt logprobs of an lm_head-LoRA version to the torch actor when the vLLM agent on a GPU lacks them, not when it is on the CPU', () => {
-    const gpuRollout: AgentRecord = { ...rollout, agent_id: 'gpu-rollout', device: 'cuda:0', sample_lacks: ['lm_head_prompt_logprobs'] };
+    const gpuRollout: AgentRecord = { ...agent('gpu-rollout', 'vllm', rollout.models, ['lm_head_prompt_logprobs']), device: 'cuda:0' };
     expect(sampleEngine(BASE, [gpuRollout, actor], 8, ['lm_head_prompt_logprobs'])).to.equal('torch');
     // Sampling such a version, or scoring one without an lm_head LoRA, stays on vLLM.
     expect(sampleEngine(BASE, [gpuRollout, actor], 8, [])).to.equal('vllm');
@@ -70,7 +77,7 @@ describe('sample routing', () => {
     expect(sampleEngine(BASE, [gpuRollout], 8, ['lm_head_prompt_logprobs'])).to.equal('vllm');
   });
 
-  it('puts engines it does not rank after vLLM and torch, and refuses a model nobody serves', () => {
+  it('puts engines whose records carry no capabilities after vLLM and torch, and refuses a model nobody serves', () => {
     expect(sampleEngine(BASE, [agent('x', 'other', [served()]), actor], null)).to.equal('torch');
     expect(sampleEngine(BASE, [agent('x', 'other', [served()])], null)).to.equal('other');
     expect(() => sampleEngine('/models/none', [actor, rollout], null)).to.throw(/not served here/);

@@ -1,5 +1,6 @@
 import { expect } from 'chai';
 import { Agent } from '../workers/agent.js';
+import { engineOf } from '../workers/adapters/index.js';
 import { TorchAdapter } from '../workers/adapters/torch.js';
 import { readFileSync } from 'node:fs';
 import { gpusOf, VERL_STRATEGIES, VerlAdapter, verlLaunch } from '../workers/adapters/verl.js';
@@ -56,8 +57,10 @@ describe('verl adapter', () => {
     const v = Agent.adapterFor({ ...base, engine: 'verl', engineDevice: 'cuda:0,1' }, log);
     expect(v).to.be.instanceOf(VerlAdapter);
     expect(v.kind).to.equal('verl');
-    expect(v.samples).to.equal(false);
-    expect(Agent.adapterFor({ ...base, engineDevice: 'cpu' }, log).samples).to.equal(true);
+    expect(engineOf(v.kind).capabilities).to.include({ trains: true, samples: false, gpuOnly: true });
+    const torch = Agent.adapterFor({ ...base, engineDevice: 'cpu' }, log);
+    expect(torch).to.be.instanceOf(TorchAdapter);
+    expect(engineOf(torch.kind).capabilities).to.include({ trains: true, samples: true });
     expect(() => Agent.adapterFor({ ...base, engine: 'verl', engineDevice: 'cpu' }, log)).to.throw(/runs on GPUs/);
     const err = await (v as VerlAdapter).sample({} as never).then(
       () => null,

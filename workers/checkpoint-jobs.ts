@@ -14,7 +14,7 @@ import type { EngineAdapter } from './adapters/adapter.js';
  * optimizer) and save_weights_external. Each checks that the save is allowed (queues/runtime/checkpoints.ts),
  * has the engine write the files, and records the checkpoint in the registry; an overwritten state
  * keeps its old files until the new ones are complete. Loading a state is the engine's alone
- * (Agent.trainOp). docs/architecture.md "Checkpoints" has the layout.
+ * (workers/agent/training.ts). docs/architecture.md "Checkpoints" has the layout.
  */
 export class CheckpointJobs {
   constructor(

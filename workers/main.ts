@@ -1,5 +1,6 @@
 import { loadAgentConfig } from '../queues/infra/config.js';
 import { logger } from '../queues/infra/logger.js';
+import { engineCatalogue } from './adapters/index.js';
 import { Agent } from './agent.js';
 
 /**
@@ -9,7 +10,7 @@ import { Agent } from './agent.js';
  * at once without saving.
  */
 async function main(): Promise<void> {
-  const agent = new Agent(loadAgentConfig());
+  const agent = new Agent(loadAgentConfig(process.env, undefined, engineCatalogue()));
   let signals = 0;
   const shutdown = (sig: string) => {
     if (signals++ > 0) {

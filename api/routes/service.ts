@@ -44,11 +44,12 @@ export function serviceRoutes(ctx: ApiContext): Router {
   r.get('/get_server_capabilities', async (_req, res) => {
     const served = await ctx.registry.agents.servedModels();
     res.json({
-      supported_models: [...served.values()].map(({ model }) => ({
+      // What the agents serving each model say their engines do (their records' capabilities).
+      supported_models: [...served.values()].map(({ model, samplers }) => ({
         model_name: model.name,
         max_context_length: model.max_context_length,
         trainable: model.trainable,
-        sampleable: true,
+        sampleable: samplers.length > 0,
       })),
       // Not in the SDK's response type (it keeps unknown fields): what a user should know about the losses.
       notes: CAPABILITY_NOTES,

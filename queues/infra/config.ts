@@ -14,31 +14,20 @@ import { z } from 'zod';
  * Sample-request fields some sampling engine cannot answer: the API sends a request using one to an
  * engine that can (queues/registry/agents.ts sampleEngine), and an engine that cannot refuses it clearly.
  * `lm_head_prompt_logprobs`: prompt logprobs of a sampler version with a LoRA on lm_head
- * (train_unembed), which vLLM on a GPU computes without that LoRA (docs/engines/vllm.md); what an
- * engine kind lacks everywhere is in ENGINES, what one agent lacks on its device in its record.
+ * (train_unembed), which vLLM on a GPU computes without that LoRA (docs/engines/vllm.md). What an
+ * engine lacks is in its adapter's registration (workers/adapters/registry.ts), and each agent
+ * publishes it in its record.
  */
 export type SampleFeature = 'prompt_alt_tokens_k' | 'target_prompt_logprobs' | 'lm_head_prompt_logprobs';
 /** Every SampleFeature, for the schema of the agents' records (AgentRecord.sample_lacks). */
 export const SAMPLE_FEATURES = ['prompt_alt_tokens_k', 'target_prompt_logprobs', 'lm_head_prompt_logprobs'] as const satisfies readonly SampleFeature[];
 
 /**
- * The engines an agent can drive and what each does: the one list (presets, the agent's adapter
- * choice, sample routing and `start`'s checks read it).
+ * What parsing an agent's configuration needs to know of the engines: their kinds, the default, and
+ * which train. The adapters' registry supplies it (workers/adapters/registry.ts engineCatalogue);
+ * queues/ names no engine itself.
  */
-export const ENGINES = {
-  /** transformers + PEFT: trains and samples, on the CPU or one GPU (workers/adapters/torch.ts). */
-  torch: { trains: true, samples: true, sampleLacks: [] },
-  /**
-   * vLLM's OpenAI-compatible server: samples only, with the sampler versions as LoRA adapters
-   * (workers/adapters/vllm/). Its completions API has no independent draws per prompt position and
-   * no logprobs of chosen prompt tokens beyond its top K.
-   */
-  vllm: { trains: false, samples: true, sampleLacks: ['prompt_alt_tokens_k', 'target_prompt_logprobs'] },
-  /** verl's FSDP engine over the agent's GPUs: trains only (workers/adapters/verl.ts). */
-  verl: { trains: true, samples: false, sampleLacks: [] },
-} as const satisfies Record<string, { trains: boolean; samples: boolean; sampleLacks: readonly SampleFeature[] }>;
-
-export type EngineKind = keyof typeof ENGINES;
+export type EngineCatalogue = { kinds: readonly string[]; default: string; trains(kind: string): boolean };
 
 /** GPUs named by a device string: `cuda` is GPU 0, `cuda:0,1` two GPUs, `cpu` (or anything else) none. */
 export function deviceGpus(device: string | undefined): number[] {
@@ -49,7 +38,6 @@ export function deviceGpus(device: string | undefined): number[] {
 export const MODEL_DTYPES = ['float32', 'bfloat16', 'float16'] as const;
 export type ModelDtype = (typeof MODEL_DTYPES)[number];
 
-export const ENGINE_KINDS = Object.keys(ENGINES) as [EngineKind, ...EngineKind[]];
 const csv = z
   .string()
   .transform((s) => s.split(',').map((x) => x.trim()).filter(Boolean));
@@ -126,8 +114,8 @@ const AgentEnv = CommonEnv.extend({
    * @defaultValue on device `cpu` without `OMP_NUM_THREADS` set: one fewer than the machine's cores, at least 1; else torch's own
    */
   TB_ENGINE_THREADS: z.coerce.number().int().positive().optional(),
-  /** Engine of the models served (`ENGINES`). @defaultValue `torch` */
-  TB_ENGINE: z.enum(ENGINE_KINDS).default('torch'),
+  /** Engine of the models served (a kind registered in workers/adapters/registry.ts). @defaultValue the registered default (torch) */
+  TB_ENGINE: z.string().regex(/^[a-zA-Z0-9_-]+$/, 'an engine kind: letters, digits, _ and -').optional(),
   /** vLLM engine: attach to running OpenAI-compatible servers (one URL per model, comma separated) instead of starting `vllm serve`. */
   TB_VLLM_URL: csv.optional(),
   /** vLLM engine: the `vllm` executable. @defaultValue `.venv-vllm/bin/vllm` when it exists, else `vllm` */
@@ -233,8 +221,8 @@ export type AgentConfig = {
   engineRestart: boolean;
   /** Torch engine: its CPU threads (`OMP_NUM_THREADS` of the engine process); undefined: torch's own (TB_ENGINE_THREADS). */
   engineThreads?: number | undefined;
-  /** @defaultValue `torch` */
-  engine?: EngineKind | undefined;
+  /** The engine kind (workers/adapters/registry.ts). @defaultValue the registered default (torch) */
+  engine?: string | undefined;
   /** vLLM engine: URLs of running servers to attach to, one per model in `models` order (none: the agent starts `vllm serve`). */
   vllmUrls?: string[] | undefined;
   /** vLLM engine: how it starts `vllm serve` (TB_VLLM_BIN, TB_VLLM_MAX_ADAPTERS, TB_VLLM_START_TIMEOUT_S, TB_VLLM_EXTRA_ARGS). */
@@ -331,11 +319,19 @@ export function parseModelSpec(spec: string): BaseModelSpec {
 
 /**
  * An agent's configuration. Its models: `TB_AGENT_MODELS` when set (frozen on an engine that does not
- * train), else the preset's `models`; one of the two is required.
+ * train), else the preset's `models`; one of the two is required. `engines`: the registered engines
+ * (workers/adapters/registry.ts engineCatalogue), which TB_ENGINE is checked against.
  */
-export function loadAgentConfig(env: NodeJS.ProcessEnv = process.env, preset?: { defaults: EnvDefaults; models: BaseModelSpec[] }): AgentConfig {
-  const e = parseEnv(AgentEnv, over(preset?.defaults ?? {}, env));
-  const fromEnv = e.TB_AGENT_MODELS?.map((s) => ({ ...parseModelSpec(s), ...(ENGINES[e.TB_ENGINE].trains ? {} : { trainable: false }) }));
+export function loadAgentConfig(
+  env: NodeJS.ProcessEnv = process.env,
+  preset?: { defaults: EnvDefaults; models: BaseModelSpec[] },
+  engines?: EngineCatalogue,
+): AgentConfig {
+  // With the engines known, TB_ENGINE must name one (its default the registered default); without, the agent checks it as it starts.
+  const schema = engines ? AgentEnv.extend({ TB_ENGINE: z.enum(engines.kinds as [string, ...string[]]).default(engines.default) }) : AgentEnv;
+  const e = parseEnv(schema, over(preset?.defaults ?? {}, env));
+  const trains = !e.TB_ENGINE || !engines || engines.trains(e.TB_ENGINE);
+  const fromEnv = e.TB_AGENT_MODELS?.map((s) => ({ ...parseModelSpec(s), ...(trains ? {} : { trainable: false }) }));
   const models = fromEnv ?? preset?.models;
   if (!models) throw new Error('invalid configuration:\n  TB_AGENT_MODELS: name at least one base model directory');
   const venvPython = path.resolve('.venv/bin/python');

@@ -1,5 +1,5 @@
 import { z } from 'zod';
-import { ENGINE_KINDS, ENGINES, SAMPLE_FEATURES, type SampleFeature } from '../infra/config.js';
+import { SAMPLE_FEATURES, type SampleFeature } from '../infra/config.js';
 import { BrokerError } from '../contract/errors.js';
 import { runScript } from '../runtime/scripts.js';
 import { RedisRegistry } from './store.js';
@@ -7,7 +7,9 @@ import { RedisRegistry } from './store.js';
 /**
  * The worker agents and the base models they serve, as the API sees them: the agents' records
  * (written, refreshed and removed by queues/runtime/liveness.ts), the served models they merge into, and the
- * rule that picks the engine kind a sample job goes to (`sampleEngine`).
+ * rule that picks the engine kind a sample job goes to (`sampleEngine`). What each engine can do comes
+ * from the agents' records (each agent publishes its adapter's registered capabilities,
+ * workers/adapters/registry.ts): nothing here names an engine.
  */
 
 export const ServedModel = z.object({
@@ -22,6 +24,17 @@ export const ServedModel = z.object({
 });
 export type ServedModel = z.infer<typeof ServedModel>;
 
+/** An engine's capabilities as its agents publish them (the routing side of workers/adapters/registry.ts EngineCapabilities). */
+export const EngineCapabilities = z.object({
+  trains: z.boolean(),
+  samples: z.boolean(),
+  /** Among the engines serving a model, sample jobs go to the highest. */
+  sample_priority: z.number(),
+  /** Saves its models on a drain for its restart. */
+  drains: z.boolean(),
+});
+export type EngineCapabilities = z.infer<typeof EngineCapabilities>;
+
 export const AgentRecord = z.object({
   agent_id: z.string(),
   train_queue: z.string(),
@@ -35,50 +48,41 @@ export const AgentRecord = z.object({
   timeout_s: z.number().optional(),
   host: z.string().optional(),
   pid: z.number().int().optional(),
-  /** Sample-request features this agent's engine cannot answer on its device, beyond its kind's (ENGINES). */
+  /** Sample-request features this agent's engine cannot answer: its engine's, and those it lacks on its device. */
   sample_lacks: z.array(z.enum(SAMPLE_FEATURES)).optional(),
+  /** What its engine does (workers/adapters/registry.ts EngineCapabilities). Absent: an agent that trains and samples, at priority 0. */
+  capabilities: EngineCapabilities.optional(),
 });
 export type AgentRecord = z.infer<typeof AgentRecord>;
 
-/** A base model as served here: the merged record, every live agent serving it, and those that train it. */
-export type Served = { model: ServedModel; agents: AgentRecord[]; trainers: AgentRecord[] };
+/** A base model as served here: the merged record, every live agent serving it, those that train it and those that sample it. */
+export type Served = { model: ServedModel; agents: AgentRecord[]; trainers: AgentRecord[]; samplers: AgentRecord[] };
 
-/**
- * Engines by sampling throughput under concurrent requests, fastest first. vLLM batches every request
- * it holds (continuous batching); the torch engine runs one sample request at a time, so an actor
- * that shares a sample queue with rollout agents sets the pace of everyone's requests. Engines not
- * listed come after these.
- */
-const SAMPLE_ENGINE_ORDER: readonly string[] = ['vllm', 'torch'];
-/** Engines that do not sample: their agents consume no sample queue. */
-const TRAIN_ONLY_ENGINES: readonly string[] = ENGINE_KINDS.filter((e) => !ENGINES[e].samples);
-
-/** Whether an engine kind cannot answer a sample request using `feature`. */
-function engineLacks(engine: string, feature: SampleFeature): boolean {
-  const e = (ENGINES as Record<string, { sampleLacks: readonly SampleFeature[] }>)[engine];
-  return !!e && e.sampleLacks.includes(feature);
+/** Whether an agent's engine serves sample jobs (its record says; records without capabilities do). */
+export function samples(a: AgentRecord): boolean {
+  return a.capabilities?.samples ?? true;
 }
 
 /**
- * Where a sample job of `baseModel` goes: the fastest engine kind among the live `agents` serving it
- * that can answer the request's fields (`needs`: prompt_alt_tokens_k and target_prompt_logprobs only
- * the torch engine answers; lm_head_prompt_logprobs not a vLLM agent on a GPU) and accept the sampler version's LoRA rank (`loraRank`, null for the base
- * model). The torch actor thus samples only when no rollout (vLLM) agent serves that version, or when
- * the request needs what only it answers. When no agent qualifies, the fastest engine serving the
- * model gets the job, and its engine reports the error.
+ * Where a sample job of `baseModel` goes: the engine kind of highest sampling priority among the
+ * live `agents` serving it that sample, can answer the request's fields (`needs`, against each
+ * agent's `sample_lacks`) and accept the sampler version's LoRA rank (`loraRank`, null for the base
+ * model); ties by name. Thus a torch actor samples only when no rollout (vLLM) agent serves that
+ * version, or when the request needs what only it answers. When no agent qualifies, the highest
+ * engine serving the model gets the job, and its agent reports the error.
  */
 export function sampleEngine(baseModel: string, agents: AgentRecord[], loraRank: number | null, needs: readonly SampleFeature[] = []): string {
-  const all = agents.flatMap((a) => a.models.filter((m) => m.name === baseModel).map((m) => ({ engine: a.engine, lacks: a.sample_lacks ?? [], m })));
+  const all = agents.flatMap((a) => a.models.filter((m) => m.name === baseModel).map((m) => ({ a, m })));
   if (all.length === 0) throw new BrokerError('NOT_FOUND', `base model '${baseModel}' is not served here (no live agent serves it)`);
-  const serving = all.filter((s) => !TRAIN_ONLY_ENGINES.includes(s.engine));
+  const serving = all.filter((s) => samples(s.a));
   if (serving.length === 0)
-    throw new BrokerError('UNAVAILABLE', `base model '${baseModel}' is served here only by engines that do not sample (${[...new Set(all.map((s) => s.engine))].join(', ')}); start a vLLM or torch agent for it`);
-  const able = serving.filter((s) => !needs.some((f) => engineLacks(s.engine, f) || s.lacks.includes(f)));
+    throw new BrokerError('UNAVAILABLE', `base model '${baseModel}' is served here only by engines that do not sample (${[...new Set(all.map((s) => s.a.engine))].join(', ')}); start an agent whose engine samples it`);
+  const able = serving.filter((s) => !needs.some((f) => (s.a.sample_lacks ?? []).includes(f)));
   const candidates = able.length ? able : serving;
   const fits = candidates.filter(({ m }) => loraRank === null || m.lora_max_rank >= loraRank);
-  const pool = (fits.length ? fits : candidates).map((s) => s.engine);
-  const rank = (e: string) => (SAMPLE_ENGINE_ORDER.includes(e) ? SAMPLE_ENGINE_ORDER.indexOf(e) : SAMPLE_ENGINE_ORDER.length);
-  return [...new Set(pool)].sort((a, b) => rank(a) - rank(b) || a.localeCompare(b))[0]!;
+  const priority = new Map<string, number>();
+  for (const { a } of fits.length ? fits : candidates) priority.set(a.engine, Math.max(priority.get(a.engine) ?? -Infinity, a.capabilities?.sample_priority ?? 0));
+  return [...priority.keys()].sort((x, y) => priority.get(y)! - priority.get(x)! || x.localeCompare(y))[0]!;
 }
 
 /** An agent's heartbeat period: a fifth of its timeout (queues/runtime/liveness.ts), at least 200 ms. */
@@ -111,7 +115,8 @@ export class AgentRegistry extends RedisRegistry {
   /**
    * Every base model served by a live agent, by canonical name. Agents serving one model directory
    * under different names (an actor and its rollout agents) merge: every alias resolves, the model is
-   * trainable if any agent trains it (`trainers`), and the bounds are those every agent honours.
+   * trainable if any agent trains it (`trainers`), sampled by those whose engine samples (`samplers`),
+   * and the bounds are those every agent honours.
    * `fresh`: only agents that beat lately (liveAged).
    */
   async servedModels(fresh = false): Promise<Map<string, Served>> {
@@ -120,11 +125,12 @@ export class AgentRegistry extends RedisRegistry {
       for (const m of a.models) {
         const e = out.get(m.name);
         if (!e) {
-          out.set(m.name, { model: { ...m, aliases: [...m.aliases] }, agents: [a], trainers: m.trainable ? [a] : [] });
+          out.set(m.name, { model: { ...m, aliases: [...m.aliases] }, agents: [a], trainers: m.trainable ? [a] : [], samplers: samples(a) ? [a] : [] });
           continue;
         }
         e.agents.push(a);
         if (m.trainable) e.trainers.push(a);
+        if (samples(a)) e.samplers.push(a);
         for (const alias of m.aliases) if (!e.model.aliases.includes(alias)) e.model.aliases.push(alias);
         e.model.trainable ||= m.trainable;
         e.model.max_context_length = Math.min(e.model.max_context_length, m.max_context_length);

@@ -11,15 +11,18 @@ import type {
 import type { BaseModelSpec, SampleFeature } from '../../queues/infra/config.js';
 
 /**
- * What an agent needs from an engine: one method per Tinker operation. Each engine
- * (torch today; vLLM and verl later) has one adapter that translates jobs into its calls.
+ * What an agent needs from an engine: one method per Tinker operation. Each engine has one adapter
+ * that translates jobs into its calls, and registers the engine with what it can do
+ * (workers/adapters/registry.ts); the agent reads its capabilities there by `kind`.
  */
 export interface EngineAdapter {
+  /** The registered engine this adapter drives (workers/adapters/registry.ts). */
   readonly kind: string;
   readonly device: string;
-  /** Whether the engine serves sample jobs. @defaultValue true (verl trains only) */
-  readonly samples?: boolean;
-  /** Sample-request features this engine cannot answer on its device (published in the agent's record for routing). */
+  /**
+   * Sample-request features this adapter cannot answer on its device, beyond its engine's
+   * registered `sampleLacks`; the agent publishes both in its record, for routing.
+   */
   readonly sampleLacks?: readonly SampleFeature[];
   start(): Promise<void>;
   stop(): Promise<void>;
@@ -36,8 +39,8 @@ export interface EngineAdapter {
   unloadModel(modelId: string): Promise<void>;
   sample(job: SampleJob): Promise<SampleResult>;
   /**
-   * Samples several jobs of one base model in one engine call (engines that batch); one result
-   * or one error per job, in order. Without it the agent sends jobs one at a time to `sample`.
+   * Samples several jobs of one base model in one engine call; one result or one error per job, in
+   * order. Required when the engine registers `sampleBatch`; else the agent sends jobs one at a time to `sample`.
    */
   sampleBatch?(jobs: SampleJob[]): Promise<(SampleResult | Error)[]>;
   /** Kills a hung engine at once (SIGKILL); its exit is then reported through `onExit`. */

@@ -1,4 +1,4 @@
-import type { BaseModelSpec } from '../../queues/infra/config.js';
+import type { AgentConfig, BaseModelSpec } from '../../queues/infra/config.js';
 import type { Logger } from '../../queues/infra/logger.js';
 import type { ServedModel } from '../../queues/registry/agents.js';
 import type {
@@ -13,6 +13,9 @@ import type {
 import { EngineError, EngineProcess } from '../engine.js';
 import { BinTensor, PROTOCOL_VERSION, type SampleRequest } from '../engine-protocol.js';
 import type { EngineAdapter } from './adapter.js';
+import { registerEngine } from './registry.js';
+
+const TORCH_KIND = 'torch';
 
 /** The per-request fields of `sample` and of each `sample_batch` request (docs/engine-protocol.md). */
 function sampleRequest(job: SampleJob): SampleRequest {
@@ -44,9 +47,8 @@ export type TorchAdapterOptions = {
 };
 
 export class TorchAdapter implements EngineAdapter {
-  readonly kind: string = 'torch';
-  /** The torch engine samples; an engine that only trains (verl) says false and takes no sample jobs. */
-  readonly samples: boolean = true;
+  /** The engine this adapter drives (another engine speaking the torch protocol, verl, sets its own). */
+  readonly kind: string = TORCH_KIND;
   device = 'unknown';
   private engine: EngineProcess;
   private readonly exitListeners: ((reason: string) => void)[] = [];
@@ -168,3 +170,27 @@ export class TorchAdapter implements EngineAdapter {
     return r.results.map((entry) => (entry.ok ? entry.result : new EngineError(entry.error.category, entry.error.message)));
   }
 }
+
+/** The torch engine process's environment: the configured CPU threads (TB_ENGINE_THREADS) as its OMP_NUM_THREADS. */
+function torchEnv(config: AgentConfig): { env?: NodeJS.ProcessEnv } {
+  return config.engineThreads === undefined ? {} : { env: { OMP_NUM_THREADS: String(config.engineThreads) } };
+}
+
+/** transformers + PEFT: trains and samples (batched), on the CPU or one GPU; the default engine. */
+export const TORCH_ENGINE = registerEngine({
+  kind: TORCH_KIND,
+  isDefault: true,
+  capabilities: {
+    trains: true,
+    samples: true,
+    sampleLacks: [],
+    sampleBatch: true,
+    // One sample request at a time: an actor that shares a sample queue with rollout (vLLM) agents would set everyone's pace.
+    samplePriority: 1,
+    drains: true,
+    gpuOnly: false,
+    placement: 'runs a model on one device',
+    modelOptions: [],
+  },
+  create: (config, log) => new TorchAdapter({ python: config.python, device: config.engineDevice, log, ...torchEnv(config) }),
+});

@@ -1,6 +1,7 @@
 import { deviceGpus, type BaseModelSpec } from '../../queues/infra/config.js';
 import type { Logger } from '../../queues/infra/logger.js';
 import { EngineError } from '../engine.js';
+import { registerEngine, type PresetProblem } from './registry.js';
 import { TorchAdapter } from './torch.js';
 import type { SampleJob, SampleResult } from '../../queues/contract/schemas.js';
 
@@ -9,6 +10,8 @@ export function gpusOf(device: string | undefined): number[] | null {
   const gpus = deviceGpus(device);
   return gpus.length ? gpus : null;
 }
+
+const VERL_KIND = 'verl';
 
 /** The strategies the verl engine runs (workers/python/tinker_engine_verl: STRATEGIES). */
 export const VERL_STRATEGIES: readonly string[] = ['fsdp2', 'fsdp', 'veomni'];
@@ -49,8 +52,7 @@ export function verlLaunch(device: string | undefined, models: BaseModelSpec[]):
  * does not sample: sample jobs of its models go to vLLM or torch agents serving the same base.
  */
 export class VerlAdapter extends TorchAdapter {
-  override readonly kind: string = 'verl';
-  override readonly samples: boolean = false;
+  override readonly kind: string = VERL_KIND;
 
   constructor(opts: { python: string; device?: string | undefined; log: Logger; models: BaseModelSpec[] }) {
     const launch = verlLaunch(opts.device, opts.models);
@@ -62,3 +64,28 @@ export class VerlAdapter extends TorchAdapter {
     return Promise.reject(new EngineError('server', 'the verl engine trains only; sample through a vLLM or torch agent'));
   }
 }
+
+/** verl's FSDP engine over the agent's GPUs: trains only; its models' samples go to vLLM or torch agents. */
+export const VERL_ENGINE = registerEngine({
+  kind: VERL_KIND,
+  capabilities: {
+    trains: true,
+    samples: false,
+    sampleLacks: [],
+    sampleBatch: false,
+    samplePriority: 0,
+    drains: false,
+    gpuOnly: true,
+    placement: "shards the model over its agent's GPUs with FSDP",
+    modelOptions: ['data', 'strategy', 'offload'],
+  },
+  create: (config, log) => new VerlAdapter({ python: config.python, device: config.engineDevice, log, models: config.models }),
+  // FSDP shards a model over every GPU of its agent: a preset's data size, when given, is their count.
+  presetProblems: (m, agents) => {
+    const data = m.parallelism.data;
+    if (data === undefined) return [];
+    return agents
+      .filter((a) => a.n > 0 && a.n !== data)
+      .map((a): PresetProblem => [['parallelism', 'data'], `data ${data}, but agent '${a.id}' runs this model on ${a.n} GPU(s) (${a.device}): verl shards it over every GPU of its agent`]);
+  },
+});

@@ -6,6 +6,7 @@ import type { ServedModel } from '../../../queues/registry/agents.js';
 import type { CreateModelJob, ForwardBackwardJob, OptimStepJob, SampleJob, SampleResult, SaveSamplerJob } from '../../../queues/contract/schemas.js';
 import { EngineError } from '../../engine.js';
 import type { EngineAdapter } from '../adapter.js';
+import { registerEngine } from '../registry.js';
 import { VllmClient } from './client.js';
 import { VllmModel } from './loras.js';
 import { freePort, VllmServer, vllmServeCommand, waitForHealth } from './server.js';
@@ -39,13 +40,15 @@ export type VllmAdapterOptions = {
   extraArgs?: string[] | undefined;
 };
 
+const VLLM_KIND = 'vllm';
+
 function defaultBin(): string {
   const venv = path.resolve('.venv-vllm/bin/vllm');
   return existsSync(venv) ? venv : 'vllm';
 }
 
 export class VllmAdapter implements EngineAdapter {
-  readonly kind = 'vllm';
+  readonly kind = VLLM_KIND;
   readonly device: string;
   private readonly models = new Map<string, VllmModel>();
   private servers: VllmServer[] = [];
@@ -139,8 +142,8 @@ export class VllmAdapter implements EngineAdapter {
       arch: files.arch,
       vocab_size: files.vocabSize,
       max_context_length: served.maxModelLen,
-      // Sampling only: the API places no training on this agent's models.
-      trainable: false,
+      // The agent serves it frozen: this engine does not train (VLLM_ENGINE).
+      trainable: spec.trainable,
       lora_max_rank: spec.loraMaxRank,
       topk_max: spec.topkMax,
     };
@@ -154,10 +157,7 @@ export class VllmAdapter implements EngineAdapter {
   async sample(job: SampleJob): Promise<SampleResult> {
     const m = this.models.get(job.base_model);
     if (!m) throw new EngineError('server', `base model ${job.base_model} is not served by this vLLM agent`);
-    // The API sends requests using these to a torch agent when one serves the model (queues/registry/agents.ts sampleEngine).
-    const lacks = `is not supported by the vLLM engine, and no torch agent serves ${job.base_model} with this sampler version; start one (a torch actor) to use it`;
-    if (job.prompt_alt_tokens_k) throw new EngineError('user', `prompt_alt_tokens_k ${lacks}`);
-    if (job.target_prompt_logprobs) throw new EngineError('user', `target_prompt_logprobs ${lacks}`);
+    // What it lacks (VLLM_ENGINE sampleLacks) the agent refuses before this (workers/agent/samples.ts).
     return m.sample(job);
   }
 
@@ -187,3 +187,29 @@ export class VllmAdapter implements EngineAdapter {
     // Nothing was created here.
   }
 }
+
+/**
+ * vLLM's OpenAI-compatible server: samples only (continuous batching: the fastest sampler), the
+ * sampler versions as LoRA adapters. Its completions API has no independent draws per prompt
+ * position and no logprobs of chosen prompt tokens beyond its top K.
+ */
+export const VLLM_ENGINE = registerEngine({
+  kind: VLLM_KIND,
+  capabilities: {
+    trains: false,
+    samples: true,
+    sampleLacks: ['prompt_alt_tokens_k', 'target_prompt_logprobs'],
+    sampleBatch: false,
+    samplePriority: 2,
+    drains: false,
+    gpuOnly: false,
+    placement: 'splits a model over its GPUs with tensor parallelism',
+    modelOptions: ['tensor', 'expert'],
+  },
+  create: (config, log) => new VllmAdapter({ device: config.engineDevice, urls: config.vllmUrls, log, ...config.vllm }),
+  // vLLM runs the experts over the tensor-parallel GPUs (--enable-expert-parallel).
+  presetProblems: (m) => {
+    const { tensor, expert } = m.parallelism;
+    return expert !== 1 && expert !== tensor ? [[['parallelism', 'expert'], `vLLM runs the experts over the tensor-parallel GPUs: expert is 1 (off) or equal to tensor (${tensor}), got ${expert}`]] : [];
+  },
+});

@@ -1,0 +1,151 @@
+import { randomUUID } from 'node:crypto';
+import { expect } from 'chai';
+import { Redis } from 'ioredis';
+import { Names } from '../queues/contract/names.js';
+import type { TrainJob } from '../queues/contract/schemas.js';
+import { logger } from '../queues/infra/logger.js';
+import { Liveness } from '../queues/runtime/liveness.js';
+import { JobRecorder } from '../queues/runtime/metrics.js';
+import { Outcomes } from '../queues/runtime/outcomes.js';
+import type { TakenTrainJob } from '../queues/runtime/train-consumer.js';
+import { Registry } from '../queues/registry/index.js';
+import { EngineSupervisor } from '../workers/agent/engine.js';
+import { TrainingPipeline } from '../workers/agent/training.js';
+import { CheckpointJobs } from '../workers/checkpoint-jobs.js';
+import { FakeAdapter } from './helpers/fake-adapter.js';
+import { deletePrefix, REDIS_URL } from './helpers/stack.js';
+
+/**
+ * The agent's ordered training pipeline (workers/agent/training.ts) alone: ops taken from its queue
+ * (here handed to it directly) over an adapter without an engine, their outcomes recorded in Redis.
+ * The engine runs one op at a time in the order taken; the next op's engine call starts before the
+ * previous op's outcome is recorded; an op taken ahead goes back unstarted when the agent drains.
+ */
+describe('agent training pipeline (unit)', () => {
+  const log = logger.child({ test: 'agent-training' });
+  const prefix = `test-${randomUUID().slice(0, 8)}`;
+  const names = new Names(prefix);
+  const agentId = 'a1';
+  const lora = { rank: 2, seed: 0, train_unembed: false, train_mlp: true, train_attn: true };
+  let redis: Redis;
+  let registry: Registry;
+  let outcomes: Outcomes;
+  let metrics: JobRecorder;
+
+  before(() => {
+    redis = new Redis(REDIS_URL);
+    registry = new Registry(redis, names);
+    outcomes = new Outcomes(redis, names, 60);
+    metrics = new JobRecorder(redis, names, () => undefined);
+  });
+  after(async () => {
+    await metrics.flush();
+    redis.disconnect();
+    await deletePrefix(prefix);
+  });
+
+  /** A pipeline over `adapter`; each outcome it records is logged as it is sent (`finish <job id> <state>`) among the adapter's calls. */
+  async function pipeline(adapter: FakeAdapter, halted: () => boolean = () => false) {
+    const engine = new EngineSupervisor({ config: { agentId, models: [], engineRestart: true }, log, adapter, capabilities: { trains: true }, models: registry.models, stopping: () => false, stop: () => undefined });
+    await engine.start();
+    const recorded: Pick<Outcomes, 'claim' | 'release' | 'finish'> = {
+      claim: (...a) => outcomes.claim(...a),
+      release: (...a) => outcomes.release(...a),
+      finish: (jobId, token, final, ...rest) => {
+        adapter.calls.push(`finish ${jobId} ${final.state}`);
+        return outcomes.finish(jobId, token, final, ...rest);
+      },
+    };
+    const p = new TrainingPipeline({
+      config: { agentId },
+      log,
+      adapter,
+      engine,
+      outcomes: recorded,
+      liveness: new Liveness(redis, names, registry.models, outcomes),
+      registry,
+      checkpoints: new CheckpointJobs(registry, adapter, 60),
+      metrics,
+      queue: names.trainQueue(agentId),
+      halted,
+    });
+    return { p, engine };
+  }
+
+  const taken = (data: TrainJob, claim: TakenTrainJob['claim'] = null): TakenTrainJob => {
+    const id = `j-${randomUUID().slice(0, 8)}`;
+    return { id, op: data.op, data, timestamp: Date.now(), claim, token: `inc/${id}`, end: { queuePrefix: '', lockToken: '' } };
+  };
+  const create = (model: string): TrainJob => ({ op: 'create_model', model_id: model, base_model: '/m/base', lora });
+  const fb = (model: string, seq: number): TrainJob => ({ op: 'forward_backward', model_id: model, seq_id: seq, loss_fn: 'cross_entropy', loss_fn_config: {}, forward_only: false, data: [{ tokens: [1, 2], loss_fn_inputs: {} }] });
+
+  it('runs the ops one at a time in the order taken; the next one starts on the engine before the previous outcome is recorded', async () => {
+    const adapter = new FakeAdapter('t');
+    const { p } = await pipeline(adapter);
+    expect(p.claimAtTake(), 'the engine is free: the take claims').to.equal(true);
+    const held = adapter.hold('create_model');
+    const a = taken(create('m1'));
+    const first = p.run(a);
+    expect(p.claimAtTake(), 'an op is on the engine: the next one is claimed when its turn comes').to.equal(false);
+    const b = taken(fb('m1', 1));
+    const second = p.run(b);
+    // The second op waits for the engine, however long the first takes.
+    await new Promise((r) => setTimeout(r, 20));
+    expect(adapter.calls).to.deep.equal(['create_model m1']);
+    held.resolve();
+    expect(await first).to.deep.equal({ state: 'done' });
+    expect(await second).to.deep.equal({ state: 'done' });
+    // The first op's outcome is sent once the second op's engine call is under way (the two records then go in either order).
+    expect(adapter.calls.slice(0, 2)).to.deep.equal(['create_model m1', 'forward_backward m1']);
+    expect(adapter.calls.slice(2)).to.have.members([`finish ${a.id} done`, `finish ${b.id} done`]);
+    expect(p.claimAtTake()).to.equal(true);
+    expect((await outcomes.get(b.id))!.state).to.equal('done');
+  });
+
+  it('fails an op of a model not on this engine with its reason, and the next op still runs', async () => {
+    const adapter = new FakeAdapter('t');
+    const { p } = await pipeline(adapter);
+    const bad = taken(fb('nowhere', 1));
+    const v = await p.run(bad);
+    expect(v.state).to.equal('failed');
+    expect((await outcomes.get(bad.id))!).to.include({ state: 'failed', code: 'UNAVAILABLE' });
+    const next = taken(create('m2'));
+    expect(await p.run(next)).to.deep.equal({ state: 'done' });
+    expect(adapter.calls).to.deep.equal([`finish ${bad.id} failed`, 'create_model m2', `finish ${next.id} done`]);
+  });
+
+  it('sends an op taken ahead back to its queue, its claim released, when the agent drains before its turn', async () => {
+    let halted = false;
+    const adapter = new FakeAdapter('t');
+    const { p } = await pipeline(adapter, () => halted);
+    const held = adapter.hold('create_model');
+    const first = p.run(taken(create('m3')));
+    // Taken while the engine was busy, but claimed at take (as the consumer does when it was told to).
+    const ahead = taken(fb('m3', 1), { prev: null });
+    expect(await outcomes.claim(ahead.id, ahead.op, agentId, ahead.token)).to.equal(null);
+    const second = p.run(ahead);
+    halted = true;
+    expect(p.claimAtTake()).to.equal(false);
+    held.resolve();
+    expect(await first).to.deep.equal({ state: 'done' });
+    expect(await second).to.deep.equal({ state: 'requeue' });
+    expect(adapter.calls.filter((c) => c.startsWith('forward_backward'))).to.deep.equal([]);
+    expect(await outcomes.get(ahead.id)).to.equal(null);
+  });
+
+  it('records OUTCOME_UNKNOWN for an op whose engine died under it', async () => {
+    const adapter = new FakeAdapter('t');
+    const { p } = await pipeline(adapter);
+    expect(await p.run(taken(create('m4')))).to.deep.equal({ state: 'done' });
+    const held = adapter.hold('forward_backward');
+    const job = taken(fb('m4', 1));
+    const run = p.run(job);
+    while (!adapter.calls.includes('forward_backward m4')) await new Promise((r) => setTimeout(r, 5));
+    adapter.exit('the engine process exited (code null, signal SIGKILL)');
+    held.reject(new Error('engine channel closed'));
+    expect((await run).state).to.equal('failed');
+    const o = (await outcomes.get(job.id))!;
+    expect(o).to.include({ state: 'failed', code: 'OUTCOME_UNKNOWN' });
+    expect((o as { message: string }).message).to.include('the engine process died while running it');
+  });
+});

@@ -1,0 +1,117 @@
+import { DEFAULT_OP_TIMEOUTS_S, type AgentConfig } from '../../queues/infra/config.js';
+import type { Logger } from '../../queues/infra/logger.js';
+import { BrokerError, modelUnavailable } from '../../queues/contract/errors.js';
+import type { ServedModel } from '../../queues/registry/agents.js';
+import type { ModelRegistry } from '../../queues/registry/models.js';
+import type { EngineAdapter } from '../adapters/adapter.js';
+import type { EngineCapabilities } from '../adapters/registry.js';
+
+/**
+ * Engine supervision, for one agent. It owns:
+ * - the engine's start, with the agent's base models loaded (`served`);
+ * - its restart when it dies: the models it held are marked lost, and ops wait for the new engine (`ensure`);
+ * - its kill when an op runs past its time limit (`timed`, `TB_OP_TIMEOUTS`);
+ * - the set of models that live in the current engine process (`loaded`).
+ */
+
+/** An op ran past its time limit: the engine was killed. */
+export class OpTimeout extends Error {
+  override readonly name = 'OpTimeout';
+}
+
+export type EngineSupervisorOptions = {
+  config: Pick<AgentConfig, 'agentId' | 'models' | 'engineRestart' | 'opTimeoutsS'>;
+  log: Logger;
+  adapter: EngineAdapter;
+  capabilities: Pick<EngineCapabilities, 'trains'>;
+  /** The models' records: lost models are marked there, and a model not loaded here says why. */
+  models: Pick<ModelRegistry, 'markLostOnAgent' | 'get'>;
+  /** Whether the agent is stopping: an engine exit then is expected. */
+  stopping: () => boolean;
+  /** Stops the agent (the engine could not be restarted). */
+  stop: () => void;
+};
+
+export class EngineSupervisor {
+  /** The base models of the current engine, as the agent publishes them. */
+  served: ServedModel[] = [];
+  /** Models whose adapters live in the current engine process. */
+  readonly loaded = new Set<string>();
+  /** Set while the engine restarts: jobs taken meanwhile wait for it. */
+  restarting: Promise<void> | null = null;
+  /** Incremented when the engine dies: an op that saw it change does not know its outcome. */
+  epoch = 0;
+  /** Why the agent killed its engine (an op past its time limit), for the models' lost reason. */
+  private killReason: string | null = null;
+
+  constructor(private readonly o: EngineSupervisorOptions) {
+    o.adapter.onExit((reason) => this.onExit(reason));
+  }
+
+  /** Starts the engine and loads the agent's base models. A model is trainable only on an engine that trains. */
+  async start(): Promise<void> {
+    const { adapter, config, capabilities } = this.o;
+    await adapter.start();
+    this.served = [];
+    for (const spec of config.models) {
+      const m = await adapter.loadBase(spec);
+      this.served.push(capabilities.trains ? m : { ...m, trainable: false });
+    }
+  }
+
+  private onExit(exitReason: string): void {
+    if (this.o.stopping()) return;
+    const { config, log } = this.o;
+    this.epoch++;
+    const reason = this.killReason ?? exitReason;
+    this.killReason = null;
+    log.error('engine process died', { reason });
+    const models = [...this.loaded];
+    this.loaded.clear();
+    // Set synchronously, so a job taken from now on waits for the new engine.
+    this.restarting = (async () => {
+      try {
+        await this.o.models.markLostOnAgent(config.agentId, `${reason}; load it from a saved checkpoint`);
+        if (models.length) log.warn('models lost with the engine', { models });
+        if (!config.engineRestart) throw new Error('engine restart is disabled (TB_ENGINE_RESTART=false)');
+        await this.start();
+        log.info('engine restarted');
+      } catch (e) {
+        log.error('engine not restarted; agent stopping', { error: String(e) });
+        process.exitCode = 1;
+        this.o.stop();
+      } finally {
+        this.restarting = null;
+      }
+    })();
+  }
+
+  /** Waits for a restart under way, if any. */
+  async ensure(): Promise<void> {
+    if (this.restarting) await this.restarting;
+  }
+
+  /** Throws UNAVAILABLE, with the model record's lost reason, unless the model lives in this engine. */
+  async requireLoaded(modelId: string): Promise<void> {
+    if (this.loaded.has(modelId)) return;
+    const rec = await this.o.models.get(modelId);
+    const why = rec?.lost_reason ?? 'it is not loaded on this agent';
+    throw new BrokerError('UNAVAILABLE', modelUnavailable(modelId, why));
+  }
+
+  /** Rejects with OpTimeout and kills the engine (a hung engine) when the op runs past its limit. */
+  timed<T>(op: string, p: Promise<T>): Promise<T> {
+    const limitS = this.o.config.opTimeoutsS?.[op] ?? DEFAULT_OP_TIMEOUTS_S[op] ?? 1800;
+    let timer: NodeJS.Timeout | undefined;
+    const timeout = new Promise<never>((_, reject) => {
+      timer = setTimeout(() => {
+        const why = `${op} ran past its time limit of ${limitS} s (TB_OP_TIMEOUTS); the agent killed its engine as hung`;
+        this.o.log.error('op timed out; killing the engine', { op, limitS });
+        this.killReason = why;
+        this.o.adapter.kill?.();
+        reject(new OpTimeout(why));
+      }, limitS * 1000);
+    });
+    return Promise.race([p, timeout]).finally(() => clearTimeout(timer));
+  }
+}

@@ -1,0 +1,137 @@
+import type { Redis } from 'ioredis';
+import type { AgentConfig } from '../../queues/infra/config.js';
+import type { Logger } from '../../queues/infra/logger.js';
+import type { Names } from '../../queues/contract/names.js';
+import { heartbeatMs, type Liveness } from '../../queues/runtime/liveness.js';
+import { publishAgentStats, removeAgentStats } from '../../queues/runtime/metrics.js';
+import type { AgentRecord } from '../../queues/registry/agents.js';
+import type { Registry } from '../../queues/registry/index.js';
+import type { EngineAdapter } from '../adapters/adapter.js';
+import { engineMemory } from '../stats.js';
+import type { EngineSupervisor } from './engine.js';
+
+/**
+ * Registration and liveness of one agent: its record in Redis (what it serves and what its engine
+ * can do), the claim of its agent id against a second process, the heartbeat that keeps both and its
+ * models' records alive, what a beat learns (reaped: drop the models and register again; id taken:
+ * stop; a drain asked through Redis), and the engine's memory published beside the record.
+ */
+
+export type RegistrationOptions = {
+  config: Pick<AgentConfig, 'agentId' | 'retentionS'>;
+  log: Logger;
+  names: Names;
+  redis: Redis;
+  registry: Registry;
+  liveness: Liveness;
+  adapter: EngineAdapter;
+  engine: EngineSupervisor;
+  incarnation: string;
+  /** Liveness timeout in seconds. */
+  timeoutS: number;
+  /** The record as the agent starts (no models yet). */
+  record: AgentRecord;
+  stopping: () => boolean;
+  /** A drain was asked for (`tinker-broker drain`). */
+  drain: () => void;
+  /** Another process holds this agent id now. */
+  stop: () => void;
+};
+
+export class Registration {
+  record: AgentRecord;
+  /** Set once the agent id is this process's: heartbeats start then. */
+  registered = false;
+  private heartbeat: NodeJS.Timeout | undefined;
+
+  constructor(private readonly o: RegistrationOptions) {
+    this.record = o.record;
+  }
+
+  /**
+   * Claims the agent id (a second process with this id stops here, before it touches the first one's
+   * models or jobs), then beats every fifth of the timeout, and at once when Redis is back (restarted,
+   * failed over), re-registering if it lost the record.
+   */
+  async claim(): Promise<void> {
+    await this.o.liveness.claimId(this.record, this.o.incarnation);
+    this.registered = true;
+    this.heartbeat = setInterval(() => {
+      void this.beat();
+      void this.publishStats();
+    }, heartbeatMs(this.o.timeoutS));
+    this.o.redis.on('ready', () => void this.beat());
+  }
+
+  /** The record with what the agent serves, once its engine is up (published from the next beat). */
+  serve(models: AgentRecord['models'], device: string): void {
+    this.record = { ...this.record, models, device };
+  }
+
+  /**
+   * One heartbeat: refreshes the liveness key and the record. A reaped agent (it was silent past
+   * its timeout) drops its models, which were reported unavailable, and registers again; an agent
+   * whose id another process holds now stops.
+   */
+  async beat(): Promise<'ok' | 'reaped' | 'taken' | 'error'> {
+    const { liveness, config, log, engine, incarnation } = this.o;
+    if (this.o.stopping() || !this.registered) return 'error';
+    try {
+      const r = await liveness.beat(this.record, incarnation);
+      if (r === 'reaped') {
+        const models = [...engine.loaded];
+        engine.loaded.clear();
+        log.warn('this agent was reaped (silent past its timeout): its models were reported unavailable and are dropped', { models });
+        for (const m of models) await this.o.adapter.unloadModel(m).catch(() => undefined);
+        await liveness.clearReaped(config.agentId, incarnation);
+        return await liveness.beat(this.record, incarnation);
+      }
+      // The models loaded here are in use: their records never expire while this agent lives (queues/contract/names.ts),
+      // at least five heartbeats ahead however short the retention.
+      if (r === 'ok') await this.o.registry.models.keep(engine.loaded, Math.max(config.retentionS, this.o.timeoutS));
+      if (r === 'ok' && (await this.o.redis.getdel(this.o.names.agentDrainRequest(config.agentId))) !== null) {
+        log.info('drain requested (tinker-broker drain)');
+        this.o.drain();
+      }
+      if (r === 'taken') {
+        log.error('another process registered this agent id; stopping', { agentId: config.agentId });
+        process.exitCode = 1;
+        this.o.stop();
+      }
+      return r;
+    } catch (e) {
+      log.warn('heartbeat failed', { error: String(e) });
+      return 'error';
+    }
+  }
+
+  /** Engine memory for /metrics and `tinker-broker agents`; a failure to read it is not an error of the agent. */
+  async publishStats(): Promise<void> {
+    if (!this.registered || this.o.stopping()) return;
+    const { adapter } = this.o;
+    try {
+      const mem = await engineMemory(adapter.enginePids?.() ?? [], adapter.device.startsWith('cuda'));
+      await publishAgentStats(this.o.redis, this.o.names, {
+        agent_id: this.o.config.agentId,
+        engine: adapter.kind,
+        device: adapter.device,
+        engine_rss_bytes: mem.rss,
+        gpu_memory_bytes: mem.gpu,
+        updated_at: new Date().toISOString(),
+      });
+    } catch (e) {
+      this.o.log.debug('engine stats not published', { error: String(e) });
+    }
+  }
+
+  /** Stops the heartbeat (the agent is stopping). */
+  stopBeating(): void {
+    clearInterval(this.heartbeat);
+  }
+
+  /** Gives the agent id up (the reaper then has nothing to do) and removes the published stats. */
+  async release(): Promise<void> {
+    await this.o.liveness.release(this.o.config.agentId, this.o.incarnation).catch(() => undefined);
+    await removeAgentStats(this.o.redis, this.o.names, this.o.config.agentId).catch(() => undefined);
+  }
+}

@@ -1,0 +1,193 @@
+import { performance } from 'node:perf_hooks';
+import type { Redis } from 'ioredis';
+import type { AgentConfig } from '../../queues/infra/config.js';
+import type { Logger } from '../../queues/infra/logger.js';
+import { encodeJobFailure, failure, outcomeUnknownMessage, recordedFailure } from '../../queues/contract/errors.js';
+import type { Names } from '../../queues/contract/names.js';
+import { TrainJob } from '../../queues/contract/schemas.js';
+import type { Liveness } from '../../queues/runtime/liveness.js';
+import type { JobRecorder, JobStatus } from '../../queues/runtime/metrics.js';
+import type { Outcome, Outcomes } from '../../queues/runtime/outcomes.js';
+import { TrainConsumer, type TakenTrainJob, type TrainVerdict } from '../../queues/runtime/train-consumer.js';
+import type { Registry } from '../../queues/registry/index.js';
+import type { EngineAdapter } from '../adapters/adapter.js';
+import type { CheckpointJobs } from '../checkpoint-jobs.js';
+import { OpTimeout, type EngineSupervisor } from './engine.js';
+import { opFailure, tokensOf } from './ops.js';
+import { trainOp } from './train-ops.js';
+
+/**
+ * The ordered training pipeline of one agent: the ops of its training queue, one at a time on the
+ * engine, in the queue's order, each outcome recorded exactly once (queues/runtime/outcomes.ts), never
+ * retried. It owns the engine's turn (`turn`, `ahead`): the consumer holds one op ahead, parsed and
+ * waiting, and hands the engine over to it the moment the current op's engine call returns.
+ */
+
+export type TrainingPipelineOptions = {
+  config: Pick<AgentConfig, 'agentId'>;
+  log: Logger;
+  adapter: EngineAdapter;
+  engine: EngineSupervisor;
+  outcomes: Pick<Outcomes, 'claim' | 'release' | 'finish'>;
+  liveness: Pick<Liveness, 'failPending'>;
+  registry: Pick<Registry, 'models' | 'checkpoints'>;
+  checkpoints: CheckpointJobs;
+  metrics: Pick<JobRecorder, 'add'>;
+  /** The agent's training queue (for the logs). */
+  queue: string;
+  /** Whether the agent drains or stops: ops taken ahead then go back to the queue unstarted. */
+  halted: () => boolean;
+};
+
+export class TrainingPipeline {
+  /**
+   * The engine's turn of the last training op taken (see run): `done` resolves when the engine is
+   * free for the next one; `nextStarted` is set by the op waiting on it and resolves once that op
+   * has its engine call under way, or ended without one.
+   */
+  private turn: { done: Promise<void>; nextStarted?: Promise<void> } = { done: Promise.resolve() };
+  /** Training ops taken and not yet past the engine: none means the next one taken starts at once. */
+  private ahead = 0;
+
+  constructor(private readonly o: TrainingPipelineOptions) {}
+
+  /** Whether the next op taken would start at once: the take itself then claims its outcome. */
+  claimAtTake(): boolean {
+    return this.ahead === 0 && !this.o.halted();
+  }
+
+  /**
+   * The consumer of the agent's training queue, feeding this pipeline. Two at a time: the next op
+   * waits parsed here while the current one runs (run); an op taken while the engine is free is
+   * claimed by the take itself. No stalled check: outcomes are recorded apart, the reaper handles dead agents.
+   */
+  consumer(redis: Redis, names: Names, outcomes: Outcomes, opts: { lockMs: number; tokenPrefix: string }): TrainConsumer {
+    return new TrainConsumer(redis, names, outcomes, this.o.queue, {
+      concurrency: 2,
+      lockMs: opts.lockMs,
+      agentId: this.o.config.agentId,
+      tokenPrefix: opts.tokenPrefix,
+      claimAtTake: () => this.claimAtTake(),
+      process: (job) => this.run(job),
+      // A short op starts once the client has its submit's answer (its turnaround is most of its
+      // round trip); a longer one first, then the answer: its engine time is.
+      startsAfterAnswer: (op) => op === 'optim_step',
+      log: this.o.log,
+    });
+  }
+
+  /**
+   * One training op, its outcome recorded exactly once (queues/runtime/outcomes.ts). The result lives in the
+   * outcome record; BullMQ's job only says the op finished.
+   *
+   * The training queue's consumer holds one job ahead (concurrency 2): the next op is taken and
+   * parsed while the current one runs, and waits here for the engine's turn, so the engine starts it
+   * the moment the current op returns. It is claimed only when its turn comes (an op the reaper
+   * failed before then is not run); one taken while the engine is free is claimed by the take
+   * itself. Ops run in the order the queue gives them (the gate's seq_id order). One taken ahead
+   * when the agent drains or stops goes back to the head of the queue, unstarted.
+   */
+  async run(job: TakenTrainJob): Promise<TrainVerdict> {
+    const verdict = await this.verdict(job);
+    if (verdict.state === 'failed') {
+      const d = job.data as { model_id?: string | null } | undefined;
+      this.o.log.warn('job failed', { queue: this.o.queue, jobId: job.id, op: job.op, modelId: d?.model_id ?? undefined, error: verdict.reason });
+    }
+    return verdict;
+  }
+
+  private async verdict(job: TakenTrainJob): Promise<TrainVerdict> {
+    const { outcomes, engine, config, log } = this.o;
+    const jobId = job.id;
+    const op = job.op;
+    // A job the gate in this process parsed and handed over is not parsed again.
+    const parsed = job.parsed ? { success: true as const, data: job.data as TrainJob } : TrainJob.safeParse(job.data);
+    const before = this.turn;
+    let started!: () => void;
+    before.nextStarted = new Promise<void>((r) => (started = r));
+    let endTurn!: () => void;
+    this.ahead++;
+    let turnEnded = false;
+    const turn = new Promise<void>((resolve) => (endTurn = () => {
+      if (!turnEnded) {
+        turnEnded = true;
+        this.ahead--;
+      }
+      resolve();
+    }));
+    const mine: { done: Promise<void>; nextStarted?: Promise<void> } = { done: turn };
+    this.turn = mine;
+    // The engine is free: an op waiting on this one goes first (its claim's round trip, then its
+    // engine call), then this one's outcome is answered and recorded, which would otherwise hold up
+    // that round trip's reply in this process and keep the engine idle.
+    const handOn = async () => {
+      endTurn();
+      if (mine.nextStarted) await mine.nextStarted;
+    };
+    try {
+      await before.done;
+      const token = job.token;
+      if (this.o.halted()) {
+        // Taken ahead but not started: back to the head of the queue, for whoever runs the model next.
+        if (job.claim && job.claim.prev === null) await outcomes.release(jobId, token);
+        return { state: 'requeue' };
+      }
+      const prev = job.claim ? job.claim.prev : await outcomes.claim(jobId, op, config.agentId, token);
+      if (prev) return await this.standing(jobId, op, prev);
+      const start = Date.now();
+      let epoch = -1;
+      let result: unknown;
+      let engineSpan: [number, number];
+      try {
+        // An engine restarting takes seconds: the op before this one does not wait for it.
+        if (engine.restarting) started();
+        await engine.ensure();
+        epoch = engine.epoch;
+        if (!parsed.success) throw parsed.error;
+        const t0 = performance.timeOrigin + performance.now();
+        const call = trainOp(parsed.data, this.o);
+        // Once the promise jobs that carry the call to the engine have run.
+        process.nextTick(started);
+        result = await engine.timed(op, call);
+        engineSpan = [t0, performance.timeOrigin + performance.now()];
+      } catch (err) {
+        await handOn();
+        let f = opFailure(op, err);
+        if (err instanceof OpTimeout || (epoch >= 0 && epoch !== engine.epoch))
+          f = failure('OUTCOME_UNKNOWN', outcomeUnknownMessage(op, err instanceof OpTimeout ? err.message : `the engine process died while running it: ${f.message}`));
+        const stood = await outcomes.finish(jobId, token, { state: 'failed', op, agent_id: config.agentId, ...f }, true);
+        this.meter(job, parsed.data, start, f.category === 'user' ? 'user_error' : 'server_error');
+        return await this.standing(jobId, op, stood);
+      }
+      await handOn();
+      // Early: an API in this process answers the op's future from this result, then it is recorded,
+      // and its job ended in its queue, in one script (queues/runtime/outcomes.ts).
+      const stood = await outcomes.finish(jobId, token, { state: 'done', op, agent_id: config.agentId, result, engine: engineSpan }, true, job.end);
+      // An op finished after the reaper gave up on this agent keeps the reaper's verdict in Redis (the 'job failed' line says so).
+      if (stood.state === 'done') log.debug('job done', { queue: this.o.queue, jobId, op, modelId: parsed.data?.model_id, ms: Date.now() - start });
+      this.meter(job, parsed.data, start, stood.state === 'done' ? 'ok' : 'server_error', result);
+      return await this.standing(jobId, op, stood);
+    } finally {
+      endTurn();
+      started();
+    }
+  }
+
+  /** Ends the BullMQ job as the recorded outcome says (which may be another's: the reaper's, an earlier run's). */
+  private async standing(jobId: string, op: string, o: Outcome): Promise<TrainVerdict> {
+    if (o.state === 'done') return { state: 'done' };
+    if (o.state === 'running') {
+      // Claimed by an earlier incarnation of this agent that died before finishing it.
+      const why = `the agent process that was running it (${o.token.split('/')[0]}) ended before recording its outcome`;
+      o = await this.o.liveness.failPending(jobId, op, this.o.config.agentId, why);
+      if (o.state === 'done') return { state: 'done' };
+    }
+    return { state: 'failed', reason: encodeJobFailure(recordedFailure(o)) };
+  }
+
+  /** Counts one finished training op in the metrics (and its tokens when it succeeded), written with the others of its 100 ms. */
+  private meter(job: TakenTrainJob, data: TrainJob | undefined, start: number, status: JobStatus, result?: unknown): void {
+    const tokens = status === 'ok' && data ? tokensOf(data, result) : undefined;
+    this.o.metrics.add({ op: job.op, status, enqueuedAt: job.timestamp, startedAt: start, finishedAt: Date.now(), ...(tokens ? { tokens } : {}) });
+  }
+}
