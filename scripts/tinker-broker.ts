@@ -161,7 +161,7 @@ async function start(p: Parsed): Promise<void> {
     for (const a of pl.agents) for (const m of a.models) if (generated(m.path)) ensureTinyModel(a.python, m.path, m.path === TINY_MODEL_DIR ? 0 : 1);
     if (pl.redis.embedded && (pl.api || pl.agents.length)) redis = await ensureRedis(pl.redis.url, launcher.redisDir);
     if (stopping) return;
-    // A node loads only what it runs: the API's modules when it serves the API, the agent's (and its engines' adapters) when it runs agents.
+    // A node loads only what it runs: the API's modules when it serves the API, the agent's when it runs agents (the engines' adapter registry is light and comes with presets/).
     if (pl.agents.length) {
       const { Agent } = await import('../workers/agent.js');
       for (const a of pl.agents) agents.push(new Agent(a));

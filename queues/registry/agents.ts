@@ -1,7 +1,7 @@
 import { z } from 'zod';
 import { SAMPLE_FEATURES, type SampleFeature } from '../infra/config.js';
 import { BrokerError } from '../contract/errors.js';
-import { runScript } from '../runtime/scripts.js';
+import { scripts } from '../runtime/scripts.js';
 import { RedisRegistry } from './store.js';
 
 /**
@@ -102,7 +102,8 @@ export class AgentRegistry extends RedisRegistry {
    * agent's key lives on for up to its timeout, and /healthz must not call a node ready on it.
    */
   async liveAged(fresh = false): Promise<{ record: AgentRecord; ageMs: number }[]> {
-    const flat = (await runScript(this.redis, 'agents-live', [this.names.agents()], this.names.agentAliveParts())) as (string | number)[];
+    const [aliveBefore, aliveAfter] = this.names.agentAliveParts();
+    const flat = await scripts.agentsLive.run(this.redis, { keys: { agents: this.names.agents() }, args: { aliveBefore, aliveAfter } });
     const out: { record: AgentRecord; ageMs: number }[] = [];
     for (let i = 0; i + 1 < flat.length; i += 2) {
       const record = AgentRecord.parse(JSON.parse(String(flat[i])));

@@ -246,11 +246,3 @@ async function evalScript(redis: Redis, file: string, keys: readonly string[], a
     return redis.eval(s.lua, keys.length, ...keys, ...args);
   }
 }
-
-/**
- * Runs a script with KEYS and ARGV by position.
- * @deprecated Use `scripts.<name>.run`; kept only until queues/registry/agents.ts calls `scripts.agentsLive`.
- */
-export async function runScript(redis: Redis, name: ScriptName, keys: readonly string[], args: readonly ScriptArg[]): Promise<unknown> {
-  return evalScript(redis, name, keys, args);
-}

@@ -75,7 +75,7 @@ export type TrainConsumerOptions = {
    * (after this turn of the event loop: the gate hands the job over before its caller writes the
    * answer): the client has its answer, and sends its next request, sooner, by all the work of
    * receiving and starting the op; the op starts as much later. Worth it for a short op, which ends
-   * before the client asks for its result anyway (workers/agent.ts: optim_step).
+   * before the client asks for its result anyway (workers/agent/training.ts: optim_step).
    */
   startsAfterAnswer?: (op: string) => boolean;
   process: (job: TakenTrainJob) => Promise<TrainVerdict>;

@@ -2,7 +2,7 @@ import type { Redis } from 'ioredis';
 import type { AgentConfig } from '../../queues/infra/config.js';
 import type { Logger } from '../../queues/infra/logger.js';
 import type { Names } from '../../queues/contract/names.js';
-import { heartbeatMs, type Liveness } from '../../queues/runtime/liveness.js';
+import { BEAT, heartbeatMs, type BeatResult, type Liveness } from '../../queues/runtime/liveness.js';
 import { publishAgentStats, removeAgentStats } from '../../queues/runtime/metrics.js';
 import type { AgentRecord } from '../../queues/registry/agents.js';
 import type { Registry } from '../../queues/registry/index.js';
@@ -73,12 +73,12 @@ export class Registration {
    * its timeout) drops its models, which were reported unavailable, and registers again; an agent
    * whose id another process holds now stops.
    */
-  async beat(): Promise<'ok' | 'reaped' | 'taken' | 'error'> {
+  async beat(): Promise<BeatResult | 'error'> {
     const { liveness, config, log, engine, incarnation } = this.o;
     if (this.o.stopping() || !this.registered) return 'error';
     try {
       const r = await liveness.beat(this.record, incarnation);
-      if (r === 'reaped') {
+      if (r === BEAT.reaped) {
         const models = [...engine.loaded];
         engine.loaded.clear();
         log.warn('this agent was reaped (silent past its timeout): its models were reported unavailable and are dropped', { models });
@@ -88,12 +88,12 @@ export class Registration {
       }
       // The models loaded here are in use: their records never expire while this agent lives (queues/contract/names.ts),
       // at least five heartbeats ahead however short the retention.
-      if (r === 'ok') await this.o.registry.models.keep(engine.loaded, Math.max(config.retentionS, this.o.timeoutS));
-      if (r === 'ok' && (await this.o.redis.getdel(this.o.names.agentDrainRequest(config.agentId))) !== null) {
+      if (r === BEAT.ok) await this.o.registry.models.keep(engine.loaded, Math.max(config.retentionS, this.o.timeoutS));
+      if (r === BEAT.ok && (await this.o.redis.getdel(this.o.names.agentDrainRequest(config.agentId))) !== null) {
         log.info('drain requested (tinker-broker drain)');
         this.o.drain();
       }
-      if (r === 'taken') {
+      if (r === BEAT.taken) {
         log.error('another process registered this agent id; stopping', { agentId: config.agentId });
         process.exitCode = 1;
         this.o.stop();
