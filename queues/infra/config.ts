@@ -135,6 +135,12 @@ const AgentEnv = CommonEnv.extend({
   TB_JOB_LOCK_MS: z.coerce.number().int().positive().default(30_000),
   /** How long a drained agent's saved models wait for its restart, in seconds; meanwhile its futures stay pending. @defaultValue 3600 */
   TB_DRAIN_KEEP_S: z.coerce.number().int().positive().default(3_600),
+  /** Snapshot each model every this many optim_steps (0: by time only; both 0: no snapshots). @defaultValue 1 */
+  TB_SNAPSHOT_EVERY_STEPS: z.coerce.number().int().min(0).default(1),
+  /** Snapshot each model when this many seconds passed since its last snapshot, at its next optim_step (0: by steps only). @defaultValue 0 */
+  TB_SNAPSHOT_EVERY_S: z.coerce.number().min(0).default(0),
+  /** Snapshots kept per model (the newest). @defaultValue 2 */
+  TB_SNAPSHOT_KEEP: z.coerce.number().int().positive().default(2),
 });
 
 /** What `tinker-broker start` itself reads. */
@@ -235,6 +241,8 @@ export type AgentConfig = {
   jobLockMs?: number | undefined;
   /** Seconds a drain's saved models wait for the agent's restart. @defaultValue 3600 */
   drainKeepS?: number | undefined;
+  /** Continuous snapshots (workers/snapshots.ts; TB_SNAPSHOT_*); unset: none. */
+  snapshots?: { everySteps: number; everyS: number; keep: number } | undefined;
 };
 
 /** How long one op may keep the engine busy before the agent declares it hung and kills it, in seconds. */
@@ -353,5 +361,6 @@ export function loadAgentConfig(
     opTimeoutsS: parseOpTimeouts(e.TB_OP_TIMEOUTS),
     jobLockMs: e.TB_JOB_LOCK_MS,
     drainKeepS: e.TB_DRAIN_KEEP_S,
+    snapshots: { everySteps: e.TB_SNAPSHOT_EVERY_STEPS, everyS: e.TB_SNAPSHOT_EVERY_S, keep: e.TB_SNAPSHOT_KEEP },
   };
 }

@@ -71,6 +71,16 @@ export class ModelRegistry extends RedisRegistry {
   /** Marks every model placed on `agentId` lost (but those in `except`); returns the ids it marked. */
   async markLostOnAgent(agentId: string, reason: string, except: ReadonlySet<string> = new Set()): Promise<string[]> {
     const lost: string[] = [];
+    for (const m of await this.onAgent(agentId)) {
+      if (except.has(m.model_id)) continue;
+      await this.redis.set(this.names.model(m.model_id), JSON.stringify({ ...m, lost_reason: reason }), 'KEEPTTL', 'XX');
+      lost.push(m.model_id);
+    }
+    return lost;
+  }
+  /** The models placed on the agent that are not lost (a scan of the model records). */
+  async onAgent(agentId: string): Promise<ModelRecord[]> {
+    const out: ModelRecord[] = [];
     let cursor = '0';
     do {
       const [next, keys] = await this.redis.scan(cursor, 'MATCH', this.names.model('*'), 'COUNT', 200);
@@ -79,13 +89,10 @@ export class ModelRegistry extends RedisRegistry {
         const raw = await this.redis.get(key);
         if (!raw) continue;
         const m = ModelRecord.parse(JSON.parse(raw));
-        if (m.agent_id === agentId && m.lost_reason === null && !except.has(m.model_id)) {
-          await this.redis.set(key, JSON.stringify({ ...m, lost_reason: reason }), 'KEEPTTL', 'XX');
-          lost.push(m.model_id);
-        }
+        if (m.agent_id === agentId && m.lost_reason === null) out.push(m);
       }
     } while (cursor !== '0');
-    return lost;
+    return out;
   }
   /**
    * The models stay at least `ttlS` more (never less than they had; a model kept without a TTL

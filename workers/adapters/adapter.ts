@@ -37,6 +37,11 @@ export interface EngineAdapter {
   /** Loads a training checkpoint into an existing model; without `optimizer` the Adam state starts fresh. */
   loadState(modelId: string, dir: string, optimizer: boolean, gradients?: boolean): Promise<void>;
   unloadModel(modelId: string): Promise<void>;
+  /**
+   * A continuous snapshot (workers/snapshots.ts): the model's state is copied now and written to
+   * `root/<seqId>` while training goes on; the newest `keep` stay. Absent: the engine takes none.
+   */
+  snapshot?(modelId: string, root: string, seqId: number, keep: number): Promise<{ last_error: string | null }>;
   sample(job: SampleJob): Promise<SampleResult>;
   /**
    * Samples several jobs of one base model in one engine call; one result or one error per job, in

@@ -152,6 +152,10 @@ export class TorchAdapter implements EngineAdapter {
     await this.engine.call('load_state', { model_id: modelId, dir, optimizer, gradients });
   }
 
+  async snapshot(modelId: string, root: string, seqId: number, keep: number): Promise<{ last_error: string | null }> {
+    return this.engine.call('snapshot_state', { model_id: modelId, root, seq_id: seqId, keep });
+  }
+
   async unloadModel(modelId: string): Promise<void> {
     await this.engine.call('unload_model', { model_id: modelId });
   }

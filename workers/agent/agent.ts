@@ -14,6 +14,7 @@ import type { EngineAdapter } from '../adapters/adapter.js';
 import { createAdapter, engineOf, recordCapabilities, type EngineCapabilities } from '../adapters/index.js';
 import { CheckpointJobs } from '../checkpoint-jobs.js';
 import { rebuildCheckpoints } from '../rebuild.js';
+import { AgentSnapshots } from '../snapshots.js';
 import { restoreDrained, saveDrained, type DrainStateOptions } from './drain.js';
 import { EngineSupervisor } from './engine.js';
 import { Registration } from './registration.js';
@@ -98,7 +99,9 @@ export class Agent {
     this.jobMetrics = new JobRecorder(redis, this.names, (e) => log.debug('metrics not recorded', { error: String(e) }));
     const liveness = new Liveness(redis, this.names, registry.models, outcomes);
     const stop = () => void this.stop();
-    const engine = (this.engine = new EngineSupervisor({ config, log, adapter, capabilities, models: registry.models, stopping: () => this.stopping, stop }));
+    const snapshots = new AgentSnapshots({ policy: config.snapshots, storageDir: config.storageDir, adapter, redis, names: this.names, outcomes, models: registry.models, log });
+    const recover = (ids: string[], why: string) => snapshots.bringBack(ids, why);
+    const engine = (this.engine = new EngineSupervisor({ config, log, adapter, capabilities, models: registry.models, stopping: () => this.stopping, stop, recover }));
     const published = recordCapabilities(capabilities, adapter.sampleLacks);
     const base = { config, log, names: this.names, redis, registry, adapter, engine, incarnation: this.incarnation };
     const registration = (this.registration = new Registration({
@@ -126,15 +129,19 @@ export class Agent {
     // The id first: a second process with this id stops here, before it touches the first one's models or jobs.
     await registration.claim();
     await engine.start();
-    // A new engine holds no adapters: models placed on this agent id before are gone, except those a drain saved.
+    // A new engine holds no adapters: models placed on this agent id before come back from a drain's
+    // save or from their snapshots (ops after the snapshot re-run); the others are lost.
     const restored = await restoreDrained(this.drainState);
-    const lost = await registry.models.markLostOnAgent(config.agentId, 'its worker agent restarted; load it from a saved checkpoint', restored);
+    const earlier = (await registry.models.onAgent(config.agentId)).filter((m) => !restored.has(m.model_id)).map((m) => m.model_id);
+    const recovered = await recover(earlier, 'its worker agent restarted');
+    for (const m of recovered) engine.loaded.add(m);
+    const lost = await registry.models.markLostOnAgent(config.agentId, 'its worker agent restarted; load it from a saved checkpoint', new Set([...restored, ...recovered]));
     if (lost.length) log.warn('models from a previous run of this agent are unavailable', { models: lost });
     await rebuildCheckpoints(registry, config.storageDir, log, config.retentionS).catch((e) => log.error('rebuilding checkpoint records failed', { error: String(e) }));
 
     const common = { connection: redis, prefix: this.names.bull, maxStalledCount: 0, lockDuration: config.jobLockMs ?? 30_000 };
     const halted = () => !!this.draining || this.stopping;
-    this.training = new TrainingPipeline({ ...base, outcomes, liveness, checkpoints, metrics: this.jobMetrics, queue: this.trainQueue, halted });
+    this.training = new TrainingPipeline({ ...base, outcomes, liveness, checkpoints, snapshots, metrics: this.jobMetrics, queue: this.trainQueue, halted });
     this.train = this.training.consumer(redis, this.names, outcomes, { lockMs: common.lockDuration, tokenPrefix: `${this.incarnation}/` });
     this.samples = new SampleWorkers({ ...base, capabilities, lacks: published.sample_lacks });
     await this.samples.start(engine.served, common, (source, err) => this.redisError(source, err));

@@ -9,7 +9,8 @@ import type { EngineCapabilities } from '../adapters/registry.js';
 /**
  * Engine supervision, for one agent. It owns:
  * - the engine's start, with the agent's base models loaded (`served`);
- * - its restart when it dies: the models it held are marked lost, and ops wait for the new engine (`ensure`);
+ * - its restart when it dies: ops wait for the new engine (`ensure`), which gets the models back from
+ *   their snapshots (`recover`); the others are marked lost;
  * - its kill when an op runs past its time limit (`timed`, `TB_OP_TIMEOUTS`);
  * - the set of models that live in the current engine process (`loaded`).
  */
@@ -30,6 +31,8 @@ export type EngineSupervisorOptions = {
   stopping: () => boolean;
   /** Stops the agent (the engine could not be restarted). */
   stop: () => void;
+  /** Loads the models of a dead engine into the new one (their snapshots); returns those that came back, marks the others lost with `why`. */
+  recover?: (modelIds: string[], why: string) => Promise<Set<string>>;
 };
 
 export class EngineSupervisor {
@@ -70,17 +73,22 @@ export class EngineSupervisor {
     this.loaded.clear();
     // Set synchronously, so a job taken from now on waits for the new engine.
     this.restarting = (async () => {
+      let recovered = new Set<string>();
       try {
-        await this.o.models.markLostOnAgent(config.agentId, `${reason}; load it from a saved checkpoint`);
-        if (models.length) log.warn('models lost with the engine', { models });
         if (!config.engineRestart) throw new Error('engine restart is disabled (TB_ENGINE_RESTART=false)');
         await this.start();
-        log.info('engine restarted');
+        if (this.o.recover && models.length) recovered = await this.o.recover(models, reason);
+        for (const m of recovered) this.loaded.add(m);
+        log.info('engine restarted', recovered.size ? { recovered: [...recovered] } : {});
       } catch (e) {
         log.error('engine not restarted; agent stopping', { error: String(e) });
         process.exitCode = 1;
         this.o.stop();
       } finally {
+        // Every other model placed here is lost: its ops fail with the reason from now on.
+        await this.o.models.markLostOnAgent(config.agentId, `${reason}; load it from a saved checkpoint`, recovered).catch((e) => log.error('models not marked lost', { error: String(e) }));
+        const lost = models.filter((m) => !recovered.has(m));
+        if (lost.length) log.warn('models lost with the engine', { models: lost });
         this.restarting = null;
       }
     })();

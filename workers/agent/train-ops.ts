@@ -3,16 +3,23 @@ import { requireCheckpointRecord } from '../../queues/runtime/checkpoints.js';
 import type { Registry } from '../../queues/registry/index.js';
 import type { EngineAdapter } from '../adapters/adapter.js';
 import type { CheckpointJobs } from '../checkpoint-jobs.js';
+import type { AgentSnapshots } from '../snapshots.js';
 import type { EngineSupervisor } from './engine.js';
 
 /**
  * What each training op does, once its turn on the engine has come (workers/agent/training.ts): its
  * adapter call, with the checks and records around it (the model lives in this engine, a checkpoint
- * exists, a model unloaded is marked lost).
+ * exists, a model unloaded is marked lost, a snapshot after an optim_step when one is due).
  */
 export async function trainOp(
   data: TrainJob,
-  { adapter, engine, registry, checkpoints }: { adapter: EngineAdapter; engine: EngineSupervisor; registry: Pick<Registry, 'models' | 'checkpoints'>; checkpoints: CheckpointJobs },
+  {
+    adapter,
+    engine,
+    registry,
+    checkpoints,
+    snapshots,
+  }: { adapter: EngineAdapter; engine: EngineSupervisor; registry: Pick<Registry, 'models' | 'checkpoints'>; checkpoints: CheckpointJobs; snapshots?: AgentSnapshots | undefined },
 ): Promise<unknown> {
   switch (data.op) {
     case 'create_model': {
@@ -23,9 +30,13 @@ export async function trainOp(
     case 'forward_backward':
       await engine.requireLoaded(data.model_id);
       return adapter.forwardBackward(data);
-    case 'optim_step':
+    case 'optim_step': {
       await engine.requireLoaded(data.model_id);
-      return adapter.optimStep(data);
+      const r = await adapter.optimStep(data);
+      // Before the next op takes the engine: only the state's copy waits (workers/snapshots.ts).
+      await snapshots?.afterOptimStep(data.model_id, data.seq_id);
+      return r;
+    }
     case 'save_weights_for_sampler':
       await engine.requireLoaded(data.model_id);
       return checkpoints.saveSampler(data);
@@ -45,6 +56,7 @@ export async function trainOp(
       if (engine.loaded.has(data.model_id)) await adapter.unloadModel(data.model_id);
       engine.loaded.delete(data.model_id);
       await registry.models.markLost(data.model_id, 'it was unloaded (unload_model)');
+      await snapshots?.drop(data.model_id);
       return { model_id: data.model_id };
   }
 }

@@ -14,6 +14,7 @@ import type { EngineAdapter } from '../adapters/adapter.js';
 import type { CheckpointJobs } from '../checkpoint-jobs.js';
 import { OpTimeout, type EngineSupervisor } from './engine.js';
 import { opFailure, tokensOf } from './ops.js';
+import type { AgentSnapshots } from '../snapshots.js';
 import { trainOp } from './train-ops.js';
 
 /**
@@ -32,6 +33,8 @@ export type TrainingPipelineOptions = {
   liveness: Pick<Liveness, 'failPending'>;
   registry: Pick<Registry, 'models' | 'checkpoints'>;
   checkpoints: CheckpointJobs;
+  /** Continuous snapshots after optim_steps (workers/snapshots.ts); absent: none. */
+  snapshots?: AgentSnapshots | undefined;
   metrics: Pick<JobRecorder, 'add'>;
   /** The agent's training queue (for the logs). */
   queue: string;
