@@ -51,6 +51,12 @@ export class Client {
     expect(r.status, JSON.stringify(r.json)).to.equal(200);
     return r.json.request_id;
   }
+  /** save_weights_for_sampler under `path`: the sampler version's tinker path. */
+  async saveSampler(model: string, path: string): Promise<string> {
+    const r = await call(this.api.baseUrl, 'POST', '/save_weights_for_sampler', { model_id: model, seq_id: this.seq(model), path });
+    expect(r.status, JSON.stringify(r.json)).to.equal(200);
+    return (await this.result(r.json.request_id)).json.path;
+  }
   /** The summed loss of a finished forward_backward (throws with the reply when it failed). */
   async loss(requestId: string): Promise<number> {
     const r = await this.result(requestId, PROTO);
