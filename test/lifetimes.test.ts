@@ -99,8 +99,8 @@ describe('lifetimes: the registry (real Redis)', () => {
     expect(await reg.models.list(tenant, 0, 10)).to.deep.equal({ models: [], total: 0 });
     expect(await redis.hexists(names.modelLast(), 's1:train:0')).to.equal(0);
     await sleep(2_200);
-    // Everything expired; the sweep empties the tenant's listings, and nothing of the session is left.
-    expect(await pruneListings(redis, names)).to.equal(1);
+    // Everything expired; the sweep empties the tenant's listings (the session, the sampling session), and nothing of the session is left.
+    expect(await pruneListings(redis, names)).to.equal(2);
     expect(await reg.sessions.list(tenant, 0, 10)).to.deep.equal([]);
     expect(await keysOf(redis, names.prefix)).to.deep.equal([names.tenants()]);
   });
