@@ -5,9 +5,8 @@ import type { ErrorRequestHandler, Express, NextFunction, Request, RequestHandle
  * The hot routes of the API, served without Express's router: a training op's submit
  * (forward_backward, optim_step), retrieve_future and asample, the requests a training loop sends for
  * every step. Express walks its layers for each request (the app's, then `/api/v1`'s, then each
- * route module's routes, matching paths as it goes), which measured about 0.2 ms a request on the
- * 2-core bench machine, where the request comes between idle spells and runs cold
- * (docs/benchmarks.md). Here the route is found once, by method and path, and the same handlers run
+ * route module's routes, matching paths as it goes), and a request that comes after an idle spell
+ * runs that code cold. Here the route is found once, by method and path, and the same handlers run
  * in the order Express would run them: the app's and `/api/v1`'s middleware in front (`before`,
  * app.ts), then the route's own, which the route module registers on its Router and here in one
  * call (`post`). Errors go to the same error handler. Any other request (another path or method, a
@@ -15,8 +14,8 @@ import type { ErrorRequestHandler, Express, NextFunction, Request, RequestHandle
  *
  * The server makes its requests and responses with Express's methods from the start
  * (`serverOptions`): Express gives each request its methods by switching the prototypes of Node's
- * objects as it arrives, which costs every property access after it a slower path (Node's own
- * `res.end` included: 0.02–0.06 ms a request here, docs/benchmarks.md).
+ * objects as it arrives, which puts every property access after it on a slower path (Node's own
+ * `res.end` included). What both cost: docs/benchmarks-history.md, 2026-12-03 18:20.
  */
 export class DirectRoutes {
   /** The route handlers by path under /api/v1 (POST). */

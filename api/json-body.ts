@@ -7,8 +7,8 @@ import { bodyTooLarge } from './errors.js';
 /**
  * JSON in and out of every route, on the path of each request: Express's body parser and res.json
  * do what a JSON API needs plus per-request work it does not (charset tables, a stream decoder,
- * freshness checks against an ETag this API never sends), which measured 0.1–0.3 ms per request on
- * the 2-core bench machine (docs/benchmarks.md, 2026-12-03 afternoon).
+ * freshness checks against an ETag this API never sends). What that cost:
+ * docs/benchmarks-history.md, 2026-12-03 12:30.
  */
 
 /** `application/json`, `text/json` or any `+json` type (parameters aside). */

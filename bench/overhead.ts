@@ -13,7 +13,8 @@ import { sdkFloor } from './sdk-floor.js';
 
 /**
  * Broker overhead per training op, against the server as a user starts it (`tinker-broker start`:
- * API and agent in their own processes, the torch engine with the tiny model, Redis on loopback).
+ * API and agent together in one process apart from the bench's, the torch engine with the tiny model
+ * its child, Redis on loopback).
  *
  * Each client owns a model and runs ops one after another, alternating forward_backward (2 × 32
  * tokens) and optim_step; an op is timed from its submit to its result as the client sees them

@@ -9,8 +9,9 @@ import { BENCH_ADAM, benchBatch, post, result, runBench } from './client.js';
 
 /**
  * Redis memory under a long run (issue 13): the stack as a user starts it (`tinker-broker start`
- * with the tiny CPU preset: API and agent in their own processes) on a redis-server of its own, so
- * `used_memory` and `DBSIZE` are this deployment's alone; its own port, key prefix and storage dir.
+ * with the tiny CPU preset: API and agent together in one process apart from the bench's) on a
+ * redis-server of its own, so `used_memory` and `DBSIZE` are this deployment's alone; its own port,
+ * key prefix and storage dir.
  *
  * `clients` loops run one client run after another for `seconds`: a session (heartbeats every step),
  * a LoRA model, `steps` training steps (forward_backward + optim_step), after every `saveEvery` steps

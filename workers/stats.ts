@@ -13,8 +13,8 @@ const run = promisify(execFile);
 /**
  * The pids and all their descendants. Each process's children come from its threads' `children`
  * files (Linux with CONFIG_PROC_CHILDREN): a few small reads for an engine's tree, where a scan of
- * every process's `stat` (`scanTree`, the fallback) reads them all: 85 processes took 26 ms and 16 ms
- * of CPU on the 2-core bench machine, at every heartbeat, beside the ops being served.
+ * every process's `stat` (`scanTree`, the fallback) reads them all, at every heartbeat, beside the
+ * ops being served (its cost: docs/benchmarks-history.md, 2026-12-03 18:20).
  */
 export async function processTree(roots: number[]): Promise<number[]> {
   return descendants(roots, childrenOf) ?? scanTree(roots);

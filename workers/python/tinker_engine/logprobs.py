@@ -23,8 +23,8 @@ class _TargetLogprobs(torch.autograd.Function):
         rows = logits.shape[0]
         out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
         for start in range(0, rows, chunk):
-            # The fused log-softmax kernel reads the logits' dtype and computes in float32 (one pass;
-            # a separate logsumexp is several reduction passes and ~6x slower on an H200).
+            # The fused log-softmax kernel reads the logits' dtype and computes in float32 in one pass;
+            # a separate logsumexp is several reduction passes (docs/benchmarks-history.md, H200 second round).
             lp = torch.log_softmax(logits[start : start + chunk], dim=-1, dtype=torch.float32)
             out[start : start + chunk] = lp.gather(-1, targets[start : start + chunk])
         ctx.save_for_backward(logits, targets)

@@ -56,9 +56,9 @@ def check_grad_max_abs(indices: list[int], max_abs: float) -> None:
 def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Fresh copies of ``tensors`` in one multi-tensor kernel per device and dtype (exact: x * 1.0
     is x for every float, NaN and infinities included), instead of one ``clone`` launch per tensor:
-    a LoRA adapter on every linear layer of a 28-layer model has ~400 tensors, and per-tensor clones
-    cost ~40 ms of launches on a GPU. (One ``cat`` into a flat buffer was measured slower on an
-    H200: 20 ms for an optim_step's snapshot, its launches carrying the inputs' addresses.)"""
+    a LoRA adapter on every linear layer of a 28-layer model has ~400 tensors. Per-tensor clones and
+    one ``cat`` into a flat buffer were both slower on a GPU (docs/benchmarks-history.md, the H200
+    rounds two and three)."""
     if not tensors:
         return []
     with torch.no_grad():

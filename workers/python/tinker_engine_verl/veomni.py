@@ -10,12 +10,10 @@ builders verl's engine calls — the model VeOmni builds gets this model's PEFT 
 torch engine's ``LoraSpec.peft_config``), and VeOmni's parallelizer is told it wraps a PEFT model
 (``is_peft_model=True``, as VeOmni's own trainer passes for LoRA).
 
-What else VeOmni needs here (measured with bench/gpu/veomni_probe.py: verl 0.9.1, veomni 0.1.12,
-torch 2.11, transformers 5.17; docs/engines/verl.md): veomni 0.1.12 (0.1.11, verl's pin, fails
-under transformers 5.17 with ``create_causal_mask() got an unexpected keyword argument
-'cache_position'``); attention ``sdpa`` (its default rewrites to a flash-attn implementation),
-eager ops, no torch.compile; ``init_device`` ``meta`` only when it shards (more than one rank),
-else ``cuda`` (VeOmni refuses meta on one rank: "Only FSDP training supports init_device=meta").
+What else VeOmni needs here: veomni 0.1.12 (verl's pin 0.1.11 fails under transformers 5.17);
+attention ``sdpa`` (VeOmni's default rewrites to a flash-attn implementation), eager ops, no
+torch.compile; ``init_device`` ``meta`` only when it shards (more than one rank; VeOmni refuses it on
+one), else ``cuda``. How each was found: docs/engines/verl.md, "VeOmni".
 """
 
 from __future__ import annotations
