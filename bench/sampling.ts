@@ -18,7 +18,7 @@ import { children } from './proc.js';
  *     (prompts of the same length, same max_tokens); prints both tokens/s and their ratio.
  *   node --import tsx bench/sampling.ts sdk [n=32] [max_tokens=64] [prompt_len=16] [rounds=5]
  *     the same comparison through the real tinker SDK against the start command (`npm start`'s
- *     script: API and agent in their own processes), bench/sdk_sampling_ratio.py.
+ *     script: API and agent in one process, apart from the bench's), bench/sdk_sampling_ratio.py.
  */
 logger.level = (process.env.BENCH_LOG_LEVEL as typeof logger.level | undefined) ?? 'warn';
 

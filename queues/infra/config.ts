@@ -108,9 +108,8 @@ const AgentEnv = CommonEnv.extend({
   /**
    * Torch engine on the CPU (device `cpu`): torch's threads in the engine process (its
    * `OMP_NUM_THREADS`). The engine shares the machine's cores with the agent, the API and Redis,
-   * and threads on every core keep them all busy (they spin between ops): on 2 cores with the tiny
-   * model, 2 threads cost 16–18 ms of CPU per training op and 1 thread 5 ms, for about the same
-   * engine time (docs/benchmarks.md).
+   * and threads on every core keep them all busy (they spin between ops). Figures:
+   * docs/benchmarks-history.md, "2026-12-02 (later): one engine thread on the CPU".
    * @defaultValue on device `cpu` without `OMP_NUM_THREADS` set: one fewer than the machine's cores, at least 1; else torch's own
    */
   TB_ENGINE_THREADS: z.coerce.number().int().positive().optional(),
