@@ -42,7 +42,7 @@ export async function rebuildCheckpoints(registry: Registry, storageDir: string,
     return byDir.get(dirName) ?? null;
   };
   for (const modelEntry of await readdir(storageDir, { withFileTypes: true })) {
-    if (!modelEntry.isDirectory() || modelEntry.name === 'drain') continue;
+    if (!modelEntry.isDirectory() || modelEntry.name === 'drain' || modelEntry.name === 'snapshots') continue; // the drain's saves and the snapshots (workers/snapshots.ts) are no checkpoints
     const dirName = modelEntry.name;
     let model: ModelRecord | null | undefined;
     for (const [kind, type] of Object.entries(KINDS)) {
