@@ -42,9 +42,10 @@ export function snapshotRoot(storageDir: string, modelId: string): string {
   return path.join(storageDir, 'snapshots', shortHash(modelId, 24));
 }
 
-const SEQ_DIGITS = 12;
-
-/** The newest complete snapshot of a model: a directory named by its seq_id (an incomplete one has `.tmp-` in its name). */
+/**
+ * The newest complete snapshot of a model: a directory named by its seq_id in digits (the engine
+ * pads them; an incomplete one has `.tmp-` in its name).
+ */
 export async function latestSnapshot(root: string): Promise<{ seqId: number; dir: string } | null> {
   let names: string[];
   try {
@@ -52,7 +53,7 @@ export async function latestSnapshot(root: string): Promise<{ seqId: number; dir
   } catch {
     return null;
   }
-  const done = names.filter((n) => n.length === SEQ_DIGITS && /^\d+$/.test(n)).sort();
+  const done = names.filter((n) => /^\d+$/.test(n)).sort((a, b) => Number(a) - Number(b));
   const last = done.at(-1);
   return last === undefined ? null : { seqId: Number(last), dir: path.join(root, last) };
 }

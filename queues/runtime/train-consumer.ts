@@ -198,25 +198,26 @@ export class TrainConsumer {
     }
   }
 
-  private async take(): Promise<{ more: boolean; job: (() => Job) | null; taken: TakenTrainJob } | null> {
-    const claim = this.o.claimAtTake();
+  /** What a take sends, by this consumer's own take (train-take.lua) or a submit's (gate-submit.lua): its lock, and whether and how it claims the op's outcome. */
+  private takeArgs() {
     const [outcomeBefore, outcomeAfter] = this.names.outcomeParts();
+    return {
+      lockToken: this.lockToken,
+      lockMs: this.o.lockMs,
+      claim: this.o.claimAtTake() ? '1' : '0',
+      outcomeBefore,
+      outcomeAfter,
+      agentId: this.o.agentId,
+      tokenPrefix: this.o.tokenPrefix,
+      outcomeTtlS: this.outcomes.ttlS,
+    };
+  }
+
+  private async take(): Promise<{ more: boolean; job: (() => Job) | null; taken: TakenTrainJob } | null> {
     const now = Date.now();
     const r = await scripts.trainTake.run(this.redis, {
       keys: { wait: this.keys.wait, active: this.keys.active, events: this.keys.events, marker: this.keys.marker },
-      args: {
-        queuePrefix: this.keys.prefix,
-        now,
-        lockToken: this.lockToken,
-        lockMs: this.o.lockMs,
-        claim: claim ? '1' : '0',
-        outcomeBefore,
-        outcomeAfter,
-        agentId: this.o.agentId,
-        tokenPrefix: this.o.tokenPrefix,
-        nowIso: new Date(now).toISOString(),
-        outcomeTtlS: this.outcomes.ttlS,
-      },
+      args: { queuePrefix: this.keys.prefix, now, nowIso: new Date(now).toISOString(), ...this.takeArgs() },
     });
     if (!r) return null;
     const [hash, id, more, claimed, prev] = r;
@@ -235,20 +236,8 @@ export class TrainConsumer {
     if (this.closing || this.taking || this.handing || this.orphans || this.processing >= this.o.concurrency) return null;
     let done!: () => void;
     this.handing = new Promise<void>((r) => (done = r));
-    const claim = this.o.claimAtTake();
-    const [outcomeBefore, outcomeAfter] = this.names.outcomeParts();
     return {
-      take: {
-        take: '1',
-        lockToken: this.lockToken,
-        lockMs: this.o.lockMs,
-        claim: claim ? '1' : '0',
-        outcomeBefore,
-        outcomeAfter,
-        agentId: this.o.agentId,
-        tokenPrefix: this.o.tokenPrefix,
-        outcomeTtlS: this.outcomes.ttlS,
-      },
+      take: { take: '1', ...this.takeArgs() },
       settle: (handed, submitted, failed) => {
         if (failed) {
           // The script may have taken a job: find it before anything else is taken.
