@@ -190,6 +190,9 @@ def _sharded_rank(rank: int, world: int, port: int, model_dir: str, out: str) ->
         for _, p in params:  # the loaded state steps
             p.grad = distribute_tensor(torch.randn(p.shape, generator=gen), p.device_mesh, p.placements)
         stand_in.optimizer.step()
+        # Both ranks done before either tears its group down: a rank closing its gloo pairs while the
+        # other still finishes a collective's tail aborted the other once (std::terminate, SIGABRT).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
