@@ -137,8 +137,9 @@ export class FutureResolver {
         failed: this.names.failedFuture(ref.jobId),
         heldIndex: this.names.gateHeldIndex(),
         reaped: this.names.agentReaped(agentId),
+        moved: this.names.jobMoved(ref.jobId),
       },
-      args: { jobId: ref.jobId, readTtlMs: this.ttlAfterReadS * 1000, keep: this.keepsOutcome(ref) ? '1' : '0', tenant },
+      args: { jobId: ref.jobId, readTtlMs: this.ttlAfterReadS * 1000, keep: this.keepsOutcome(ref) ? '1' : '0', tenant, bullPrefix: `${this.names.bull}:` },
     });
     if (read === scripts.futureTrain.codes.notOwner) return { kind: 'unknown' };
     const [o, failed, held, name, finishedOn, failedReason, reaped] = read;

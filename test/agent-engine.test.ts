@@ -52,7 +52,7 @@ describe('agent engine supervision (unit)', () => {
   async function placeModel(modelId: string): Promise<void> {
     const lora = { rank: 2, seed: 0, train_unembed: false, train_mlp: true, train_attn: true };
     await registry.models.putIfAbsent(
-      { model_id: modelId, session_id: 's', base_model: spec.name, arch: 'x', vocab_size: 32, lora, agent_id: agentId, train_queue: 'q', created_at: new Date().toISOString(), lost_reason: null, tenant: '', max_context_length: 64 },
+      { model_id: modelId, session_id: 's', base_model: spec.name, arch: 'x', vocab_size: 32, lora, agent_id: agentId, train_queue: 'q', created_at: new Date().toISOString(), lost_reason: null, tenant: '', max_context_length: 64, orphaned_at: null },
       60,
     );
   }

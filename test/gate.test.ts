@@ -2,7 +2,7 @@ import { randomUUID } from 'node:crypto';
 import { expect } from 'chai';
 import { Worker } from 'bullmq';
 import { Redis } from 'ioredis';
-import { ModelLost, OrderingGate, type GateOptions } from '../queues/runtime/gate.js';
+import { ModelLost, ModelMoved, OrderingGate, type GateOptions } from '../queues/runtime/gate.js';
 import { Registry } from '../queues/registry/index.js';
 import { jobIds, Names } from '../queues/contract/names.js';
 import { QueueSet } from '../queues/runtime/queues.js';
@@ -147,12 +147,16 @@ describe('ordering gate', () => {
     expect(await queuedSeqs(qs)).to.deep.equal([2]);
   });
 
-  it("with checkModel, refuses (writing nothing) an op of a model whose record is gone or lost, in the submit's one script", async () => {
+  it("with checkModel, refuses (writing nothing) an op of a model whose record is gone, lost or on another queue, in the submit's one script", async () => {
     const { gate, qs, redis, names } = process();
     await gate.open(modelId);
     const checked = { checkModel: true };
     expect(await refusal(gate.submit(modelId, 1, queue, jobIds.train(modelId, 1), optim(1), checked))).to.match(/has no record/);
-    await redis.set(names.model(modelId), JSON.stringify({ model_id: modelId, lost_reason: null }));
+    // A record that names another queue: an agent adopted the model since the caller read it.
+    await redis.set(names.model(modelId), JSON.stringify({ model_id: modelId, lost_reason: null, train_queue: 'train-adopter' }));
+    expect(await gate.submit(modelId, 1, queue, jobIds.train(modelId, 1), optim(1), checked).catch((e) => e)).to.be.instanceOf(ModelMoved);
+    expect(await gate.state(modelId)).to.deep.equal({ next: 1, held: 0 });
+    await redis.set(names.model(modelId), JSON.stringify({ model_id: modelId, lost_reason: null, train_queue: queue }));
     expect(await gate.submit(modelId, 1, queue, jobIds.train(modelId, 1), optim(1), checked)).to.equal('admitted');
     await redis.set(names.model(modelId), JSON.stringify({ model_id: modelId, lost_reason: 'its engine died' }));
     let lost: unknown;

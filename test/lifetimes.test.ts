@@ -46,6 +46,7 @@ describe('lifetimes: the registry (real Redis)', () => {
     lost_reason: null,
     tenant,
     max_context_length: 16,
+    orphaned_at: null,
   });
   const ckpt = (modelId: string, name: string, ephemeral = false): CheckpointRecord => ({
     tinker_path: `tinker://${modelId}/weights/${name}`,

@@ -3,7 +3,7 @@ import type { z } from 'zod';
 import { parseRecipient } from '../../queues/infra/age.js';
 import { assertSaveAllowed } from '../../queues/runtime/checkpoints.js';
 import { BrokerError, invalid, modelUnavailable } from '../../queues/contract/errors.js';
-import { AgentGone, ModelGone, ModelLost } from '../../queues/runtime/gate.js';
+import { AgentGone, ModelGone, ModelLost, ModelMoved } from '../../queues/runtime/gate.js';
 import { encodeRequestId } from '../../queues/contract/futures.js';
 import { jobIds, resourceIds } from '../../queues/contract/names.js';
 import type { ModelRecord } from '../../queues/registry/models.js';
@@ -59,7 +59,7 @@ async function guardSeq<T>(ctx: ApiContext, req: Request, modelId: unknown, seqI
  * exists and is not lost. A model that is lost, or whose agent is gone, gets a future that fails with
  * the reason (an HTTP 5xx would be retried by the SDK for minutes).
  */
-async function submitTrainOp(ctx: ApiContext, req: Request, model: ModelRecord, seqId: number, job: TrainJob): Promise<string> {
+async function submitTrainOp(ctx: ApiContext, req: Request, model: ModelRecord, seqId: number, job: TrainJob, moves = 0): Promise<string> {
   const jobId = jobIds.train(model.model_id, seqId);
   const requestId = encodeRequestId({ queue: model.train_queue, jobId });
   let lost = model.lost_reason;
@@ -74,7 +74,9 @@ async function submitTrainOp(ctx: ApiContext, req: Request, model: ModelRecord, 
       });
       return requestId;
     } catch (e) {
-      if (e instanceof ModelGone || e instanceof ModelLost) ctx.registry.models.forget(model.model_id);
+      if (e instanceof ModelGone || e instanceof ModelLost || e instanceof ModelMoved) ctx.registry.models.forget(model.model_id);
+      // Another agent adopted the model since this copy was read (workers/agent/adoption.ts): again, on its queue.
+      if (e instanceof ModelMoved && moves < 3) return submitTrainOp(ctx, req, await requireModelForOp(ctx, req, model.model_id), seqId, job, moves + 1);
       // The model expired since this process's copy was read: what the route answers without a copy.
       if (e instanceof ModelGone) await requireModel(ctx, req, model.model_id);
       // A refusal uses up the seq_id (as guardSeq does). An agent gone or a model lost is not a

@@ -96,6 +96,7 @@ async function holdCopiedWeights(
     lost_reason: `it holds copied weights (copy_weights) and cannot be trained; use create_training_client_from_state`,
     tenant: h.tenant,
     max_context_length: null,
+    orphaned_at: null,
   }, ctx.config.retentionS);
   await ctx.registry.models.index(holder, ctx.config.retentionS);
   return holder;

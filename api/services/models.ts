@@ -51,6 +51,7 @@ export async function placeModel(
     lost_reason: null,
     tenant: m.tenant,
     max_context_length: model.max_context_length,
+    orphaned_at: null,
   }, ctx.config.retentionS);
   await ctx.registry.models.index(rec, ctx.config.retentionS);
   await ctx.gate.open(m.modelId);

@@ -64,6 +64,14 @@ export class Names {
   agentDrained(agentId: string): string {
     return `${this.prefix}:agent:${agentId}:drained`;
   }
+  /**
+   * Set (7 days, refreshed every heartbeat) by an agent that snapshots its models: when it dies,
+   * its models wait for a live agent to adopt them (workers/agent/adoption.ts) instead of being lost,
+   * and their ops are admitted meanwhile.
+   */
+  agentRecovers(agentId: string): string {
+    return `${this.prefix}:agent:${agentId}:recovers`;
+  }
   /** Set by `tinker-broker drain` (TTL the drain's timeout); the agent's next heartbeat takes it and drains. */
   agentDrainRequest(agentId: string): string {
     return `${this.prefix}:agent:${agentId}:drain-request`;
@@ -114,6 +122,27 @@ export class Names {
    */
   model(modelId: string): string {
     return `${this.prefix}:model:${modelId}`;
+  }
+  /** Models whose agent died, waiting for a live agent serving their base to adopt them: model id → ms orphaned (zset). */
+  orphans(): string {
+    return `${this.prefix}:models:orphans`;
+  }
+  /** An agent adopting the model holds this (its agent id, PX a few minutes) while it loads and moves it. */
+  adoptClaim(modelId: string): string {
+    return `${this.prefix}:model:${modelId}:adopt`;
+  }
+  /**
+   * Where a training op's job went when its model was adopted by another agent: that agent's
+   * queue, or `pending` until one adopts it (the future's request id still names the dead agent's
+   * queue; api/futures.ts follows this). TTL the retention.
+   */
+  jobMoved(jobId: string): string {
+    const [before, after] = this.jobMovedParts();
+    return `${before}${jobId}${after}`;
+  }
+  /** The text of a `jobMoved` key before and after the job id (for queues/runtime/lua/train-relocate.lua). */
+  jobMovedParts(): [before: string, after: string] {
+    return [`${this.prefix}:job:`, ':moved'];
   }
   /** A sampling session: TTL the retention, restarted by every sample request that names it. */
   samplingSession(id: string): string {
@@ -207,6 +236,16 @@ export class Names {
 }
 
 /** BullMQ job ids may not contain ':'; these are deterministic so a repeated submission is the same job. */
+/** The job ids of a model's ops that run outside the seq_id order, in the order they run: its create, its load at create, its unload. */
+export function modelSideJobIds(modelId: string): string[] {
+  return [jobIds.createModel(modelId), jobIds.loadOnCreate(modelId), jobIds.unload(modelId)];
+}
+
+/** Whether a training queue's job is one of the model's ops. */
+export function isModelJob(modelId: string, jobId: string): boolean {
+  return jobId.startsWith(jobIds.train(modelId, 0).slice(0, -1)) || modelSideJobIds(modelId).includes(jobId);
+}
+
 export const jobIds = {
   createModel: (modelId: string) => `c-${shortHash(modelId)}`,
   train: (modelId: string, seqId: number) => `t-${shortHash(modelId)}-${seqId}`,

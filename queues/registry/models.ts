@@ -24,6 +24,11 @@ export const ModelRecord = z.object({
   tenant: z.string().default(''),
   /** The base model's context length when the model was placed; null for records older than this field. */
   max_context_length: z.number().int().nullable().default(null),
+  /**
+   * Set (ISO time) when the model's agent died and it waits for a live agent serving its base to
+   * adopt it from its snapshot (workers/agent/adoption.ts); null while it is placed.
+   */
+  orphaned_at: z.string().nullable().default(null),
 });
 export type ModelRecord = z.infer<typeof ModelRecord>;
 
@@ -42,10 +47,10 @@ export class ModelRegistry extends RedisRegistry {
 
   /**
    * The model's record for building a training op's job, from a copy this process read within
-   * PLACED_CACHE_MS when it has one (else read, and kept). A model's placement, owner, base model,
-   * vocabulary and LoRA config never change; its `lost_reason` and its very existence do, so a
-   * caller of this copy submits with the gate's `checkModel` (queues/runtime/gate.ts), which checks both in
-   * the submit's script, and `forget`s the copy when that refuses.
+   * PLACED_CACHE_MS when it has one (else read, and kept). A model's owner, base model, vocabulary
+   * and LoRA config never change; its `lost_reason`, its placement (an adoption moves it) and its
+   * very existence do, so a caller of this copy submits with the gate's `checkModel`
+   * (queues/runtime/gate.ts), which checks all three in the submit's script, and `forget`s the copy when that refuses.
    */
   async placed(modelId: string): Promise<ModelRecord | null> {
     const now = Date.now();
@@ -78,7 +83,24 @@ export class ModelRegistry extends RedisRegistry {
     }
     return lost;
   }
-  /** The models placed on the agent that are not lost (a scan of the model records). */
+  /**
+   * Marks every model placed on the dead `agentId` (not lost) as waiting for adoption, and lists it
+   * among the orphans; returns them as they were.
+   */
+  async orphanOnAgent(agentId: string): Promise<ModelRecord[]> {
+    const now = new Date();
+    const out = await this.onAgent(agentId);
+    for (const m of out) {
+      await this.redis.set(this.names.model(m.model_id), JSON.stringify({ ...m, orphaned_at: now.toISOString() }), 'KEEPTTL', 'XX');
+      await this.redis.zadd(this.names.orphans(), now.getTime(), m.model_id);
+    }
+    return out;
+  }
+  /** The models waiting for adoption (oldest first, at most `limit`). */
+  async orphans(limit = 100): Promise<string[]> {
+    return this.redis.zrange(this.names.orphans(), 0, limit - 1);
+  }
+  /** The models placed on the agent that are not lost nor waiting for adoption (a scan of the model records). */
   async onAgent(agentId: string): Promise<ModelRecord[]> {
     const out: ModelRecord[] = [];
     let cursor = '0';
@@ -89,7 +111,7 @@ export class ModelRegistry extends RedisRegistry {
         const raw = await this.redis.get(key);
         if (!raw) continue;
         const m = ModelRecord.parse(JSON.parse(raw));
-        if (m.agent_id === agentId && m.lost_reason === null) out.push(m);
+        if (m.agent_id === agentId && m.lost_reason === null && m.orphaned_at === null) out.push(m);
       }
     } while (cursor !== '0');
     return out;

@@ -53,6 +53,11 @@ export class ModelLost extends Error {
   }
 }
 
+/** The model is on another agent's queue now (an agent adopted it): nothing was admitted; submit again with its record read afresh. */
+export class ModelMoved extends Error {
+  override readonly name = 'ModelMoved';
+}
+
 /** Bounds of the hold-back state. */
 export type GateOptions = {
   /** seq_ids accepted ahead of the next one to run; also how far back a replay is recognised. @defaultValue 1024 */
@@ -182,6 +187,7 @@ export class OrderingGate {
     if (Array.isArray(reply) && reply[0] === codes.modelLost) throw new ModelLost(reply[1]);
     const r = Array.isArray(reply) ? reply[0] : reply;
     if (r === codes.modelGone) throw new ModelGone(`model ${modelId} has no record`);
+    if (r === codes.moved) throw new ModelMoved(`model ${modelId} moved to another agent's queue`);
     if (r === codes.notOpen) throw new Error(`ordering gate of model ${modelId} is not open`);
     // A refusal is recorded only where it can be; the request is refused either way.
     if (op === null && r !== codes.admitted && r !== codes.duplicate) return 'duplicate';
@@ -213,6 +219,7 @@ export class OrderingGate {
         modelLast: this.names.modelLast(),
         agentDrained: this.names.agentDrained(extras.agentId ?? ''),
         model: this.names.model(modelId),
+        agentRecovers: this.names.agentRecovers(extras.agentId ?? ''),
       },
       args: {
         ...this.common(modelId),

@@ -3,7 +3,7 @@ import type { Redis } from 'ioredis';
 import { outcomeUnknownMessage } from '../contract/errors.js';
 import type { Logger } from '../infra/logger.js';
 import { removeAgentStats } from './metrics.js';
-import type { Names } from '../contract/names.js';
+import { isModelJob, type Names } from '../contract/names.js';
 import { Outcomes } from './outcomes.js';
 import { AgentRecord, heartbeatMs } from '../registry/agents.js';
 import type { ModelRegistry } from '../registry/models.js';
@@ -140,7 +140,12 @@ export class Liveness {
     return reaped;
   }
 
-  /** Fails every queued and running op of a dead agent (OUTCOME_UNKNOWN) and marks its models unavailable. */
+  /**
+   * Settles a dead agent. Its models, when it snapshotted them (its recovers marker), wait for a live
+   * agent to adopt them (workers/agent/adoption.ts): the op that was running fails (OUTCOME_UNKNOWN),
+   * the ops that never started are marked to move with the model and stay pending. Otherwise every
+   * queued and running op fails (OUTCOME_UNKNOWN) and the models are marked unavailable.
+   */
   async reap(rec: AgentRecord, log: Logger): Promise<void> {
     const agentId = rec.agent_id;
     const timeout = rec.timeout_s ?? 30;
@@ -148,19 +153,33 @@ export class Liveness {
     await this.redis.set(this.names.agentReaped(agentId), `${rec.incarnation ?? '?'} ${why}`, 'EX', 7 * 86_400);
     await this.redis.hdel(this.names.agents(), agentId);
     await removeAgentStats(this.redis, this.names, agentId);
-    const lost = await this.models.markLostOnAgent(agentId, `${why}; load it from a saved checkpoint`);
+    const recovers = (await this.redis.exists(this.names.agentRecovers(agentId))) === 1;
+    const orphans = recovers ? await this.models.orphanOnAgent(agentId) : [];
+    const lost = recovers ? [] : await this.models.markLostOnAgent(agentId, `${why}; load it from a saved checkpoint`);
+    const orphanJob = (id: string) => orphans.some((m) => isModelJob(m.model_id, id));
+    const moving = (await Promise.all(orphans.map((m) => this.redis.hvals(this.names.gateHeld(m.model_id))))).flat().map((v) => v.slice(v.indexOf(' ') + 1));
     const queue = new Queue(rec.train_queue, { connection: this.redis, prefix: this.names.bull });
     let failed = 0;
     try {
       for (const job of await queue.getJobs(['active', 'waiting', 'prioritized', 'delayed'])) {
         if (!job?.id) continue;
-        await this.failPending(job.id, job.name, agentId, why);
-        failed++;
+        // An orphan's op that never started moves with it (the one that was running has an outcome record).
+        if (orphanJob(job.id) && (await this.outcomes.get(job.id)) === null) moving.push(job.id);
+        else {
+          await this.failPending(job.id, job.name, agentId, why);
+          failed++;
+        }
       }
     } finally {
       await queue.close();
     }
-    log.warn('worker agent reaped: its futures failed (OUTCOME_UNKNOWN), its models are unavailable', { agentId, models: lost, futures: failed });
+    for (const id of moving) await this.redis.set(this.names.jobMoved(id), 'pending', 'EX', this.outcomes.ttlS, 'NX');
+    log.warn(
+      recovers
+        ? 'worker agent reaped: its running op failed (OUTCOME_UNKNOWN); its models wait for a live agent to adopt them from their snapshots'
+        : 'worker agent reaped: its futures failed (OUTCOME_UNKNOWN), its models are unavailable',
+      { agentId, models: recovers ? orphans.map((m) => m.model_id) : lost, futures: failed, moving: moving.length },
+    );
   }
 
   /** Fails one pending op of a dead agent, unless its outcome is already final; returns the standing record. */

@@ -104,7 +104,7 @@ type Nullable<T> = T | null;
 export const scripts = {
   gateSubmit: script<number | [number, string] | [number, string, number, number, Nullable<string>, Nullable<string>[]]>()({
     file: 'gate-submit',
-    keys: ['next', 'held', 'heldIndex', 'digests', 'gaps', 'agentAlive', 'owner', 'modelLast', 'agentDrained', 'model'],
+    keys: ['next', 'held', 'heldIndex', 'digests', 'gaps', 'agentAlive', 'owner', 'modelLast', 'agentDrained', 'model', 'agentRecovers'],
     args: [
       'seqId', 'jobId', 'modelId', 'digest', 'window', 'gapMs', 'digestTtlMs', 'bullPrefix', 'queue', 'jobName', 'jobData', 'jobOpts',
       'timestamp', 'failedPrefix', 'failedTtlS', 'gapS', 'trainJobIdPrefix', 'tenant', 'ownerTtlS', 'nowIso', 'checkAgent', 'modelTtlMs', 'checkModel',
@@ -124,6 +124,8 @@ export const scripts = {
       /** `[modelLost, reason]`. */
       modelLost: -6,
       modelGone: -7,
+      /** The model is on another queue now (adopted); the caller's copy of its record is old. */
+      moved: -8,
     },
     partCodes: { claim: TAKE_CLAIM },
   }),
@@ -174,10 +176,17 @@ export const scripts = {
     args: ['jobId', 'lockToken', 'lockMs'],
     codes: { gone: 'gone', requeued: 'requeued', held: 'held' },
   }),
+  trainRelocate: script<number>()({
+    file: 'train-relocate',
+    keys: ['model', 'orphans', 'held'],
+    args: ['modelId', 'expected', 'record', 'bullPrefix', 'fromQueue', 'toQueue', 'trainJobIdPrefix', 'otherJobIds', 'movedBefore', 'movedAfter', 'movedTtlS', 'outcomeBefore', 'outcomeAfter'],
+    /** Otherwise the answer is how many jobs moved. */
+    codes: { changed: -1 },
+  }),
   futureTrain: script<0 | Nullable<string>[]>()({
     file: 'future-train',
-    keys: ['outcome', 'job', 'owner', 'failed', 'heldIndex', 'reaped'],
-    args: ['jobId', 'readTtlMs', 'keep', 'tenant'],
+    keys: ['outcome', 'job', 'owner', 'failed', 'heldIndex', 'reaped', 'moved'],
+    args: ['jobId', 'readTtlMs', 'keep', 'tenant', 'bullPrefix'],
     codes: { notOwner: 0 },
   }),
   sampleSubmit: script<number>()({

@@ -15,6 +15,7 @@ import { createAdapter, engineOf, recordCapabilities, type EngineCapabilities } 
 import { CheckpointJobs } from '../checkpoint-jobs.js';
 import { rebuildCheckpoints } from '../rebuild.js';
 import { AgentSnapshots } from '../snapshots.js';
+import { Adoption } from './adoption.js';
 import { restoreDrained, saveDrained, type DrainStateOptions } from './drain.js';
 import { EngineSupervisor } from './engine.js';
 import { Registration } from './registration.js';
@@ -32,7 +33,7 @@ import { TrainingPipeline } from './training.js';
  * docs/reliability.md has the guarantees. This class wires the parts, each in its own file:
  * registration.ts (record, heartbeat, id claim), engine.ts (engine start, restart, op time limits),
  * training.ts and train-ops.ts (the ordered training pipeline), samples.ts (sample workers), drain.ts
- * (drain and restore).
+ * (drain and restore), adoption.ts (the models of dead agents taken in).
  */
 export class Agent {
   readonly names: Names;
@@ -48,6 +49,9 @@ export class Agent {
   private training: TrainingPipeline | undefined;
   private train: TrainConsumer | null = null;
   private samples: SampleWorkers | undefined;
+  private adoption: Adoption | undefined;
+  /** Whether the agent snapshots its models (workers/snapshots.ts AgentSnapshots.enabled). */
+  private snapshotsOn = false;
   private drainState!: DrainStateOptions;
   /** The training ops' metrics, written every 100 ms (queues/runtime/metrics.ts). */
   private jobMetrics!: JobRecorder;
@@ -100,6 +104,7 @@ export class Agent {
     const liveness = new Liveness(redis, this.names, registry.models, outcomes);
     const stop = () => void this.stop();
     const snapshots = new AgentSnapshots({ policy: config.snapshots, storageDir: config.storageDir, adapter, redis, names: this.names, outcomes, models: registry.models, log });
+    this.snapshotsOn = snapshots.enabled;
     const recover = (ids: string[], why: string) => snapshots.bringBack(ids, why);
     const engine = (this.engine = new EngineSupervisor({ config, log, adapter, capabilities, models: registry.models, stopping: () => this.stopping, stop, recover }));
     const published = recordCapabilities(capabilities, adapter.sampleLacks);
@@ -111,6 +116,7 @@ export class Agent {
       stopping: () => this.stopping,
       drain: () => void this.drain(),
       stop,
+      afterBeat: () => this.afterBeat(),
       record: {
         agent_id: config.agentId,
         train_queue: this.trainQueue,
@@ -128,6 +134,7 @@ export class Agent {
     this.drainState = { ...base, capabilities };
     // The id first: a second process with this id stops here, before it touches the first one's models or jobs.
     await registration.claim();
+    await this.markRecovers();
     await engine.start();
     // A new engine holds no adapters: models placed on this agent id before come back from a drain's
     // save or from their snapshots (ops after the snapshot re-run); the others are lost.
@@ -143,6 +150,20 @@ export class Agent {
     const halted = () => !!this.draining || this.stopping;
     this.training = new TrainingPipeline({ ...base, outcomes, liveness, checkpoints, snapshots, metrics: this.jobMetrics, queue: this.trainQueue, halted });
     this.train = this.training.consumer(redis, this.names, outcomes, { lockMs: common.lockDuration, tokenPrefix: `${this.incarnation}/` });
+    this.adoption = new Adoption({
+      agentId: config.agentId,
+      queue: this.trainQueue,
+      redis,
+      names: this.names,
+      models: registry.models,
+      outcomes,
+      snapshots,
+      engine,
+      adapter,
+      trains: capabilities.trains,
+      halted,
+      log,
+    });
     this.samples = new SampleWorkers({ ...base, capabilities, lacks: published.sample_lacks });
     await this.samples.start(engine.served, common, (source, err) => this.redisError(source, err));
     await this.train.start();
@@ -150,6 +171,27 @@ export class Agent {
     if ((await registration.beat()) !== 'ok') throw new Error(`agent ${config.agentId} lost its registration while starting`);
     await registration.publishStats();
     log.info('agent ready', { trainQueue: this.trainQueue, models: engine.served.map((m) => m.name), device: adapter.device });
+    void this.adoption.sweep();
+  }
+
+  /**
+   * Whether this agent's models come back when it dies (it snapshots them): the recovers marker tells
+   * the reaper to leave them for adoption, and the gate to admit their ops meanwhile (7 days, renewed every beat).
+   */
+  private async markRecovers(): Promise<void> {
+    const key = this.names.agentRecovers(this.config.agentId);
+    if (this.snapshotsOn) await this.redis.set(key, '1', 'EX', 7 * 86_400);
+    else await this.redis.del(key);
+  }
+
+  /** After each heartbeat: the recovers marker renewed, and a look at the orphans to adopt. */
+  private async afterBeat(): Promise<void> {
+    try {
+      await this.markRecovers();
+    } catch (e) {
+      this.log.debug('recovers marker not renewed', { error: String(e) });
+    }
+    await this.adoption?.sweep();
   }
 
   /**

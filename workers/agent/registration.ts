@@ -36,6 +36,8 @@ export type RegistrationOptions = {
   drain: () => void;
   /** Another process holds this agent id now. */
   stop: () => void;
+  /** After each heartbeat that found the agent registered (its errors are its own). */
+  afterBeat?: () => Promise<void>;
 };
 
 export class Registration {
@@ -89,6 +91,7 @@ export class Registration {
       // The models loaded here are in use: their records never expire while this agent lives (queues/contract/names.ts),
       // at least five heartbeats ahead however short the retention.
       if (r === BEAT.ok) await this.o.registry.models.keep(engine.loaded, Math.max(config.retentionS, this.o.timeoutS));
+      if (r === BEAT.ok) void this.o.afterBeat?.();
       if (r === BEAT.ok && (await this.o.redis.getdel(this.o.names.agentDrainRequest(config.agentId))) !== null) {
         log.info('drain requested (tinker-broker drain)');
         this.o.drain();

@@ -8,6 +8,7 @@
   KEYS[7] owner: the future's owner record                          KEYS[8] modelLast: models' last-request hash
   KEYS[9] agentDrained: the agent's drain record (the models a drained agent saved for its restart)
   KEYS[10] model: the model's record
+  KEYS[11] agentRecovers: the agent's recovers marker (it snapshots: its models are adopted when it dies)
 
   ARGV[1]  seqId: seq_id            ARGV[2]  jobId: job id          ARGV[3]  modelId: model id
   ARGV[4]  digest: payload digest ('skip' for a refused request)
@@ -36,8 +37,10 @@
 
   Returns 1 admitted, 0 duplicate (same payload, or a seq_id already past), -1 gate not open,
   -2 beyond the window, -3 the seq_id was used with another payload, -4 too old to recognise,
-  -5 the model's agent is not alive, nor drained with this model saved for its restart (nothing written),
-  -7 the model's record is gone, { -6, reason } the model is lost (with ARGV[23] = '1'; nothing written),
+  -5 the model's agent is not alive, nor drained with this model saved for its restart, nor one whose
+  models are adopted when it dies (nothing written),
+  -7 the model's record is gone, { -6, reason } the model is lost, -8 the model is on another queue
+  now (an agent adopted it: the caller's copy of its record is old) (with ARGV[23] = '1'; nothing written),
   or, admitted with a job taken (ARGV[24] = '1'), { 1, job id, 1 when more jobs wait else 0, claim, the
   record found first or false (as train-take-lib's), { name, opts, timestamp, ats, atm, data } } where
   data is false when the job taken is the one submitted (the caller has it) and claim is -1 when the
@@ -58,15 +61,17 @@ local skip = ARGV[9] == ''
 if ARGV[23] == '1' and not skip then
   local rec = redis.call('GET', KEYS[10])
   if not rec then return -7 end
-  local lost = cjson.decode(rec).lost_reason
-  if lost and lost ~= cjson.null then return { -6, lost } end
+  local m = cjson.decode(rec)
+  if m.lost_reason and m.lost_reason ~= cjson.null then return { -6, m.lost_reason } end
+  if m.train_queue ~= ARGV[9] then return -8 end
 end
 local nxt = redis.call('GET', G.next)
 if not nxt then return -1 end
 if ARGV[21] == '1' and redis.call('EXISTS', KEYS[6]) == 0 then
   -- A drained agent comes back with the models it saved: their ops queue for it, as the ops queued before the drain do.
+  -- An agent that snapshots comes back, or another adopts its models: their ops queue and move with them.
   local drained = redis.call('GET', KEYS[9])
-  if not drained or not string.find(drained, '"model_id":"' .. modelId .. '"', 1, true) then return -5 end
+  if (not drained or not string.find(drained, '"model_id":"' .. modelId .. '"', 1, true)) and redis.call('EXISTS', KEYS[11]) == 0 then return -5 end
 end
 local _, moved, noneHeld = gateExpireGap(G, modelId, ARGV[8], ARGV[14], tonumber(ARGV[15]), ARGV[16])
 nxt = tonumber(moved and redis.call('GET', G.next) or nxt)
