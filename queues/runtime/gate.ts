@@ -220,6 +220,7 @@ export class OrderingGate {
         agentDrained: this.names.agentDrained(extras.agentId ?? ''),
         model: this.names.model(modelId),
         agentRecovers: this.names.agentRecovers(extras.agentId ?? ''),
+        moved: this.names.jobMoved(jobId),
       },
       args: {
         ...this.common(modelId),

@@ -104,7 +104,7 @@ type Nullable<T> = T | null;
 export const scripts = {
   gateSubmit: script<number | [number, string] | [number, string, number, number, Nullable<string>, Nullable<string>[]]>()({
     file: 'gate-submit',
-    keys: ['next', 'held', 'heldIndex', 'digests', 'gaps', 'agentAlive', 'owner', 'modelLast', 'agentDrained', 'model', 'agentRecovers'],
+    keys: ['next', 'held', 'heldIndex', 'digests', 'gaps', 'agentAlive', 'owner', 'modelLast', 'agentDrained', 'model', 'agentRecovers', 'moved'],
     args: [
       'seqId', 'jobId', 'modelId', 'digest', 'window', 'gapMs', 'digestTtlMs', 'bullPrefix', 'queue', 'jobName', 'jobData', 'jobOpts',
       'timestamp', 'failedPrefix', 'failedTtlS', 'gapS', 'trainJobIdPrefix', 'tenant', 'ownerTtlS', 'nowIso', 'checkAgent', 'modelTtlMs', 'checkModel',

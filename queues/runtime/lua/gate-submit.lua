@@ -9,6 +9,7 @@
   KEYS[9] agentDrained: the agent's drain record (the models a drained agent saved for its restart)
   KEYS[10] model: the model's record
   KEYS[11] agentRecovers: the agent's recovers marker (it snapshots: its models are adopted when it dies)
+  KEYS[12] moved: the op's moved marker (set `pending` when the op is admitted for such an agent while it is not alive)
 
   ARGV[1]  seqId: seq_id            ARGV[2]  jobId: job id          ARGV[3]  modelId: model id
   ARGV[4]  digest: payload digest ('skip' for a refused request)
@@ -71,7 +72,11 @@ if ARGV[21] == '1' and redis.call('EXISTS', KEYS[6]) == 0 then
   -- A drained agent comes back with the models it saved: their ops queue for it, as the ops queued before the drain do.
   -- An agent that snapshots comes back, or another adopts its models: their ops queue and move with them.
   local drained = redis.call('GET', KEYS[9])
-  if (not drained or not string.find(drained, '"model_id":"' .. modelId .. '"', 1, true)) and redis.call('EXISTS', KEYS[11]) == 0 then return -5 end
+  if not drained or not string.find(drained, '"model_id":"' .. modelId .. '"', 1, true) then
+    if redis.call('EXISTS', KEYS[11]) == 0 then return -5 end
+    -- Its future waits for the model's next agent, whatever the dead one's reaped marker says.
+    if not skip then redis.call('SET', KEYS[12], 'pending', 'EX', tonumber(ARGV[15]), 'NX') end
+  end
 end
 local _, moved, noneHeld = gateExpireGap(G, modelId, ARGV[8], ARGV[14], tonumber(ARGV[15]), ARGV[16])
 nxt = tonumber(moved and redis.call('GET', G.next) or nxt)

@@ -1,0 +1,105 @@
+import { expect } from 'chai';
+import { rmSync } from 'node:fs';
+import { Redis } from 'ioredis';
+import { Names } from '../queues/contract/names.js';
+import { ModelRecord } from '../queues/registry/models.js';
+import { Client, expectUnknownOutcome } from './helpers/client.js';
+import { enginePid, sleep, spawnAgent, stackEnv, startApi, stopAgent, waitFor, type AgentProc, type Api } from './helpers/procs.js';
+import { call, REDIS_URL, type HttpReply } from './helpers/stack.js';
+
+/**
+ * Recovery by placement (issue 32; workers/agent/adoption.ts): an agent dies for good (SIGKILL of
+ * the agent and its engine, never restarted) while one op runs in its engine and two more wait
+ * behind it. Its model's base is served by no other agent at first: once the reaper has acted, the
+ * model waits as an orphan, its waiting ops stay pending, and a new op is admitted. Then a second
+ * agent (another id) starts: it adopts the model from its snapshot and runs the waiting ops in
+ * order. The op that was running fails with OUTCOME_UNKNOWN and nothing else does; the client's
+ * loop goes on with the same model id, on the second agent, with exactly the losses of a twin that
+ * was given the same ops without the unknown one. Real processes: the API here, the agents spawned,
+ * their engines their children.
+ */
+describe('adoption: a dead agent\'s model is taken in by another agent from its snapshot', function () {
+  this.timeout(600_000);
+  const st = stackEnv(REDIS_URL);
+  const names = new Names(st.prefix);
+  const redis = new Redis(REDIS_URL);
+  let api: Api;
+  const agents: AgentProc[] = [];
+  const spawn = async (id: string): Promise<AgentProc> => {
+    const a = spawnAgent({ ...st.env, TB_AGENT_ID: id, TB_AGENT_TIMEOUT_S: '4' });
+    agents.push(a);
+    await waitFor(`agent ${id} registered`, async () => {
+      if (a.child.exitCode !== null) throw new Error(`agent exited: ${a.log()}`);
+      return (await api.built.ctx.registry.agents.live()).some((r) => r.agent_id === id && r.pid === a.child.pid && r.models.length > 0);
+    }, 120_000);
+    return a;
+  };
+  const record = async (m: string) => ModelRecord.parse(JSON.parse((await redis.get(names.model(m)))!));
+
+  before(async () => {
+    api = await startApi(st.env);
+  });
+  after(async function () {
+    if (this.currentTest?.state === 'failed') for (const a of agents) console.log(a.log().split('\n').slice(-40).join('\n'));
+    for (const a of agents) await stopAgent(a);
+    await api.stop();
+    redis.disconnect();
+    rmSync(st.storage, { recursive: true, force: true });
+  });
+
+  it('the running op fails with OUTCOME_UNKNOWN, the others wait for an agent of the base, run there, and the loop goes on with the twin\'s losses', async () => {
+    const first = await spawn(`a1-${st.prefix}`);
+    const client = new Client(api);
+    await client.init();
+    const m = await client.createModel(3);
+    expect((await record(m)).agent_id).to.equal(first.id);
+    const before = await client.train(m, 2);
+
+    // One op in the engine (stopped), two behind it; then the node dies with them.
+    const engine = await enginePid(first);
+    process.kill(engine, 'SIGSTOP');
+    const running = await client.submitFb(m);
+    await sleep(300);
+    const waitingOptim = await client.submitOptim(m);
+    const waitingFb = await client.submitFb(m);
+    await stopAgent(first, 'SIGKILL');
+    process.kill(engine, 'SIGKILL');
+
+    // Reaped: the model is an orphan, the running op has failed, the others are pending.
+    await waitFor('the model orphaned', async () => (await record(m)).orphaned_at !== null, 60_000);
+    expect(await redis.zscore(names.orphans(), m)).to.not.equal(null);
+    const r1 = await client.result(running, 'application/json', 30_000);
+    expectUnknownOutcome(r1, new RegExp(`its worker agent '${first.id}' stopped answering`));
+    for (const id of [waitingOptim, waitingFb]) {
+      const r = await call(api.baseUrl, 'POST', '/retrieve_future', { request_id: id });
+      expect(r.json, JSON.stringify(r.json)).to.include({ type: 'try_again' });
+    }
+    // An op sent now, while no agent serves the base, is admitted and waits too.
+    const later = await client.submitOptim(m);
+    await sleep(2_000);
+    expect((await call(api.baseUrl, 'POST', '/retrieve_future', { request_id: later })).json).to.include({ type: 'try_again' });
+    expect((await record(m)).lost_reason).to.equal(null);
+
+    // An agent serving the base starts (another id): it adopts the model and runs the waiting ops.
+    const second = await spawn(`a2-${st.prefix}`);
+    const [r2, r3, r4] = (await Promise.all([waitingOptim, waitingFb, later].map((id) => client.result(id, 'application/json', 120_000)))) as [HttpReply, HttpReply, HttpReply];
+    expect(r2.json, JSON.stringify(r2.json)).to.deep.include({ type: 'optim_step' });
+    expect(r2.json.metrics.grad_norm, 'the unknown forward_backward left no gradient').to.equal(0);
+    expect(r3.json, JSON.stringify(r3.json)).to.have.nested.property('metrics.loss:sum');
+    expect(r4.json, JSON.stringify(r4.json)).to.deep.include({ type: 'optim_step' });
+    const rec = await record(m);
+    expect(rec).to.include({ agent_id: second.id, train_queue: names.trainQueue(second.id), orphaned_at: null, lost_reason: null });
+    expect(await redis.zscore(names.orphans(), m)).to.equal(null);
+    const after = await client.train(m, 3);
+
+    // A twin given the same ops, without the unknown forward_backward, on the second agent.
+    const twin = await client.createModel(3);
+    expect(await client.train(twin, 2)).to.deep.equal(before);
+    await client.optim(twin);
+    const twinFb = (await client.result(await client.submitFb(twin))).json.metrics['loss:sum'];
+    expect(r3.json.metrics['loss:sum']).to.equal(twinFb);
+    await client.optim(twin);
+    expect(await client.train(twin, 3)).to.deep.equal(after);
+    expect(after[2]).to.be.below(after[0]!);
+  });
+});
