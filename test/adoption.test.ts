@@ -20,11 +20,11 @@ import { call, REDIS_URL, type HttpReply } from './helpers/stack.js';
  */
 describe('adoption: a dead agent\'s model is taken in by another agent from its snapshot', function () {
   this.timeout(600_000);
-  const st = stackEnv(REDIS_URL);
-  const names = new Names(st.prefix);
+  let st: ReturnType<typeof stackEnv>;
+  let names: Names;
   const redis = new Redis(REDIS_URL);
   let api: Api;
-  const agents: AgentProc[] = [];
+  let agents: AgentProc[] = [];
   const spawn = async (id: string): Promise<AgentProc> => {
     const a = spawnAgent({ ...st.env, TB_AGENT_ID: id, TB_AGENT_TIMEOUT_S: '4' });
     agents.push(a);
@@ -36,16 +36,22 @@ describe('adoption: a dead agent\'s model is taken in by another agent from its 
   };
   const record = async (m: string) => ModelRecord.parse(JSON.parse((await redis.get(names.model(m)))!));
 
-  before(async () => {
+  beforeEach(async () => {
+    st = stackEnv(REDIS_URL);
+    names = new Names(st.prefix);
     api = await startApi(st.env);
+    agents = [];
   });
-  after(async function () {
+  afterEach(async function () {
     if (this.currentTest?.state === 'failed') for (const a of agents) console.log(a.log().split('\n').slice(-40).join('\n'));
-    for (const a of agents) await stopAgent(a);
+    for (const a of agents) {
+      if (a.child.exitCode === null && a.child.signalCode === null) a.child.kill('SIGCONT');
+      await stopAgent(a);
+    }
     await api.stop();
-    redis.disconnect();
     rmSync(st.storage, { recursive: true, force: true });
   });
+  after(() => redis.disconnect());
 
   it('the running op fails with OUTCOME_UNKNOWN, the others wait for an agent of the base, run there, and the loop goes on with the twin\'s losses', async () => {
     const first = await spawn(`a1-${st.prefix}`);
@@ -101,5 +107,40 @@ describe('adoption: a dead agent\'s model is taken in by another agent from its 
     await client.optim(twin);
     expect(await client.train(twin, 3)).to.deep.equal(after);
     expect(after[2]).to.be.below(after[0]!);
+  });
+
+  it('an agent reaped while alive (SIGSTOP past its timeout) takes its model back from its snapshot at SIGCONT: only the op in flight fails, the loop goes on with the twin\'s losses', async () => {
+    const a = await spawn(`a3-${st.prefix}`);
+    const client = new Client(api);
+    await client.init();
+    const m = await client.createModel(5);
+    const before = await client.train(m, 2);
+    // An op in the engine when the agent stops, one behind it; the engine finishes the first while
+    // the agent is stopped: the agent holds a result the reaper has already given up on.
+    const engine = await enginePid(a);
+    process.kill(engine, 'SIGSTOP');
+    const inFlight = await client.submitFb(m);
+    await sleep(300);
+    const queued = await client.submitOptim(m);
+    process.kill(a.child.pid!, 'SIGSTOP');
+    process.kill(engine, 'SIGCONT');
+    await waitFor('the model orphaned', async () => (await record(m)).orphaned_at !== null, 60_000);
+    expectUnknownOutcome(await client.result(inFlight, 'application/json', 30_000), /stopped answering/);
+    expect((await call(api.baseUrl, 'POST', '/retrieve_future', { request_id: queued })).json).to.include({ type: 'try_again' });
+
+    // SIGCONT: the agent learns it was reaped before it runs the next op, drops the model (its state
+    // holds the op the reaper gave up on) and takes it back from its snapshot.
+    process.kill(a.child.pid!, 'SIGCONT');
+    const r = await client.result(queued, 'application/json', 120_000);
+    expect(r.json, JSON.stringify(r.json)).to.deep.include({ type: 'optim_step' });
+    expect(r.json.metrics.grad_norm, 'the forward_backward given up on left no gradient').to.equal(0);
+    expect(await record(m)).to.include({ agent_id: a.id, orphaned_at: null, lost_reason: null });
+    expect(a.log()).to.match(/this agent was reaped/);
+    const after = await client.train(m, 3);
+
+    const twin = await client.createModel(5);
+    expect(await client.train(twin, 2)).to.deep.equal(before);
+    await client.optim(twin);
+    expect(await client.train(twin, 3)).to.deep.equal(after);
   });
 });

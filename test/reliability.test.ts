@@ -16,6 +16,9 @@ import type { TestDatum } from './helpers/wire.js';
  */
 const figure = (what: string, v: unknown) => console.log(`      [reliability] ${what}: ${typeof v === 'number' ? v.toFixed(2) : String(v)}`);
 
+/** An agent that takes no snapshots: its models are lost when it dies (workers/snapshots.ts). */
+const NO_SNAPSHOTS = { TB_SNAPSHOT_EVERY_STEPS: '0' };
+
 describe('reliability: worker agents, outcomes and liveness (real processes, own Redis)', function () {
   this.timeout(300_000);
   const redis = new OwnRedis();
@@ -104,8 +107,9 @@ describe('reliability: worker agents, outcomes and liveness (real processes, own
     expect(a.log()).to.not.match(/worker error|Unhandled error event/);
   });
 
-  it('a killed agent: its running and queued futures fail with OUTCOME_UNKNOWN within the timeout, its models are unavailable, also under a new agent id', async () => {
-    const a = await agent(`a-${st.prefix}`);
+  // Without snapshots (TB_SNAPSHOT_EVERY_STEPS=0); with them, test/adoption.test.ts.
+  it('a killed agent without snapshots: its running and queued futures fail with OUTCOME_UNKNOWN within the timeout, its models are unavailable, also under a new agent id', async () => {
+    const a = await agent(`a-${st.prefix}`, NO_SNAPSHOTS);
     const m = await client.createModel(1);
     await client.train(m, 1);
     const engine = await enginePid(a);
@@ -123,7 +127,7 @@ describe('reliability: worker agents, outcomes and liveness (real processes, own
     const rec = await api.built.ctx.registry.models.get(m);
     expect(rec?.lost_reason).to.match(/stopped answering/);
     // The agent comes back under a new id: the model stays unavailable, said clearly; new models train.
-    await agent(`b-${st.prefix}`);
+    await agent(`b-${st.prefix}`, NO_SNAPSHOTS);
     const next = await client.result(await client.submitFb(m));
     expect(next.json.error, JSON.stringify(next.json)).to.match(/unavailable: its worker agent .* stopped answering/);
     const fresh = await client.createModel(2);
@@ -149,9 +153,10 @@ describe('reliability: worker agents, outcomes and liveness (real processes, own
     expect(await enginePid(a)).to.not.equal(engine);
   });
 
-  it('an agent reaped while alive (SIGSTOP past its timeout): futures failed, models unavailable; at SIGCONT it drops them and registers again, an op it finishes late stays failed, new ops work', async () => {
+  // Without snapshots; with them, test/adoption.test.ts.
+  it('an agent without snapshots reaped while alive (SIGSTOP past its timeout): futures failed, models unavailable; at SIGCONT it drops them and registers again, an op it finishes late stays failed, new ops work', async () => {
     const id = `a-${st.prefix}`;
-    const a = await agent(id);
+    const a = await agent(id, NO_SNAPSHOTS);
     const m = await client.createModel(1);
     await client.train(m, 1);
     // An op in the engine when the agent stops, and one queued behind it; the engine finishes the
@@ -297,9 +302,10 @@ describe('reliability: worker agents, outcomes and liveness (real processes, own
     expect(await client.train(m, 2)).to.deep.equal(reference.slice(3));
   });
 
-  it('an agent stopped for good (drain record expired): the next op on its model fails at once saying so, and so does every later one', async () => {
+  // Without snapshots: with them, the model waits for an agent to adopt it (test/adoption.test.ts).
+  it('an agent without snapshots stopped for good (drain record expired): the next op on its model fails at once saying so, and so does every later one', async () => {
     const id = `a-${st.prefix}`;
-    const a = await agent(id, { TB_DRAIN_KEEP_S: '1' });
+    const a = await agent(id, { TB_DRAIN_KEEP_S: '1', ...NO_SNAPSHOTS });
     const m = await client.createModel(3);
     await client.train(m, 1);
     a.child.kill('SIGTERM');

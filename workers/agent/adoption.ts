@@ -47,15 +47,19 @@ export type AdoptionOptions = {
 };
 
 export class Adoption {
-  private running = false;
+  private running: Promise<string[]> | null = null;
 
   constructor(private readonly o: AdoptionOptions) {}
 
-  /** One look at the orphans: adopts those this agent trains the base of; returns the ids adopted. */
-  async sweep(): Promise<string[]> {
+  /** One look at the orphans (the one under way, if any): adopts those this agent trains the base of; returns the ids adopted. */
+  sweep(): Promise<string[]> {
+    if (!this.o.trains || !this.o.snapshots.enabled) return Promise.resolve([]);
+    this.running ??= this.look().finally(() => (this.running = null));
+    return this.running;
+  }
+
+  private async look(): Promise<string[]> {
     const { redis, names, log } = this.o;
-    if (this.running || !this.o.trains || !this.o.snapshots.enabled) return [];
-    this.running = true;
     const adopted: string[] = [];
     try {
       for (const id of await this.o.models.orphans()) {
@@ -79,8 +83,6 @@ export class Adoption {
       }
     } catch (e) {
       log.warn('orphans not read', { error: String(e) });
-    } finally {
-      this.running = false;
     }
     return adopted;
   }

@@ -45,6 +45,10 @@ export class Registration {
   /** Set once the agent id is this process's: heartbeats start then. */
   registered = false;
   private heartbeat: NodeJS.Timeout | undefined;
+  /** When a beat last found this agent holding its id (ms). */
+  private lastOkAt = Date.now();
+  /** After this agent learnt it was reaped: what follows its next beat (its models taken back), until done. */
+  private recovering: Promise<void> | null = null;
 
   constructor(private readonly o: RegistrationOptions) {
     this.record = o.record;
@@ -79,19 +83,25 @@ export class Registration {
     const { liveness, config, log, engine, incarnation } = this.o;
     if (this.o.stopping() || !this.registered) return 'error';
     try {
-      const r = await liveness.beat(this.record, incarnation);
+      let r = await liveness.beat(this.record, incarnation);
+      let reaped = false;
       if (r === BEAT.reaped) {
+        reaped = true;
         const models = [...engine.loaded];
         engine.loaded.clear();
-        log.warn('this agent was reaped (silent past its timeout): its models were reported unavailable and are dropped', { models });
+        log.warn('this agent was reaped (silent past its timeout): its models are dropped (those with a snapshot wait for adoption, here or on another agent)', { models });
         for (const m of models) await this.o.adapter.unloadModel(m).catch(() => undefined);
         await liveness.clearReaped(config.agentId, incarnation);
-        return await liveness.beat(this.record, incarnation);
+        r = await liveness.beat(this.record, incarnation);
       }
+      if (r === BEAT.ok) this.lastOkAt = Date.now();
       // The models loaded here are in use: their records never expire while this agent lives (queues/contract/names.ts),
       // at least five heartbeats ahead however short the retention.
       if (r === BEAT.ok) await this.o.registry.models.keep(engine.loaded, Math.max(config.retentionS, this.o.timeoutS));
-      if (r === BEAT.ok) void this.o.afterBeat?.();
+      if (r === BEAT.ok && this.o.afterBeat) {
+        const after = this.o.afterBeat();
+        if (reaped) this.recovering = after.finally(() => (this.recovering = null));
+      }
       if (r === BEAT.ok && (await this.o.redis.getdel(this.o.names.agentDrainRequest(config.agentId))) !== null) {
         log.info('drain requested (tinker-broker drain)');
         this.o.drain();
@@ -106,6 +116,17 @@ export class Registration {
       log.warn('heartbeat failed', { error: String(e) });
       return 'error';
     }
+  }
+
+  /**
+   * Before a training op is claimed: after a pause longer than the liveness timeout (the process was
+   * stopped, a long GC), one heartbeat first, and what follows it. A reaped agent so learns it
+   * before it runs an op on a model the reaper gave up, and takes its models back from their
+   * snapshots (workers/agent/adoption.ts) unless another agent has them. Otherwise nothing to wait for.
+   */
+  async ensureFresh(): Promise<void> {
+    if (Date.now() - this.lastOkAt > this.o.timeoutS * 1000) await this.beat();
+    if (this.recovering) await this.recovering;
   }
 
   /** Engine memory for /metrics and `tinker-broker agents`; a failure to read it is not an error of the agent. */

@@ -40,6 +40,11 @@ export type TrainingPipelineOptions = {
   queue: string;
   /** Whether the agent drains or stops: ops taken ahead then go back to the queue unstarted. */
   halted: () => boolean;
+  /**
+   * Before an op is claimed: resolves once the agent knows it still holds its models (after a pause
+   * past its liveness timeout it beats first, Registration.ensureFresh). Absent: nothing to wait for.
+   */
+  fresh?: () => Promise<void>;
 };
 
 export class TrainingPipeline {
@@ -129,6 +134,7 @@ export class TrainingPipeline {
     };
     try {
       await before.done;
+      await this.o.fresh?.();
       const token = job.token;
       if (this.o.halted()) {
         // Taken ahead but not started: back to the head of the queue, for whoever runs the model next.
