@@ -88,7 +88,9 @@ describe('adoption: a dead agent\'s model is taken in by another agent from its 
 
     // An agent serving the base starts (another id): it adopts the model and runs the waiting ops.
     const second = await spawn(`a2-${st.prefix}`);
+    const registeredAt = Date.now();
     const [r2, r3, r4] = (await Promise.all([waitingOptim, waitingFb, later].map((id) => client.result(id, 'application/json', 120_000)))) as [HttpReply, HttpReply, HttpReply];
+    console.log(`      [adoption] second agent registered -> the 3 pending futures answered ${((Date.now() - registeredAt) / 1000).toFixed(1)} s (heartbeat ${(4 / 5).toFixed(1)} s)`);
     expect(r2.json, JSON.stringify(r2.json)).to.deep.include({ type: 'optim_step' });
     expect(r2.json.metrics.grad_norm, 'the unknown forward_backward left no gradient').to.equal(0);
     expect(r3.json, JSON.stringify(r3.json)).to.have.nested.property('metrics.loss:sum');
