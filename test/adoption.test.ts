@@ -1,11 +1,20 @@
+import { randomUUID } from 'node:crypto';
+import { existsSync, mkdirSync, mkdtempSync, rmSync } from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
 import { expect } from 'chai';
-import { rmSync } from 'node:fs';
 import { Redis } from 'ioredis';
 import { Names } from '../queues/contract/names.js';
+import { logger } from '../queues/infra/logger.js';
+import { Outcomes } from '../queues/runtime/outcomes.js';
+import { Registry } from '../queues/registry/index.js';
 import { ModelRecord } from '../queues/registry/models.js';
+import { Adoption } from '../workers/agent/adoption.js';
+import { AgentSnapshots, snapshotRoot } from '../workers/snapshots.js';
+import { FakeAdapter } from './helpers/fake-adapter.js';
 import { Client, expectUnknownOutcome } from './helpers/client.js';
 import { enginePid, sleep, spawnAgent, stackEnv, startApi, stopAgent, waitFor, type AgentProc, type Api } from './helpers/procs.js';
-import { call, REDIS_URL, type HttpReply } from './helpers/stack.js';
+import { call, deletePrefix, REDIS_URL, type HttpReply } from './helpers/stack.js';
 
 /**
  * Recovery by placement (issue 32; workers/agent/adoption.ts): an agent dies for good (SIGKILL of
@@ -144,5 +153,39 @@ describe('adoption: a dead agent\'s model is taken in by another agent from its 
     expect(await client.train(twin, 2)).to.deep.equal(before);
     await client.optim(twin);
     expect(await client.train(twin, 3)).to.deep.equal(after);
+  });
+});
+
+describe('adoption (unit): an orphan whose record expired', () => {
+  const redis = new Redis(REDIS_URL);
+  const names = new Names(`adopt-${randomUUID().slice(0, 8)}`);
+  const storage = mkdtempSync(path.join(os.tmpdir(), 'tb-adopt-'));
+  after(async () => {
+    await deletePrefix(names.prefix);
+    redis.disconnect();
+    rmSync(storage, { recursive: true, force: true });
+  });
+
+  it('leaves the orphans, and its snapshots are removed', async () => {
+    /** An engine adapter that takes snapshots: the agent's snapshots are on. */
+    class Snapshotting extends FakeAdapter {
+      async snapshot(): Promise<{ last_error: string | null }> {
+        return { last_error: null };
+      }
+    }
+    const adapter = new Snapshotting('toy');
+    const registry = new Registry(redis, names);
+    const outcomes = new Outcomes(redis, names, 60);
+    const log = logger.child({ test: 'adoption' });
+    const snapshots = new AgentSnapshots({ policy: { everySteps: 1, everyS: 0, keep: 2 }, storageDir: storage, adapter, redis, names, outcomes, models: registry.models, log });
+    const engine = { loaded: new Set<string>(), served: [], ensure: async () => undefined };
+    const adoption = new Adoption({ agentId: 'a', queue: names.trainQueue('a'), redis, names, models: registry.models, outcomes, snapshots, engine, adapter, trains: true, halted: () => false, log });
+    const gone = 'sess:train:7';
+    const dir = path.join(snapshotRoot(storage, gone), '000000000004');
+    mkdirSync(dir, { recursive: true });
+    await redis.zadd(names.orphans(), Date.now(), gone);
+    expect(await adoption.sweep()).to.deep.equal([]);
+    expect(await redis.zscore(names.orphans(), gone)).to.equal(null);
+    expect(existsSync(snapshotRoot(storage, gone))).to.equal(false);
   });
 });

@@ -22,7 +22,8 @@ import type { EngineSupervisor } from './engine.js';
  * A model whose create_model had not run yet moves as it is (its create runs here). One that cannot
  * come back (no snapshot yet, its replay's payloads gone) is marked lost with the reason and its ops
  * still move here, where they fail with that reason. An orphan whose base no live agent trains stays
- * an orphan, its ops pending, until one starts.
+ * an orphan, its ops pending, until one starts, or until its record expires (the retention after
+ * its last op): its snapshots are then removed by the next agent that looks.
  */
 
 /** How long an adoption claim lasts: the load and replay of one model. */
@@ -68,6 +69,8 @@ export class Adoption {
         const rec = raw === null ? null : ModelRecord.parse(JSON.parse(raw));
         if (rec === null || rec.orphaned_at === null) {
           await redis.zrem(names.orphans(), id);
+          // An orphan nobody adopted within its record's lifetime: its snapshots go with it.
+          if (rec === null) await this.o.snapshots.drop(id);
           continue;
         }
         if (!this.o.engine.served.some((m) => m.name === rec.base_model && m.trainable)) continue;
