@@ -6,7 +6,7 @@ import { BrokerError } from '../queues/contract/errors.js';
 import { logger } from '../queues/infra/logger.js';
 import { Registry } from '../queues/registry/index.js';
 import type { BaseModelSpec } from '../queues/infra/config.js';
-import { EngineSupervisor, OpTimeout } from '../workers/agent/engine.js';
+import { EngineSupervisor, OpTimeout, RESTART_TRIES } from '../workers/agent/engine.js';
 import { FakeAdapter } from './helpers/fake-adapter.js';
 import { deletePrefix, REDIS_URL } from './helpers/stack.js';
 
@@ -106,6 +106,31 @@ describe('agent engine supervision (unit)', () => {
     expect(unavailable!.code).to.equal('UNAVAILABLE');
     expect(unavailable!.message).to.include('ran past its time limit');
     expect(stops).to.equal(0);
+  });
+
+  it('starts the engine again when the new one dies as it starts, and stops the agent after RESTART_TRIES failed starts', async () => {
+    const adapter = new FakeAdapter('t');
+    const s = supervisor(adapter);
+    s.restartBackoffMs = 1;
+    await s.start();
+    adapter.dyingStarts = RESTART_TRIES - 1;
+    adapter.exit('the engine process exited (code null, signal SIGKILL)');
+    await s.ensure();
+    expect(adapter.starts).to.equal(1 + RESTART_TRIES);
+    expect(stops).to.equal(0);
+    expect(s.restarting).to.equal(null);
+
+    const exitCode = process.exitCode;
+    try {
+      adapter.dyingStarts = RESTART_TRIES;
+      adapter.exit('the engine process exited (code null, signal SIGKILL)');
+      await s.ensure();
+      expect(adapter.starts).to.equal(1 + 2 * RESTART_TRIES);
+      expect(stops).to.equal(1);
+      expect(process.exitCode).to.equal(1);
+    } finally {
+      process.exitCode = exitCode;
+    }
   });
 
   it('stops the agent when its engine dies and restarts are off; ignores an exit while the agent stops', async () => {

@@ -41,8 +41,16 @@ export class FakeAdapter implements EngineAdapter {
     return answer;
   }
 
+  /** The next starts that die as they start (the engine's exit reported, then the start fails). */
+  dyingStarts = 0;
+
   async start(): Promise<void> {
     this.starts++;
+    if (this.dyingStarts > 0) {
+      this.dyingStarts--;
+      this.exit('the engine process exited as it started (signal SIGKILL)');
+      throw new Error('engine process exited while starting');
+    }
   }
   async stop(): Promise<void> {}
   kill(): void {

@@ -10,7 +10,8 @@ import type { EngineCapabilities } from '../adapters/registry.js';
  * Engine supervision, for one agent. It owns:
  * - the engine's start, with the agent's base models loaded (`served`);
  * - its restart when it dies: ops wait for the new engine (`ensure`), which gets the models back from
- *   their snapshots (`recover`); the others are marked lost;
+ *   their snapshots (`recover`); the others are marked lost. A new engine that dies as it starts is
+ *   started again (RESTART_TRIES in all) before the agent stops;
  * - its kill when an op runs past its time limit (`timed`, `TB_OP_TIMEOUTS`);
  * - the set of models that live in the current engine process (`loaded`).
  */
@@ -19,6 +20,9 @@ import type { EngineCapabilities } from '../adapters/registry.js';
 export class OpTimeout extends Error {
   override readonly name = 'OpTimeout';
 }
+
+/** How many times a restart starts a new engine before the agent gives up and stops. */
+export const RESTART_TRIES = 3;
 
 export type EngineSupervisorOptions = {
   config: Pick<AgentConfig, 'agentId' | 'models' | 'engineRestart' | 'opTimeoutsS'>;
@@ -46,6 +50,10 @@ export class EngineSupervisor {
   epoch = 0;
   /** Why the agent killed its engine (an op past its time limit), for the models' lost reason. */
   private killReason: string | null = null;
+  /** Set from an engine's death until its restart has ended (`restarting` is assigned a moment later). */
+  private inRestart = false;
+  /** The wait before a restart's second start (then twice that, …). */
+  restartBackoffMs = 1_000;
 
   constructor(private readonly o: EngineSupervisorOptions) {
     o.adapter.onExit((reason) => this.onExit(reason));
@@ -66,17 +74,23 @@ export class EngineSupervisor {
     if (this.o.stopping()) return;
     const { config, log } = this.o;
     this.epoch++;
+    // The engine being started by a restart died: that start fails, and the restart tries again.
+    if (this.inRestart) {
+      log.error('engine process died while restarting', { reason: exitReason });
+      return;
+    }
     const reason = this.killReason ?? exitReason;
     this.killReason = null;
     log.error('engine process died', { reason });
     const models = [...this.loaded];
     this.loaded.clear();
     // Set synchronously, so a job taken from now on waits for the new engine.
+    this.inRestart = true;
     this.restarting = (async () => {
       let recovered = new Set<string>();
       try {
         if (!config.engineRestart) throw new Error('engine restart is disabled (TB_ENGINE_RESTART=false)');
-        await this.start();
+        await this.startWithRetries();
         if (this.o.recover && models.length) recovered = await this.o.recover(models, reason);
         for (const m of recovered) this.loaded.add(m);
         log.info('engine restarted', recovered.size ? { recovered: [...recovered] } : {});
@@ -90,8 +104,26 @@ export class EngineSupervisor {
         const lost = models.filter((m) => !recovered.has(m));
         if (lost.length) log.warn('models lost with the engine', { models: lost });
         this.restarting = null;
+        this.inRestart = false;
       }
     })();
+  }
+
+  /**
+   * A restart's start: tried RESTART_TRIES times, a second more apart each time (the new engine may
+   * die as it starts: an OOM kill while the old one's memory is freed, a node under pressure).
+   */
+  private async startWithRetries(): Promise<void> {
+    for (let attempt = 1; ; attempt++) {
+      try {
+        await this.start();
+        return;
+      } catch (e) {
+        if (attempt >= RESTART_TRIES || this.o.stopping()) throw e;
+        this.o.log.warn('engine restart failed; trying again', { attempt, of: RESTART_TRIES, error: String(e) });
+        await new Promise((r) => setTimeout(r, this.restartBackoffMs * attempt));
+      }
+    }
   }
 
   /** Waits for a restart under way, if any. */
