@@ -1,0 +1,173 @@
+"""``forward_backward_group``: the forward_backward ops of several models on one base model, run as
+one pass of the base ("co-batching", docs/architecture.md).
+
+Each member is a forward_backward request of its own model (its datums, its loss function and
+config, its forward-only flag). Their datums are packed together into micro-batches by padded tokens,
+as one request's are; each row goes through its own model's LoRA adapter (PEFT's per-row
+``adapter_names``: the base's linear layers run once over every row, each adapter over its rows).
+Ranks, target modules and loss functions may differ between the members.
+
+Why each member gets what it would get alone:
+- rows never mix in a decoder (attention is per row and causal, normalisation per token), so a
+  row's logits depend only on its tokens and its adapter; a row right-padded further (the longest
+  row of the pack is another member's) keeps its real positions' outputs;
+- the pass backpropagates the sum of every trainable member's loss: a member's LoRA parameters
+  appear only in its own rows, so their gradient is the gradient of its own loss, accumulated into
+  its own flat buffer (flat.py), as forward_backward accumulates it;
+- what differs is float32 rounding only: the base's matrix products run over more rows (another
+  blocking of the same sums) and an adapter's over its rows gathered from the pack. tests/test_cobatch.py
+  bounds the difference.
+
+A member whose request is invalid (a UserError while parsing: bad datum, unknown model) or whose
+loss or gradient is not finite fails alone, its gradients restored to what they were before; the
+others go on. Any other failure (out of memory) restores every member's gradients and fails the op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import UserError
+from .models import BaseModel, Registry, TrainingModel
+from .rollback import check_grad_max_abs, check_losses, grad_max_abs
+from .tensors import wire
+from .train import Datum, ForwardBackwardRequest, _batch_target_logprobs, _stage, max_batch_tokens, micro_batches, parse_forward_backward
+
+#: The most members one group takes (the agent groups fewer: TB_COBATCH_MAX).
+MAX_MEMBERS = 64
+
+
+@dataclass
+class _Member:
+    slot: int
+    model: TrainingModel
+    req: ForwardBackwardRequest
+    saved: torch.Tensor | None
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    total: float = 0.0
+    error: str | None = None
+
+    @property
+    def trains(self) -> bool:
+        return not self.req.forward_only
+
+
+def forward_backward_group(registry: Registry, args: dict[str, Any]) -> dict[str, Any]:
+    raw = args.get("members")
+    if not isinstance(raw, list) or not raw or len(raw) > MAX_MEMBERS:
+        raise UserError(f"members must be a list of 1 to {MAX_MEMBERS} forward_backward requests")
+    results: list[dict[str, Any] | None] = [None] * len(raw)
+    members: list[_Member] = []
+    seen: set[str] = set()
+    for slot, m in enumerate(raw):
+        try:
+            if not isinstance(m, dict):
+                raise UserError("a member must be a forward_backward request object")
+            model = registry.model(str(m.get("model_id")))
+            if model.model_id in seen:
+                raise UserError(f"model {model.model_id} appears twice in one group")
+            seen.add(model.model_id)
+            if members and model.base is not members[0].model.base:
+                raise UserError("every member of a group must be of one base model")
+            req = parse_forward_backward(m, model.base)
+        except UserError as e:
+            results[slot] = {"error": {"category": "user", "message": str(e)}}
+            continue
+        saved = None if req.forward_only else model.flat.grads_saved()
+        members.append(_Member(slot, model, req, saved))
+    if members:
+        _run(members[0].model.base, members)
+    for m in members:
+        if m.error is not None:
+            results[m.slot] = {"error": {"category": "user", "message": m.error}}
+            continue
+        if m.trains:
+            m.model.flat.pending = True
+        outputs = [m.outputs[d.index] for d in m.req.datums]
+        results[m.slot] = {"loss_fn_outputs": [{"logprobs": wire(lp)} for lp in outputs], "metrics": {"loss:sum": m.total}}
+    return {"results": results}
+
+
+def _run(base: BaseModel, members: list[_Member]) -> None:
+    owner: dict[int, _Member] = {}
+    datums: list[Datum] = []
+    for m in members:
+        for d in m.req.datums:
+            owner[id(d)] = m
+            datums.append(d)
+    trainers = [m for m in members if m.trains]
+    # Every member's adapter layers on; each trainable member's parameters require grad. `activate`
+    # records its adapter as the one trainable; the others are set back below.
+    lead = trainers[0] if trainers else members[0]
+    base.activate(lead.model.adapter, trainable=bool(trainers))
+    others = [m for m in trainers if m is not lead]
+    for m in others:
+        for p in m.model.parameters():
+            p.requires_grad_(True)
+    try:
+        for staged in _stage(list(micro_batches(datums, max_batch_tokens())), base.device):
+            _run_batch(base, staged, [owner[id(d)] for d in staged.batch])
+    except BaseException:
+        for m in trainers:
+            m.model.flat.restore_grads(m.saved)
+        raise
+    finally:
+        for m in others:
+            for p in m.model.parameters():
+                p.requires_grad_(False)
+    for m in trainers:
+        if m.error is not None:
+            m.model.flat.restore_grads(m.saved)
+
+
+def _run_batch(base: BaseModel, staged: Any, rows: list[_Member]) -> None:
+    """Forward (and backward of the trainable members' losses) of one packed micro-batch; each row
+    through its owner's adapter. One device -> host copy at the end, as forward_backward's."""
+    batch: list[Datum] = staged.batch
+    names = [m.model.adapter for m in rows]
+    here = list({id(m): m for m in rows}.values())
+    live = [m for m in here if m.trains and m.error is None]
+    with torch.set_grad_enabled(bool(live)):
+        if len(set(names)) == 1:
+            logits = base.hf(input_ids=staged.ids, use_cache=False).logits
+        else:
+            assert base.peft is not None
+            # PEFT refuses per-row adapters on a module in training mode (its flag alone: the layers
+            # run in eval mode as always, models.py); the flag says nothing else about this pass.
+            tuner = base.peft.base_model
+            was = tuner.training
+            tuner.training = False
+            try:
+                logits = base.peft(adapter_names=names, input_ids=staged.ids, use_cache=False).logits
+            finally:
+                tuner.training = was
+        lps = _batch_target_logprobs(logits, batch, staged.targets)
+        del logits
+        losses = torch.stack([m.req.loss.fn(lp, inputs, m.req.config) for m, lp, inputs in zip(rows, lps, staged.inputs)])
+        # Each member's summed loss over its rows here (float32 on the device, as forward_backward sums a micro-batch).
+        sums = torch.stack([losses[[r for r, o in enumerate(rows) if o is m]].sum() for m in here])
+        checks = [losses.detach().float(), sums.detach().float()]
+        if live:
+            torch.stack([sums[here.index(m)] for m in live]).sum().backward()
+            checks.append(torch.stack([grad_max_abs([m.model.flat.weight]).reshape(()) for m in live]).float())
+        host = torch.cat([*checks, *(lp.detach().reshape(-1) for lp in lps)]).cpu()
+    at = len(batch) + len(here) + (len(live) if live else 0)
+    for m, d in zip(rows, batch):
+        n = d.targets.numel()
+        m.outputs[d.index] = host[at : at + n].reshape(d.targets.shape)
+        at += n
+    for k, m in enumerate(here):
+        if m.error is not None:
+            continue
+        mine = [r for r, o in enumerate(rows) if o is m]
+        try:
+            check_losses([batch[r].index for r in mine], [host[r] for r in mine], [m.outputs[batch[r].index] for r in mine])
+            if m in live:
+                check_grad_max_abs([batch[r].index for r in mine], float(host[len(batch) + len(here) + live.index(m)]))
+        except UserError as e:
+            m.error = str(e)
+            continue
+        m.total += float(host[len(batch) + k])
