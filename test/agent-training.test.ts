@@ -2,7 +2,7 @@ import { randomUUID } from 'node:crypto';
 import { expect } from 'chai';
 import { Redis } from 'ioredis';
 import { Names } from '../queues/contract/names.js';
-import type { TrainJob } from '../queues/contract/schemas.js';
+import type { ForwardBackwardJob, ForwardBackwardResult, TrainJob } from '../queues/contract/schemas.js';
 import { logger } from '../queues/infra/logger.js';
 import { Liveness } from '../queues/runtime/liveness.js';
 import { JobRecorder } from '../queues/runtime/metrics.js';
@@ -10,6 +10,7 @@ import { Outcomes } from '../queues/runtime/outcomes.js';
 import type { TakenTrainJob } from '../queues/runtime/train-consumer.js';
 import { Registry } from '../queues/registry/index.js';
 import { EngineSupervisor } from '../workers/agent/engine.js';
+import { EngineError } from '../workers/engine.js';
 import { TrainingPipeline } from '../workers/agent/training.js';
 import { CheckpointJobs } from '../workers/checkpoint-jobs.js';
 import { FakeAdapter } from './helpers/fake-adapter.js';
@@ -45,7 +46,7 @@ describe('agent training pipeline (unit)', () => {
   });
 
   /** A pipeline over `adapter`; each outcome it records is logged as it is sent (`finish <job id> <state>`) among the adapter's calls. */
-  async function pipeline(adapter: FakeAdapter, halted: () => boolean = () => false) {
+  async function pipeline(adapter: FakeAdapter, halted: () => boolean = () => false, cobatchMax = 1) {
     const engine = new EngineSupervisor({ config: { agentId, models: [], engineRestart: true }, log, adapter, capabilities: { trains: true }, models: registry.models, stopping: () => false, stop: () => undefined });
     await engine.start();
     const recorded: Pick<Outcomes, 'claim' | 'release' | 'finish'> = {
@@ -68,6 +69,7 @@ describe('agent training pipeline (unit)', () => {
       metrics,
       queue: names.trainQueue(agentId),
       halted,
+      cobatchMax,
     });
     return { p, engine };
   }
@@ -100,6 +102,39 @@ describe('agent training pipeline (unit)', () => {
     expect(adapter.calls.slice(2)).to.have.members([`finish ${a.id} done`, `finish ${b.id} done`]);
     expect(p.claimAtTake()).to.equal(true);
     expect((await outcomes.get(b.id))!.state).to.equal('done');
+  });
+
+  it('co-batching: the first waiting forward_backward of each other model on the same base runs in the same engine pass; every model keeps its order', async () => {
+    /** An adapter that runs groups; a member of model g3 fails alone, as the engine answers a member's user error. */
+    class Grouping extends FakeAdapter {
+      async forwardBackwardGroup(jobs: ForwardBackwardJob[]): Promise<(ForwardBackwardResult | Error)[]> {
+        this.calls.push(`group ${jobs.map((j) => j.model_id).join(',')}`);
+        return jobs.map((j) => (j.model_id === 'g3' ? new EngineError('user', 'datum 0: a bad datum') : { loss_fn_outputs: [], metrics: { 'loss:sum': 1 } }));
+      }
+    }
+    const adapter = new Grouping('t');
+    const { p, engine } = await pipeline(adapter, () => false, 4);
+    for (const [m, base] of [['g1', '/m/base'], ['g2', '/m/base'], ['g3', '/m/base'], ['g4', '/m/base'], ['g5', '/m/other']] as const) {
+      await registry.models.putIfAbsent({ model_id: m, session_id: 's', base_model: base, arch: 'x', vocab_size: 32, lora, agent_id: agentId, train_queue: 'q', created_at: new Date().toISOString(), lost_reason: null, tenant: '', max_context_length: 64, orphaned_at: null }, 60);
+      engine.loaded.add(m);
+    }
+    const optim = (model: string, seq: number): TrainJob => ({ op: 'optim_step', model_id: model, seq_id: seq, adam: { learning_rate: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-12, weight_decay: 0, grad_clip_norm: 0 } });
+    const held = adapter.hold('optim_step');
+    const running = p.run(taken(optim('g1', 1)));
+    // Waiting behind it, in the queue's order.
+    const jobs = [fb('g1', 2), fb('g2', 1), fb('g2', 2), fb('g3', 1), fb('g5', 1), optim('g4', 1), fb('g4', 2)].map((d) => taken(d));
+    const verdicts = jobs.map((j) => p.run(j));
+    await new Promise((r) => setTimeout(r, 20));
+    held.resolve();
+    await running;
+    expect((await Promise.all(verdicts)).map((v) => v.state)).to.deep.equal(['done', 'done', 'done', 'failed', 'done', 'done', 'done']);
+    // g2's second op waits for its first; g5 is on another base; g4's first op is an optim_step.
+    expect(adapter.calls.filter((c) => !c.startsWith('finish'))).to.deep.equal(['optim_step g1', 'group g1,g2,g3', 'forward_backward g2', 'forward_backward g5', 'optim_step g4', 'forward_backward g4']);
+    expect(await outcomes.get(jobs[1]!.id)).to.include({ state: 'done', cobatch: 3 });
+    expect(await outcomes.get(jobs[0]!.id)).to.include({ state: 'done', cobatch: 3 });
+    expect(await outcomes.get(jobs[3]!.id)).to.include({ state: 'failed', category: 'user' });
+    expect((await outcomes.get(jobs[3]!.id))!.message).to.match(/a bad datum/);
+    expect(await outcomes.get(jobs[2]!.id)).to.not.have.property('cobatch');
   });
 
   it('fails an op of a model not on this engine with its reason, and the next op still runs', async () => {

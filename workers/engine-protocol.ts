@@ -128,6 +128,34 @@ export const ENGINE_OPS = {
       metrics: z.record(z.string(), z.number()),
     }),
   },
+  /**
+   * Several models' forward_backward on one base model in one pass (co-batching,
+   * workers/python/tinker_engine/cobatch.py): one result per member, in order, or that member's error.
+   */
+  forward_backward_group: {
+    args: z.object({
+      members: z
+        .array(
+          z.object({
+            model_id: z.string().min(1),
+            loss_fn: z.string().min(1),
+            loss_fn_config: z.record(z.string(), z.union([z.number(), z.string()])),
+            forward_only: z.boolean(),
+            data: z.array(z.object({ tokens: TensorArg, loss_fn_inputs: z.record(z.string(), TensorArg) })).min(1),
+          }),
+        )
+        .min(1)
+        .max(64),
+    }),
+    result: z.object({
+      results: z.array(
+        z.union([
+          z.object({ loss_fn_outputs: z.array(z.record(z.string(), Tensor)), metrics: z.record(z.string(), z.number()) }),
+          z.object({ error: z.object({ category: z.enum(['user', 'server']), message: z.string() }) }),
+        ]),
+      ),
+    }),
+  },
   optim_step: {
     args: ModelRef.extend({ adam: AdamParams }),
     result: z.object({ metrics: z.record(z.string(), z.number()) }),

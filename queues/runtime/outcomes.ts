@@ -32,6 +32,8 @@ export const Outcome = z.object({
   message: z.string().optional(),
   /** When the engine ran the op: [start, end], ms since the epoch (sub-ms precision). */
   engine: z.tuple([z.number(), z.number()]).optional(),
+  /** A forward_backward run in one engine pass with others (co-batching, workers/agent/training.ts): how many ops that pass ran. */
+  cobatch: z.number().int().optional(),
 });
 export type Outcome = z.infer<typeof Outcome>;
 

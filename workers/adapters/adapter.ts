@@ -29,6 +29,12 @@ export interface EngineAdapter {
   loadBase(spec: BaseModelSpec): Promise<ServedModel>;
   createModel(job: CreateModelJob): Promise<{ model_id: string }>;
   forwardBackward(job: ForwardBackwardJob): Promise<ForwardBackwardResult>;
+  /**
+   * Several models' forward_backward on one base model in one pass of the engine (co-batching):
+   * each member's result, or its own error (a user error of one member does not fail the others).
+   * Absent: the engine runs them one at a time.
+   */
+  forwardBackwardGroup?(jobs: ForwardBackwardJob[]): Promise<(ForwardBackwardResult | Error)[]>;
   optimStep(job: OptimStepJob): Promise<{ metrics: Record<string, number> }>;
   /** Writes the sampler version's PEFT adapter into `job.dir` (which must not exist); returns its size. */
   saveSampler(job: SaveSamplerJob): Promise<{ size_bytes: number }>;

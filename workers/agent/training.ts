@@ -45,7 +45,15 @@ export type TrainingPipelineOptions = {
    * past its liveness timeout it beats first, Registration.ensureFresh). Absent: nothing to wait for.
    */
   fresh?: () => Promise<void>;
+  /**
+   * Co-batching: at most this many forward_backward ops of different models on one base run as one
+   * engine pass (TB_COBATCH_MAX; 1 or an engine without `forwardBackwardGroup`: one at a time).
+   */
+  cobatchMax?: number;
 };
+
+/** A job taken and waiting for its turn; a co-batch takes it along (`ride`: its recorded outcome once the group has run). */
+type Waiting = { job: TakenTrainJob; data: TrainJob | undefined; ride?: Promise<Outcome> };
 
 export class TrainingPipeline {
   /**
@@ -56,6 +64,8 @@ export class TrainingPipeline {
   private turn: { done: Promise<void>; nextStarted?: Promise<void> } = { done: Promise.resolve() };
   /** Training ops taken and not yet past the engine: none means the next one taken starts at once. */
   private ahead = 0;
+  /** Jobs taken whose turn has not come, in the queue's order (co-batching picks partners among them). */
+  private readonly waiting: Waiting[] = [];
 
   constructor(private readonly o: TrainingPipelineOptions) {}
 
@@ -71,7 +81,8 @@ export class TrainingPipeline {
    */
   consumer(redis: Redis, names: Names, outcomes: Outcomes, opts: { lockMs: number; tokenPrefix: string }): TrainConsumer {
     return new TrainConsumer(redis, names, outcomes, this.o.queue, {
-      concurrency: 2,
+      // With co-batching, as many taken ahead as a group can take along.
+      concurrency: this.cobatchMax > 1 ? 1 + this.cobatchMax : 2,
       lockMs: opts.lockMs,
       agentId: this.o.config.agentId,
       tokenPrefix: opts.tokenPrefix,
@@ -104,12 +115,19 @@ export class TrainingPipeline {
     return verdict;
   }
 
+  /** The most forward_backward ops one engine pass takes (1: no co-batching). */
+  private get cobatchMax(): number {
+    return this.o.adapter.forwardBackwardGroup ? Math.max(1, this.o.cobatchMax ?? 1) : 1;
+  }
+
   private async verdict(job: TakenTrainJob): Promise<TrainVerdict> {
     const { outcomes, engine, config, log } = this.o;
     const jobId = job.id;
     const op = job.op;
     // A job the gate in this process parsed and handed over is not parsed again.
     const parsed = job.parsed ? { success: true as const, data: job.data as TrainJob } : TrainJob.safeParse(job.data);
+    const waiting: Waiting = { job, data: parsed.success ? parsed.data : undefined };
+    this.waiting.push(waiting);
     const before = this.turn;
     let started!: () => void;
     before.nextStarted = new Promise<void>((r) => (started = r));
@@ -134,6 +152,9 @@ export class TrainingPipeline {
     };
     try {
       await before.done;
+      this.waiting.splice(this.waiting.indexOf(waiting), 1);
+      // Taken along by an earlier op's co-batch: its outcome is recorded already.
+      if (waiting.ride) return await this.standing(jobId, op, await waiting.ride);
       await this.o.fresh?.();
       const token = job.token;
       if (this.o.halted()) {
@@ -145,6 +166,7 @@ export class TrainingPipeline {
       if (prev) return await this.standing(jobId, op, prev);
       const start = Date.now();
       let epoch = -1;
+      let cobatched = 0;
       let result: unknown;
       let engineSpan: [number, number];
       try {
@@ -154,7 +176,10 @@ export class TrainingPipeline {
         epoch = engine.epoch;
         if (!parsed.success) throw parsed.error;
         const t0 = performance.timeOrigin + performance.now();
-        const call = trainOp(parsed.data, this.o);
+        const d = parsed.data;
+        const partners = d.op === 'forward_backward' ? await this.partners(d) : [];
+        if (partners.length) cobatched = partners.length + 1;
+        const call = d.op === 'forward_backward' && partners.length ? this.cobatch(d, partners, epoch) : trainOp(d, this.o);
         // Once the promise jobs that carry the call to the engine have run.
         process.nextTick(started);
         result = await engine.timed(op, call);
@@ -171,7 +196,7 @@ export class TrainingPipeline {
       await handOn();
       // Early: an API in this process answers the op's future from this result, then it is recorded,
       // and its job ended in its queue, in one script (queues/runtime/outcomes.ts).
-      const stood = await outcomes.finish(jobId, token, { state: 'done', op, agent_id: config.agentId, result, engine: engineSpan }, true, job.end);
+      const stood = await outcomes.finish(jobId, token, { state: 'done', op, agent_id: config.agentId, result, engine: engineSpan, ...(cobatched ? { cobatch: cobatched } : {}) }, true, job.end);
       // An op finished after the reaper gave up on this agent keeps the reaper's verdict in Redis (the 'job failed' line says so).
       if (stood.state === 'done') log.debug('job done', { queue: this.o.queue, jobId, op, modelId: parsed.data?.model_id, ms: Date.now() - start });
       this.meter(job, parsed.data, start, stood.state === 'done' ? 'ok' : 'server_error', result);
@@ -180,6 +205,93 @@ export class TrainingPipeline {
       endTurn();
       started();
     }
+  }
+
+  /**
+   * The forward_backward ops that can run in one engine pass with `lead` (co-batching): among the
+   * jobs taken and waiting, each model's first one, when it is a forward_backward of another model
+   * on the same base model, loaded here and not claimed yet; at most `cobatchMax - 1`. Only ops
+   * already taken are looked at: nothing waits for a partner. Each is claimed here (an op whose
+   * outcome another process recorded first is left to its own turn).
+   */
+  private async partners(lead: Extract<TrainJob, { op: 'forward_backward' }>): Promise<(Waiting & { data: Extract<TrainJob, { op: 'forward_backward' }> })[]> {
+    const max = this.cobatchMax;
+    if (max <= 1 || this.waiting.length === 0) return [];
+    const { engine, registry, outcomes, config } = this.o;
+    const base = (await registry.models.placed(lead.model_id))?.base_model;
+    if (!base) return [];
+    const seen = new Set([lead.model_id]);
+    const out: (Waiting & { data: Extract<TrainJob, { op: 'forward_backward' }> })[] = [];
+    for (const w of [...this.waiting]) {
+      if (out.length >= max - 1) break;
+      const d = w.data;
+      if (!d || !('model_id' in d) || !d.model_id) continue;
+      // A model's later ops wait for its first: only the first waiting op of each model can come along.
+      if (seen.has(d.model_id)) continue;
+      seen.add(d.model_id);
+      if (d.op !== 'forward_backward' || w.ride || w.job.claim || !engine.loaded.has(d.model_id)) continue;
+      if ((await registry.models.placed(d.model_id))?.base_model !== base) continue;
+      if ((await outcomes.claim(w.job.id, d.op, config.agentId, w.job.token)) !== null) continue;
+      out.push(w as Waiting & { data: typeof d });
+    }
+    return out;
+  }
+
+  /**
+   * `lead` and its partners in one engine pass: the partners' outcomes are recorded here (each as
+   * its own op's would be), their jobs end when their turns come; the lead's result is returned as
+   * its own op's, or its error thrown.
+   */
+  private async cobatch(
+    lead: Extract<TrainJob, { op: 'forward_backward' }>,
+    partners: (Waiting & { data: Extract<TrainJob, { op: 'forward_backward' }> })[],
+    epoch: number,
+  ): Promise<unknown> {
+    const { adapter, engine, outcomes, config, log } = this.o;
+    const settle = new Map<Waiting, (o: Outcome) => void>();
+    for (const p of partners) p.ride = new Promise<Outcome>((r) => settle.set(p, r));
+    // A partner's outcome, recorded once; its turn ends its job as the record says.
+    const record = async (p: Waiting, final: Parameters<Outcomes['finish']>[2]) => {
+      const resolve = settle.get(p);
+      if (!resolve) return;
+      settle.delete(p);
+      try {
+        resolve(await outcomes.finish(p.job.id, p.job.token, final, true));
+      } catch (e) {
+        // Not recorded (Redis unreachable): the op's outcome is unknown to everyone but this process.
+        log.warn('co-batched outcome not recorded', { jobId: p.job.id, error: String(e) });
+        resolve({ ...final, token: p.job.token, at: new Date().toISOString() } as Outcome);
+      }
+    };
+    const start = Date.now();
+    let results: (unknown | Error)[];
+    try {
+      await engine.requireLoaded(lead.model_id);
+      const t0 = performance.timeOrigin + performance.now();
+      results = await adapter.forwardBackwardGroup!([lead, ...partners.map((p) => p.data)]);
+      const span: [number, number] = [t0, performance.timeOrigin + performance.now()];
+      for (const [i, p] of partners.entries()) {
+        const r = results[i + 1];
+        if (r instanceof Error) {
+          const f = opFailure('forward_backward', r);
+          await record(p, { state: 'failed', op: 'forward_backward', agent_id: config.agentId, ...f });
+          this.meter(p.job, p.data, start, f.category === 'user' ? 'user_error' : 'server_error');
+        } else {
+          await record(p, { state: 'done', op: 'forward_backward', agent_id: config.agentId, result: r, engine: span, cobatch: results.length });
+          this.meter(p.job, p.data, start, 'ok', r);
+        }
+      }
+    } catch (err) {
+      let f = opFailure('forward_backward', err);
+      if (err instanceof OpTimeout || engine.epoch !== epoch)
+        f = failure('OUTCOME_UNKNOWN', outcomeUnknownMessage('forward_backward', err instanceof OpTimeout ? err.message : `the engine process died while running it: ${f.message}`));
+      for (const p of partners) await record(p, { state: 'failed', op: 'forward_backward', agent_id: config.agentId, ...f });
+      throw err;
+    }
+    log.debug('co-batched', { lead: lead.model_id, partners: partners.map((p) => p.data.model_id) });
+    const mine = results[0];
+    if (mine instanceof Error) throw mine;
+    return mine;
   }
 
   /** Ends the BullMQ job as the recorded outcome says (which may be another's: the reaper's, an earlier run's). */
