@@ -28,8 +28,8 @@ export class Client {
       return r;
     }, timeoutMs, 50);
   }
-  async createModel(seed = 0): Promise<string> {
-    const r = await call(this.api.baseUrl, 'POST', '/create_model', { session_id: this.session, model_seq_id: this.modelSeq++, base_model: TINY_MODEL_ALIAS, lora_config: { rank: 4, seed } });
+  async createModel(seed = 0, rank = 4): Promise<string> {
+    const r = await call(this.api.baseUrl, 'POST', '/create_model', { session_id: this.session, model_seq_id: this.modelSeq++, base_model: TINY_MODEL_ALIAS, lora_config: { rank, seed } });
     expect(r.status, JSON.stringify(r.json)).to.equal(200);
     const done = await this.result(r.json.request_id);
     expect(done.json.model_id, JSON.stringify(done.json)).to.be.a('string');

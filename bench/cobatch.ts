@@ -1,0 +1,82 @@
+import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
+import { E2EServer } from '../test/e2e/server.js';
+import { encodeForwardBackward } from '../test/helpers/wire.js';
+import { BENCH_ADAM, benchBatch, post, result, runBench } from './client.js';
+
+/**
+ * What co-batching gives N training loops on one agent (workers/agent/training.ts,
+ * tinker_engine/cobatch.py): the start command as a user starts it, N clients each running
+ * forward_backward + optim_step steps with small batches, all at once with TB_COBATCH_MAX=N (their
+ * forward_backward ops share engine passes), against the same N loops one after another, and all at
+ * once without co-batching (TB_COBATCH_MAX=1: the engine runs their ops in turn). It prints
+ * the trained tokens/s of each way and their ratio, and each loop's p99 step latency together
+ * against its solo p50 (fairness: no loop waits on the others beyond the shared passes).
+ *
+ *   node --import tsx bench/cobatch.ts [loops=4] [steps=30] [datums=2] [seqLen=64] [model=tiny] [device]
+ *
+ * On the GPU: the model path and `cuda` (bench/gpu/cobatch.sh).
+ */
+const [loops, steps, datums, seqLen] = [4, 30, 2, 64].map((d, i) => Number(process.argv[2 + i] ?? d)) as [number, number, number, number];
+const model = process.argv[6] ?? TINY_MODEL_ALIAS;
+const device = process.argv[7];
+
+type Run = { seconds: number; tokens: number; stepMs: number[][] };
+
+async function run(together: boolean, cobatch: number): Promise<Run> {
+  const env: Record<string, string> = { TB_COBATCH_MAX: String(cobatch), TB_LONG_POLL_MS: '25000', TB_SNAPSHOT_EVERY_STEPS: '0' };
+  if (model !== TINY_MODEL_ALIAS) env.TB_AGENT_MODELS = `${model}=bench-model`;
+  if (device) env.TB_ENGINE_DEVICE = device;
+  const server = new E2EServer(env);
+  try {
+    await server.start();
+    const base = server.baseUrl;
+    const session = (await post(base, '/create_session', { tags: [], user_metadata: {}, sdk_version: '0.38.0', type: 'create_session' })).session_id;
+    const batch = benchBatch(seqLen).slice(0, 1);
+    const data = Array.from({ length: datums }, () => batch[0]!);
+    const tokensPerStep = data.reduce((s, d) => s + d.tokens.length, 0);
+    const models: string[] = [];
+    for (let k = 0; k < loops; k++) {
+      const cm = await post(base, '/create_model', { session_id: session, model_seq_id: k, base_model: model === TINY_MODEL_ALIAS ? TINY_MODEL_ALIAS : 'bench-model', lora_config: { rank: 32, seed: k } });
+      models.push((await result(base, cm.request_id)).model_id);
+    }
+    const loop = async (modelId: string, n: number, times: number[]) => {
+      let seq = 1;
+      for (let i = 0; i < n; i++) {
+        const t = performance.now();
+        const fb = await post(base, '/forward_backward', undefined, encodeForwardBackward({ modelId, seqId: seq++, data }));
+        await result(base, fb.request_id);
+        const opt = await post(base, '/optim_step', { model_id: modelId, seq_id: seq++, adam: BENCH_ADAM });
+        await result(base, opt.request_id);
+        times.push(performance.now() - t);
+      }
+    };
+    for (const m of models) await loop(m, 3, []); // warm-up
+    const stepMs = models.map(() => [] as number[]);
+    const t0 = performance.now();
+    if (together) await Promise.all(models.map((m, k) => loop(m, steps, stepMs[k]!)));
+    else for (const [k, m] of models.entries()) await loop(m, steps, stepMs[k]!);
+    const seconds = (performance.now() - t0) / 1000;
+    return { seconds, tokens: loops * steps * tokensPerStep, stepMs };
+  } finally {
+    await server.stop();
+  }
+}
+
+function pct(xs: number[], p: number): number {
+  const s = [...xs].sort((a, b) => a - b);
+  return s[Math.min(s.length - 1, Math.floor((p / 100) * s.length))]!;
+}
+
+runBench(async () => {
+  const alone = await run(false, 1);
+  const plain = await run(true, 1);
+  const together = await run(true, loops);
+  const tps = (r: Run) => r.tokens / r.seconds;
+  console.log(`loops=${loops} steps=${steps} datums=${datums} seqLen=${seqLen} model=${model} device=${device ?? 'default'}`);
+  console.log(`one after another: ${tps(alone).toFixed(0)} trained tokens/s (${alone.seconds.toFixed(2)} s)`);
+  console.log(`together, not co-batched (TB_COBATCH_MAX=1): ${tps(plain).toFixed(0)} trained tokens/s (${plain.seconds.toFixed(2)} s)`);
+  console.log(`together, co-batched (TB_COBATCH_MAX=${loops}): ${tps(together).toFixed(0)} trained tokens/s (${together.seconds.toFixed(2)} s)`);
+  console.log(`together / one after another = ${(tps(together) / tps(alone)).toFixed(2)}x`);
+  for (let k = 0; k < loops; k++)
+    console.log(`loop ${k}: step p50 alone ${pct(alone.stepMs[k]!, 50).toFixed(1)} ms, p99 together ${pct(together.stepMs[k]!, 99).toFixed(1)} ms (${(pct(together.stepMs[k]!, 99) / pct(alone.stepMs[k]!, 50)).toFixed(2)}x)`);
+});
