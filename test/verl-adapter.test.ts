@@ -44,8 +44,8 @@ describe('verl adapter', () => {
   });
 
   it('knows the strategies the Python engine runs, and the preset schema accepts exactly those', () => {
-    const py = /^STRATEGIES = \(([^)]*)\)/m.exec(readFileSync('workers/python/tinker_engine_verl/engine.py', 'utf8'));
-    expect(py, 'STRATEGIES in tinker_engine_verl/engine.py').to.not.equal(null);
+    const py = /^STRATEGIES = \(([^)]*)\)/m.exec(readFileSync('workers/python/tinker_engine_verl/settings.py', 'utf8'));
+    expect(py, 'STRATEGIES in tinker_engine_verl/settings.py').to.not.equal(null);
     expect([...py![1]!.matchAll(/"(\w+)"/g)].map((m) => m[1])).to.deep.equal([...VERL_STRATEGIES]);
     const model = (strategy: string) => ModelSpec.safeParse({ name: 'a', path: '/m/a', role: 'actor', engine: 'verl', parallelism: { strategy } }).success;
     for (const s of VERL_STRATEGIES) expect(model(s), s).to.equal(true);

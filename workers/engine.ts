@@ -3,6 +3,7 @@ import { EventEmitter } from 'node:events';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { BrokerError, engineCode, type ErrorCategory } from '../queues/contract/errors.js';
+import { ENGINE_INTERNAL_ENV } from '../queues/infra/config.js';
 import type { Logger } from '../queues/infra/logger.js';
 import { decodeFrame, encodeFrame } from './engine-frame.js';
 import { describeIssues, ENGINE_OPS, type EngineArgs, type EngineOp, type EngineResult } from './engine-protocol.js';
@@ -23,7 +24,7 @@ export type EngineOptions = {
   python: string;
   device?: string | undefined;
   log: Logger;
-  /** Extra environment for the engine process. */
+  /** Extra environment for the engine process: its settings (queues/infra/config.ts engineSettingsEnv), its launch's. */
   env?: NodeJS.ProcessEnv;
   /** Arguments after the interpreter. @defaultValue `['-m', 'tinker_engine']` (the torch engine) */
   args?: string[];
@@ -37,6 +38,30 @@ function engineLogLevel(log: Logger): string {
 }
 
 const PYTHON_DIR = path.join(path.dirname(fileURLToPath(import.meta.url)), 'python');
+
+/** An engine setting's variable (the engines read no other `TB_` variable, bar TB_LOSS_CATALOGUE, an internal one). */
+const ENGINE_SETTING = /^TB_(ENGINE|VERL)_/;
+
+/**
+ * The engine process's environment: the agent's, less every engine setting in it but the internal
+ * knobs (ENGINE_INTERNAL_ENV), then what the agent decided — the engine logs at the agent's level,
+ * then `opts.env` (its settings from the configuration, its launch's variables) and `opts.device`.
+ * So the engine sees only settings the agent's configuration parsed, however it was started.
+ */
+export function engineProcessEnv(agentEnv: NodeJS.ProcessEnv, opts: Pick<EngineOptions, 'device' | 'log' | 'env'>): NodeJS.ProcessEnv {
+  const inherited = Object.entries(agentEnv).filter(([name]) => !ENGINE_SETTING.test(name) || ENGINE_INTERNAL_ENV.includes(name));
+  return {
+    ...Object.fromEntries(inherited),
+    // Its line per op (info) is written, and woken for, only when the agent's log shows it.
+    TB_ENGINE_LOG_LEVEL: engineLogLevel(opts.log),
+    ...opts.env,
+    ...(opts.device ? { TB_ENGINE_DEVICE: opts.device } : {}),
+    PYTHONPATH: [PYTHON_DIR, agentEnv.PYTHONPATH].filter(Boolean).join(path.delimiter),
+    PYTHONUNBUFFERED: '1',
+    HF_HUB_OFFLINE: '1',
+    TRANSFORMERS_OFFLINE: '1',
+  };
+}
 
 /**
  * The engine process and the channel to it (docs/engine-protocol.md, protocol 2): frames of JSON
@@ -61,18 +86,7 @@ export class EngineProcess extends EventEmitter<EngineEvents> {
   }
 
   start(): void {
-    const env: NodeJS.ProcessEnv = {
-      // The engine logs at the agent's level unless TB_ENGINE_LOG_LEVEL says otherwise: its line per
-      // op (info) is written, and woken for, only when the agent's log shows it.
-      TB_ENGINE_LOG_LEVEL: engineLogLevel(this.opts.log),
-      ...process.env,
-      ...this.opts.env,
-      PYTHONPATH: [PYTHON_DIR, process.env.PYTHONPATH].filter(Boolean).join(path.delimiter),
-      PYTHONUNBUFFERED: '1',
-      HF_HUB_OFFLINE: '1',
-      TRANSFORMERS_OFFLINE: '1',
-    };
-    if (this.opts.device) env.TB_ENGINE_DEVICE = this.opts.device;
+    const env = engineProcessEnv(process.env, this.opts);
     const child = spawn(this.opts.python, this.opts.args ?? ['-m', 'tinker_engine'], { env, stdio: ['pipe', 'pipe', 'pipe'] });
     this.child = child;
     child.stdout.on('data', (chunk: Buffer) => this.onData(chunk));

@@ -44,6 +44,71 @@ const csv = z
 
 const bool = z.enum(['true', 'false']).transform((v) => v === 'true');
 
+/** The engine process's log levels (Python's names). */
+export const ENGINE_LOG_LEVELS = ['DEBUG', 'INFO', 'WARNING', 'ERROR'] as const;
+/** The attention implementations the verl engine may build its models with (transformers' names). */
+export const VERL_ATTENTIONS = ['sdpa', 'eager', 'flash_attention_2', 'flash_attention_3', 'flex_attention'] as const;
+
+/** An engine flag: `true`/`1` or `false`/`0` (the agent passes `1`/`0`). */
+const engineFlag = z.enum(['true', 'false', '1', '0']).transform((v) => v === 'true' || v === '1');
+/** An engine count: decimal digits only, at least 1 (the engines read no sign, space or exponent). */
+const engineCount = z
+  .string()
+  .regex(/^[0-9]+$/, 'a positive integer')
+  .transform(Number)
+  .pipe(z.number().int().positive());
+
+/**
+ * The Python engines' settings a user may change, each declared here once with its bound and default.
+ * The agent passes every one to its engine (`engineSettingsEnv`, from the adapters in
+ * workers/adapters/), which reads them in one place per package (workers/python/tinker_engine/settings.py,
+ * workers/python/tinker_engine_verl/settings.py, with these defaults for an engine started by hand;
+ * test/one-source-engine-settings.test.ts compares the two sides). `TB_ENGINE_DEVICE`, which every
+ * engine kind uses, is an agent setting below; the verl strategy and offload come from the preset's models.
+ */
+const EngineEnv = z.object({
+  /** Torch engine: the base weights' dtype of a model whose preset entry names none (`float32`, `bfloat16`, `float16`). @defaultValue the engine's: `bfloat16` on a GPU, `float32` on the CPU */
+  TB_ENGINE_DTYPE: z.enum(MODEL_DTYPES).optional(),
+  /** The engine process's log level (`DEBUG`, `INFO`, `WARNING`, `ERROR`, any case); its line per op is at INFO. @defaultValue the agent's log level (TB_LOG_LEVEL) */
+  TB_ENGINE_LOG_LEVEL: z
+    .string()
+    .transform((v) => v.toUpperCase())
+    .pipe(z.enum(ENGINE_LOG_LEVELS))
+    .optional(),
+  /** Torch engine: cache slots one generating sample batch holds (rows × padded length at its longest); requests beyond wait for rows to finish. @defaultValue 262144 */
+  TB_ENGINE_SAMPLE_TOKENS: engineCount.default(262_144),
+  /** Torch engine: sampler versions (LoRA adapters) kept loaded per base model. @defaultValue 4 */
+  TB_ENGINE_SAMPLER_CACHE: engineCount.default(4),
+  /** Torch and verl engines: the most padded tokens of one training micro-batch (verl's `max_token_len_per_gpu`). @defaultValue 16384 */
+  TB_ENGINE_MAX_BATCH_TOKENS: engineCount.default(16_384),
+  /** verl engine: gradient checkpointing (`true`/`1`, `false`/`0`). @defaultValue true */
+  TB_VERL_GRAD_CKPT: engineFlag.default(true),
+  /** verl engine: the models' attention implementation (`sdpa`, `eager`, `flash_attention_2`, `flash_attention_3`, `flex_attention`; the flash ones need the flash-attn package). @defaultValue `sdpa` */
+  TB_VERL_ATTN: z.enum(VERL_ATTENTIONS).default('sdpa'),
+});
+
+/** The engines' settings, by the variable each engine reads. */
+export type EngineSettings = z.output<typeof EngineEnv>;
+/** The variables of the engines' settings. */
+export const ENGINE_SETTING_NAMES: readonly string[] = Object.keys(EngineEnv.shape);
+
+/**
+ * Engine variables that are no setting of the agent: knobs of the tests and benches, which the engine
+ * reads from its own environment (the agent's, passed through). `TB_ENGINE_CHECK_RESULTS`: every result
+ * checked against its op's schema; `TB_LOSS_CATALOGUE`: another copy of queues/contract/losses.json;
+ * `TB_VERL_RECORD`, `TB_VERL_RECORD_MAX_TOKENS`: the verl engine writes translation fixtures. Every other
+ * `TB_ENGINE_*` or `TB_VERL_*` variable of the agent's environment stays out of the engine's
+ * (workers/engine.ts): the engine gets what the agent's configuration decided.
+ */
+export const ENGINE_INTERNAL_ENV: readonly string[] = ['TB_ENGINE_CHECK_RESULTS', 'TB_LOSS_CATALOGUE', 'TB_VERL_RECORD', 'TB_VERL_RECORD_MAX_TOKENS'];
+
+/** The engine process's variables for `settings` (each one that has a value; flags as `1`/`0`). Without settings: every default. */
+export function engineSettingsEnv(settings: EngineSettings = EngineEnv.parse({})): Record<string, string> {
+  const env: Record<string, string> = {};
+  for (const [name, value] of Object.entries(settings)) if (value !== undefined) env[name] = typeof value === 'boolean' ? (value ? '1' : '0') : String(value);
+  return env;
+}
+
 const CommonEnv = z.object({
   /** Redis connection URL. @defaultValue `redis://127.0.0.1:6379` */
   REDIS_URL: z.string().url().default('redis://127.0.0.1:6379'),
@@ -140,7 +205,11 @@ const AgentEnv = CommonEnv.extend({
   TB_SNAPSHOT_EVERY_S: z.coerce.number().min(0).default(0),
   /** Snapshots kept per model (the newest). @defaultValue 2 */
   TB_SNAPSHOT_KEEP: z.coerce.number().int().positive().default(2),
+  ...EngineEnv.shape,
 });
+
+/** Every variable of an agent's configuration (the engine settings among them). */
+export const AGENT_ENV_NAMES: readonly string[] = Object.keys(AgentEnv.shape);
 
 /** What `tinker-broker start` itself reads. */
 const LauncherEnv = z.object({
@@ -242,6 +311,8 @@ export type AgentConfig = {
   drainKeepS?: number | undefined;
   /** Continuous snapshots (workers/snapshots.ts; TB_SNAPSHOT_*); unset: none. */
   snapshots?: { everySteps: number; everyS: number; keep: number } | undefined;
+  /** The Python engines' settings (`EngineEnv`), which the adapters pass to the engine. @defaultValue every default */
+  engineSettings?: EngineSettings | undefined;
 };
 
 /** How long one op may keep the engine busy before the agent declares it hung and kills it, in seconds. */
@@ -361,5 +432,6 @@ export function loadAgentConfig(
     jobLockMs: e.TB_JOB_LOCK_MS,
     drainKeepS: e.TB_DRAIN_KEEP_S,
     snapshots: { everySteps: e.TB_SNAPSHOT_EVERY_STEPS, everyS: e.TB_SNAPSHOT_EVERY_S, keep: e.TB_SNAPSHOT_KEEP },
+    engineSettings: Object.fromEntries(ENGINE_SETTING_NAMES.map((name) => [name, e[name as keyof EngineSettings]])) as EngineSettings,
   };
 }

@@ -1,4 +1,4 @@
-import type { AgentConfig, BaseModelSpec } from '../../queues/infra/config.js';
+import { engineSettingsEnv, type AgentConfig, type BaseModelSpec } from '../../queues/infra/config.js';
 import type { Logger } from '../../queues/infra/logger.js';
 import type { ServedModel } from '../../queues/registry/agents.js';
 import type {
@@ -42,7 +42,7 @@ export type TorchAdapterOptions = {
   log: Logger;
   /** How the engine process is started (another engine speaking the same protocol, e.g. verl under torchrun). */
   launch?: { args: string[]; env?: NodeJS.ProcessEnv } | undefined;
-  /** Extra environment for the engine process (e.g. its OMP_NUM_THREADS), with any `launch`. */
+  /** Extra environment for the engine process (its settings, its OMP_NUM_THREADS), with any `launch`. */
   env?: NodeJS.ProcessEnv | undefined;
 };
 
@@ -175,9 +175,12 @@ export class TorchAdapter implements EngineAdapter {
   }
 }
 
-/** The torch engine process's environment: the configured CPU threads (TB_ENGINE_THREADS) as its OMP_NUM_THREADS. */
-function torchEnv(config: AgentConfig): { env?: NodeJS.ProcessEnv } {
-  return config.engineThreads === undefined ? {} : { env: { OMP_NUM_THREADS: String(config.engineThreads) } };
+/** The torch engine process's environment: its settings, and the configured CPU threads (TB_ENGINE_THREADS) as its OMP_NUM_THREADS. */
+function torchEnv(config: AgentConfig): NodeJS.ProcessEnv {
+  return {
+    ...engineSettingsEnv(config.engineSettings),
+    ...(config.engineThreads === undefined ? {} : { OMP_NUM_THREADS: String(config.engineThreads) }),
+  };
 }
 
 /** transformers + PEFT: trains and samples (batched), on the CPU or one GPU; the default engine. */
@@ -196,5 +199,5 @@ export const TORCH_ENGINE = registerEngine({
     placement: 'runs a model on one device',
     modelOptions: [],
   },
-  create: (config, log) => new TorchAdapter({ python: config.python, device: config.engineDevice, log, ...torchEnv(config) }),
+  create: (config, log) => new TorchAdapter({ python: config.python, device: config.engineDevice, log, env: torchEnv(config) }),
 });

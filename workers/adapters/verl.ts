@@ -1,4 +1,4 @@
-import { deviceGpus, type BaseModelSpec } from '../../queues/infra/config.js';
+import { deviceGpus, engineSettingsEnv, type BaseModelSpec, type EngineSettings } from '../../queues/infra/config.js';
 import type { Logger } from '../../queues/infra/logger.js';
 import { EngineError } from '../engine.js';
 import { registerEngine, type PresetProblem } from './registry.js';
@@ -13,7 +13,7 @@ export function gpusOf(device: string | undefined): number[] | null {
 
 const VERL_KIND = 'verl';
 
-/** The strategies the verl engine runs (workers/python/tinker_engine_verl: STRATEGIES). */
+/** The strategies the verl engine runs (`STRATEGIES` in workers/python/tinker_engine_verl/settings.py). */
 export const VERL_STRATEGIES: readonly string[] = ['fsdp2', 'fsdp', 'veomni'];
 
 export type VerlLaunch = { args: string[]; env: NodeJS.ProcessEnv; nproc: number };
@@ -54,10 +54,10 @@ export function verlLaunch(device: string | undefined, models: BaseModelSpec[]):
 export class VerlAdapter extends TorchAdapter {
   override readonly kind: string = VERL_KIND;
 
-  constructor(opts: { python: string; device?: string | undefined; log: Logger; models: BaseModelSpec[] }) {
+  constructor(opts: { python: string; device?: string | undefined; log: Logger; models: BaseModelSpec[]; settings?: EngineSettings | undefined }) {
     const launch = verlLaunch(opts.device, opts.models);
     // The engine picks its device from CUDA_VISIBLE_DEVICES and LOCAL_RANK, not TB_ENGINE_DEVICE.
-    super({ python: opts.python, device: undefined, log: opts.log, launch });
+    super({ python: opts.python, device: undefined, log: opts.log, launch, env: engineSettingsEnv(opts.settings) });
   }
 
   override sample(_job: SampleJob): Promise<SampleResult> {
@@ -79,7 +79,7 @@ export const VERL_ENGINE = registerEngine({
     placement: "shards the model over its agent's GPUs with FSDP",
     modelOptions: ['data', 'strategy', 'offload'],
   },
-  create: (config, log) => new VerlAdapter({ python: config.python, device: config.engineDevice, log, models: config.models }),
+  create: (config, log) => new VerlAdapter({ python: config.python, device: config.engineDevice, log, models: config.models, settings: config.engineSettings }),
   // FSDP shards a model over every GPU of its agent: a preset's data size, when given, is their count.
   presetProblems: (m, agents) => {
     const data = m.parallelism.data;

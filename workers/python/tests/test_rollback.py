@@ -9,6 +9,7 @@ from helpers import adam, create, datum, fb, grads, params, perturb
 from tinker_engine import losses
 from tinker_engine.engine import Engine
 from tinker_engine.errors import UserError
+from tinker_engine.settings import overridden
 
 
 def _ce(vocab: int, seed: int, n: int = 7) -> dict:
@@ -74,13 +75,8 @@ def test_non_finite_loss_rolls_back_and_names_the_datum(engine: Engine) -> None:
         fb(engine, "a", "importance_sampling", bad)
     assert _same(_state(engine, "a"), before)
     # Also in its own micro-batch after a good one was backpropagated.
-    import os
-    os.environ["TB_ENGINE_MAX_BATCH_TOKENS"] = "7"
-    try:
-        with pytest.raises(UserError, match=r"datum 1: the loss"):
-            fb(engine, "a", "importance_sampling", bad)
-    finally:
-        del os.environ["TB_ENGINE_MAX_BATCH_TOKENS"]
+    with overridden(max_batch_tokens=7), pytest.raises(UserError, match=r"datum 1: the loss"):
+        fb(engine, "a", "importance_sampling", bad)
     assert _same(_state(engine, "a"), before)
     # The model goes on exactly like its twin that never saw the bad request.
     for m in ("a", "b"):

@@ -12,6 +12,7 @@ from helpers import adam, assert_close_up_to_summation_order, create, datum, fb,
 from tinker_engine.channel import encode_frame
 from tinker_engine.engine import Engine
 from tinker_engine.errors import UserError
+from tinker_engine.settings import overridden
 from tinker_engine.tensors import tensor_to_json
 
 
@@ -110,15 +111,15 @@ def test_gradient_accumulation_equals_one_batch(engine: Engine) -> None:
     assert grads(engine, "split") == {n: None for n in gs}
 
 
-def test_micro_batching_matches_one_batch(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_micro_batching_matches_one_batch(engine: Engine) -> None:
     vocab = engine.registry.base("tiny").vocab_size
     data = _data(vocab, seed=9, lengths=(6, 11, 3, 8))
     for m in ("big", "small"):
         create(engine, m, seed=2)
         perturb(engine, m, seed=4)
     big = fb(engine, "big", "cross_entropy", data)
-    monkeypatch.setenv("TB_ENGINE_MAX_BATCH_TOKENS", "12")  # forces one datum per micro-batch
-    small = fb(engine, "small", "cross_entropy", data)
+    with overridden(max_batch_tokens=12):  # forces one datum per micro-batch
+        small = fb(engine, "small", "cross_entropy", data)
     assert big["metrics"]["loss:sum"] == pytest.approx(small["metrics"]["loss:sum"], rel=1e-6)
     for (n, a), b in zip(grads(engine, "big").items(), grads(engine, "small").values()):
         assert_close_up_to_summation_order(a, b, n)
@@ -237,7 +238,6 @@ def test_server_error_mid_batch_restores_gradients(engine: Engine, monkeypatch: 
     perturb(engine, "se")
     fb(engine, "se", "cross_entropy", _data(vocab, seed=2))
     before = grads(engine, "se")
-    monkeypatch.setenv("TB_ENGINE_MAX_BATCH_TOKENS", "1")  # one datum per micro-batch
     from tinker_engine import losses
 
     calls = {"n": 0}
@@ -251,7 +251,7 @@ def test_server_error_mid_batch_restores_gradients(engine: Engine, monkeypatch: 
 
     monkeypatch.setitem(losses.LOSSES, "cross_entropy",
                         losses.LossSpec("cross_entropy", failing, (), ("weights",), {}, allows_topk=True))
-    with pytest.raises(RuntimeError, match="boom"):
+    with overridden(max_batch_tokens=1), pytest.raises(RuntimeError, match="boom"):  # one datum per micro-batch
         fb(engine, "se", "cross_entropy", _data(vocab, seed=3))
     assert calls["n"] == 2
     assert all(torch.equal(before[n], g) for n, g in grads(engine, "se").items())

@@ -332,8 +332,9 @@ def replay(fx: dict[str, Any]) -> None:
         assert math.isclose(float(loss), fx["result"]["loss:sum"], rel_tol=1e-5, abs_tol=1e-4)
 
 
-def test_record_and_replay_round_trip(engine: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The recorder the engine runs on the GPU (TB_VERL_RECORD) writes what replay() reads back."""
+def test_record_and_replay_round_trip(engine: Any, tmp_path: Path) -> None:
+    """The recorder the engine runs on the GPU (settings ``record``, TB_VERL_RECORD) writes what replay() reads back."""
+    from tinker_engine_verl import settings as verl_settings
     from tinker_engine_verl.engine import VerlEngine
 
     create(engine, "m", rank=4, seed=3)
@@ -348,8 +349,8 @@ def test_record_and_replay_round_trip(engine: Any, tmp_path: Path, monkeypatch: 
     log_probs = verl_style_logprobs(engine, "m", fields)
     outputs = translate.row_logprobs(log_probs, fields)
     loss, _ = translate.make_loss_fn(spec, spec.parse_config({}), names)({"log_probs": log_probs}, fields)
-    monkeypatch.setenv("TB_VERL_RECORD", str(tmp_path))
-    VerlEngine()._record(request, fields, meta, log_probs, outputs, float(loss))
+    with verl_settings.overridden(record=str(tmp_path)):
+        VerlEngine()._record(request, fields, meta, log_probs, outputs, float(loss))
     (path,) = tmp_path.glob("fb_*.json")
     fx = json.loads(path.read_text())
     replay(fx)

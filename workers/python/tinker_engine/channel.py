@@ -18,6 +18,8 @@ from typing import Any, BinaryIO
 
 import torch
 
+from .settings import current as settings
+
 _HEADER = struct.Struct(">I")
 _HEADERS = struct.Struct(">II")
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "int32": torch.int32, "int64": torch.int64}
@@ -159,12 +161,14 @@ class Channel:
 def claim_stdio() -> tuple[BinaryIO, BinaryIO]:
     """The engine's protocol streams (stdin, and a private duplicate of fd 1), with fd 1 and
     ``sys.stdout`` pointed at stderr so that a stray ``print`` or a library writing to stdout can
-    never corrupt the framing; logging goes to stderr at ``TB_ENGINE_LOG_LEVEL`` (default INFO).
-    Every engine entry point (torch, verl) starts with it."""
+    never corrupt the framing; logging goes to stderr at the settings' level (``TB_ENGINE_LOG_LEVEL``).
+    Every engine entry point (torch, verl) starts with it, so the engine's settings are read, and a
+    bad one refused, as it starts."""
+    level = settings().log_level
     protocol_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     sys.stdout = sys.stderr
-    logging.basicConfig(stream=sys.stderr, level=os.environ.get("TB_ENGINE_LOG_LEVEL", "INFO"),
+    logging.basicConfig(stream=sys.stderr, level=level,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     return sys.stdin.buffer, protocol_out

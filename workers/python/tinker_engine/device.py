@@ -1,18 +1,20 @@
-"""Where the engine runs and in which precision, read once from the environment.
+"""Where the engine runs and in which precision, from the engine's settings (settings.py).
 
-- ``TB_ENGINE_DEVICE``: ``cpu``, ``cuda`` or ``cuda:N``; default cuda:0 when available, else cpu.
-- ``TB_ENGINE_DTYPE``: base weights' dtype, ``float32`` | ``bfloat16`` | ``float16``; default float32
-  on CPU and bfloat16 on CUDA. LoRA weights and all logprob/loss math are float32 regardless.
+- device (``TB_ENGINE_DEVICE``): ``cpu``, ``cuda`` or ``cuda:N``; default cuda:0 when available, else cpu.
+- dtype (``TB_ENGINE_DTYPE``): base weights' dtype, ``float32`` | ``bfloat16`` | ``float16``; default
+  float32 on CPU and bfloat16 on CUDA. LoRA weights and all logprob/loss math are float32 regardless.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from .settings import DTYPES as DTYPE_NAMES
+from .settings import EngineSettings, current
+
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass(frozen=True)
@@ -29,18 +31,16 @@ class Placement:
         return self.device.type
 
 
-def placement_from_env(env: dict[str, str] | None = None) -> Placement:
-    env = dict(os.environ) if env is None else env
-    requested = env.get("TB_ENGINE_DEVICE", "").strip()
-    if requested:
-        device = torch.device(requested)
+def placement_from_env(settings: EngineSettings | None = None) -> Placement:
+    """The placement the settings ask for (default: the engine's, read from its environment)."""
+    s = current() if settings is None else settings
+    if s.device:
+        device = torch.device(s.device)
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"TB_ENGINE_DEVICE={requested} but CUDA is not available")
+            raise RuntimeError(f"TB_ENGINE_DEVICE={s.device} but CUDA is not available")
     else:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
-    dtype_name = env.get("TB_ENGINE_DTYPE", "").strip() or ("bfloat16" if device.type == "cuda" else "float32")
-    if dtype_name not in DTYPES:
-        raise RuntimeError(f"TB_ENGINE_DTYPE must be one of {sorted(DTYPES)}, got {dtype_name!r}")
+    dtype_name = s.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     return Placement(device=device, dtype=DTYPES[dtype_name])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 import traceback
 from collections.abc import Callable, Generator
@@ -21,6 +20,7 @@ from .params import get_obj, get_opt_str, get_str, is_int
 from .protocol import check_args, check_result
 from .sample import Sampler
 from .save import save_sampler
+from .settings import current as settings
 from .snapshot import SnapshotWriter, snapshot_state
 from .state import load_state, save_state
 from .train import forward_backward, optim_step
@@ -83,7 +83,7 @@ class Task:
 class Engine:
     def __init__(self, placement: Placement, sampler_cache_size: int | None = None) -> None:
         if sampler_cache_size is None:
-            sampler_cache_size = int(os.environ.get("TB_ENGINE_SAMPLER_CACHE", "4"))
+            sampler_cache_size = settings().sampler_cache
         self.placement = placement
         self.registry = Registry(placement=placement, sampler_cache_size=max(1, sampler_cache_size))
         self.sampler = Sampler(self.registry)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 
 from .errors import UserError
+from .settings import current as settings
 
 Inputs = Mapping[str, torch.Tensor]
 Config = Mapping[str, float]
@@ -156,8 +156,8 @@ def stable_reinforce(lp: torch.Tensor, inputs: Inputs, config: Config) -> torch.
 # The loss catalogue (queues/contract/losses.json), read by the API too: each loss's inputs, config
 # keys with their defaults and bounds, and the checks of a datum's values. Its $comment says what
 # each field means; docs/losses.md gives the source of every default. The engine is run from the
-# project's tree (workers/python), so the file is found beside it; TB_LOSS_CATALOGUE names another copy.
-CATALOGUE_FILE = Path(os.environ.get("TB_LOSS_CATALOGUE") or Path(__file__).resolve().parents[3] / "queues/contract/losses.json")
+# project's tree (workers/python), so the file is found beside it; the settings may name another copy.
+CATALOGUE_FILE = Path(settings().loss_catalogue or Path(__file__).resolve().parents[3] / "queues/contract/losses.json")
 
 
 def _read_catalogue(path: Path) -> dict[str, Any]:

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .errors import UserError
+from .settings import current as settings
 
 _PATH = Path(__file__).with_name("protocol.json")
 SCHEMA: dict[str, Any] = json.loads(_PATH.read_text(encoding="utf-8"))
@@ -191,12 +191,9 @@ def check_args(op: str, args: dict[str, Any]) -> None:
         raise ProtocolViolation(f"{op}: {p}")
 
 
-CHECK_RESULTS = os.environ.get("TB_ENGINE_CHECK_RESULTS") == "1"
-
-
 def check_result(op: str, result: dict[str, Any]) -> None:
     """With ``TB_ENGINE_CHECK_RESULTS=1`` (the tests): raises RuntimeError when a result breaks its schema."""
-    if not CHECK_RESULTS or op not in OPS:
+    if not settings().check_results or op not in OPS:
         return
     p = problem(result, OPS[op]["result"], "result")
     if p:

@@ -24,7 +24,6 @@ can run other operations (training) in between (server.py).
 from __future__ import annotations
 
 import logging
-import os
 import traceback
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -39,12 +38,10 @@ from .models import BaseModel, Registry
 from .prompt_scores import alt_tokens, parse_targets, score_targets
 from .params import check_token_ids, get_bool, get_int, get_int_list, get_obj, get_opt_str, get_str
 from .protocol import defaults
+from .settings import current as settings
 
 log = logging.getLogger("tinker_engine")
 
-# Most cache slots (rows x padded length at its longest) one generating batch may hold; requests
-# beyond it wait for rows to finish (TB_ENGINE_SAMPLE_TOKENS).
-DEFAULT_SAMPLE_TOKENS = 262144
 # Positions of prompt logits turned into log-softmax at a time (bounds a float32 (chunk, V) buffer).
 PROMPT_LOGPROB_CHUNK = 512
 
@@ -554,7 +551,9 @@ class Sampler:
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
         self.generations: dict[str, Generation] = {}
-        self.max_tokens = max(1, int(os.environ.get("TB_ENGINE_SAMPLE_TOKENS", DEFAULT_SAMPLE_TOKENS)))
+        # Most cache slots (rows x padded length at its longest) one generating batch may hold;
+        # requests beyond it wait for rows to finish.
+        self.max_tokens = settings().sample_tokens
 
     @property
     def busy(self) -> bool:

@@ -2,7 +2,7 @@
 
 forward_backward validates every datum before it touches the model, so a ``UserError`` changes
 nothing. Datums are right-padded into micro-batches of at most ``max_batch_tokens`` padded tokens
-(``TB_ENGINE_MAX_BATCH_TOKENS``, default 16384); each micro-batch's summed loss is backpropagated
+(``TB_ENGINE_MAX_BATCH_TOKENS``, settings.py); each micro-batch's summed loss is backpropagated
 into the adapter's ``.grad``, which accumulates across calls until ``optim_step``. If anything
 fails midway, the gradients are restored to what they were before the call.
 """
@@ -10,7 +10,6 @@ fails midway, the gradients are restored to what they were before the call.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
@@ -24,13 +23,13 @@ from .models import BaseModel, Registry
 from .params import check_token_tensor, get_bool, get_obj, get_str, is_int
 from .protocol import defaults
 from .rollback import StepUndo, check_grad_max_abs, check_losses, check_norm, grad_max_abs, step_max_abs
+from .settings import current as settings
 from .tensors import tensor_from_json, wire
-
-DEFAULT_MAX_BATCH_TOKENS = 16384
 
 
 def max_batch_tokens() -> int:
-    return max(1, int(os.environ.get("TB_ENGINE_MAX_BATCH_TOKENS", DEFAULT_MAX_BATCH_TOKENS)))
+    """The most padded tokens of one micro-batch (the engine's settings)."""
+    return settings().max_batch_tokens
 
 
 @dataclass

@@ -10,13 +10,11 @@ builds AdamW. What the engine adds on top of verl: the seeded LoRA init of the t
 losses (``tinker_engine.losses`` via ``translate.make_loss_fn``), per-step AdamParams and grad
 clipping, and checkpoints / sampler adapters in the torch engine's exact format.
 
-Environment: ``TB_VERL_STRATEGY`` (fsdp2 | fsdp | veomni, see veomni.py; default fsdp2),
-``TB_VERL_OFFLOAD`` (1: parameters and optimizer state offloaded to CPU between ops, verl's ``param_offload``/``optimizer_offload``),
-``TB_VERL_GRAD_CKPT`` (1, default: gradient checkpointing), ``TB_VERL_ATTN`` (default sdpa),
-``TB_ENGINE_MAX_BATCH_TOKENS`` (verl's ``max_token_len_per_gpu``, default 16384),
-``TB_VERL_RECORD`` (a directory: each forward_backward of at most ``TB_VERL_RECORD_MAX_TOKENS`` (512)
-tokens writes its translation's inputs and outputs there as JSON, the CI fixtures of
-test_verl_translate.py).
+Settings (settings.py, read once as the engine starts): the strategy (fsdp2 | fsdp | veomni, see
+veomni.py), offload (parameters and optimizer state in CPU memory between ops, verl's
+``param_offload``/``optimizer_offload``), gradient checkpointing, the attention implementation, and
+a directory where small forward_backwards are recorded as JSON (the CI fixtures of
+test_verl_translate.py); verl's ``max_token_len_per_gpu`` is the torch engine's ``max_batch_tokens``.
 """
 
 from __future__ import annotations
@@ -47,6 +45,7 @@ from tinker_engine.tensors import tensor_to_json, wire
 from tinker_engine.train import AdamParams, max_batch_tokens, parse_forward_backward
 
 from . import translate, veomni
+from .settings import current as settings
 
 log = logging.getLogger("tinker_engine_verl")
 
@@ -60,22 +59,6 @@ def initial_adam() -> AdamParams:
 def _clip_grad(hp: AdamParams) -> float:
     """verl's ``clip_grad`` for ``grad_clip_norm`` (0: no clipping)."""
     return hp.grad_clip_norm if hp.grad_clip_norm > 0 else math.inf
-
-
-STRATEGIES = ("fsdp2", "fsdp", "veomni")
-
-
-def strategy() -> str:
-    """``TB_VERL_STRATEGY``: verl's FSDP2 (default) or FSDP engine, or its VeOmni engine (veomni.py)."""
-    value = os.environ.get("TB_VERL_STRATEGY", "fsdp2")
-    if value not in STRATEGIES:
-        raise ValueError(f"TB_VERL_STRATEGY={value!r}: one of {', '.join(STRATEGIES)}")
-    return value
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name, "").strip().lower()
-    return default if not value else value in ("1", "true", "yes")
 
 
 def peft_key(name: str) -> str:
@@ -154,6 +137,7 @@ class VerlEngine:
     record_seq: int = 0
 
     def __post_init__(self) -> None:
+        settings()  # read as the engine starts: a bad setting stops it before the first request
         self.ops = {
             "hello": self.hello, "load_base": self.load_base, "create_model": self.create_model,
             "forward_backward": self.forward_backward, "optim_step": self.optim_step,
@@ -236,19 +220,19 @@ class VerlEngine:
         except ImportError:  # pragma: no cover - layout of other verl versions
             from verl.trainer.config.config import CheckpointConfig
 
-        offload = _env_flag("TB_VERL_OFFLOAD", False)
+        s = settings()
         model_config = HFModelConfig(
             path=base.path, lora_rank=lora.rank, lora_alpha=lora.rank, target_modules=lora.target_modules(),
-            use_remove_padding=False, enable_gradient_checkpointing=_env_flag("TB_VERL_GRAD_CKPT", True),
-            override_config={"attn_implementation": os.environ.get("TB_VERL_ATTN", "sdpa")})
-        if strategy() == "veomni":
-            engine_config = veomni.engine_config(self.world_size, offload, max_batch_tokens())
+            use_remove_padding=False, enable_gradient_checkpointing=s.grad_ckpt,
+            override_config={"attn_implementation": s.attn})
+        if s.strategy == "veomni":
+            engine_config = veomni.engine_config(self.world_size, s.offload, max_batch_tokens(), s.attn)
             optimizer_config = veomni.optimizer_config()
         else:
             engine_config = FSDPEngineConfig(
-                strategy=strategy(), forward_only=False, use_dynamic_bsz=True,
+                strategy=s.strategy, forward_only=False, use_dynamic_bsz=True,
                 max_token_len_per_gpu=max_batch_tokens(), use_remove_padding=False, use_torch_compile=False,
-                param_offload=offload, optimizer_offload=offload)
+                param_offload=s.offload, optimizer_offload=s.offload)
             adam = initial_adam()
             optimizer_config = FSDPOptimizerConfig(
                 lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), weight_decay=adam.weight_decay,
@@ -271,8 +255,8 @@ class VerlEngine:
             raise UserError(f"model_id '{model_id}' already exists with a different configuration")
         worker = TinkerTrainingWorker(self._worker_config(base, lora))
         # verl's VeOmni engine applies no LoRA itself: its builders get this model's (veomni.py).
-        with (veomni.lora_build(lora, base.path, _env_flag("TB_VERL_GRAD_CKPT", True)) if strategy() == "veomni"
-              else contextlib.nullcontext()):
+        s = settings()
+        with (veomni.lora_build(lora, base.path, s.grad_ckpt) if s.strategy == "veomni" else contextlib.nullcontext()):
             worker.reset()
         model = VerlModel(model_id=model_id, base=base, lora=lora, worker=worker)
         with model.engine.train_mode(zero_grad_on_exit=False):
@@ -329,15 +313,17 @@ class VerlEngine:
             dist.all_gather_object(gathered, mine)
         by_index = {r: lp for part in gathered for r, lp in part}
         outputs = [by_index[i] for i in range(len(datums))]
-        small = sum(int(d.tokens.shape[0]) for d in datums) <= int(os.environ.get("TB_VERL_RECORD_MAX_TOKENS", "512"))
-        if os.environ.get("TB_VERL_RECORD") and self.rank == 0 and small:
+        s = settings()
+        small = sum(int(d.tokens.shape[0]) for d in datums) <= s.record_max_tokens
+        if s.record and self.rank == 0 and small:
             self._record(args, fields, meta, log_probs, outputs, total)
         return {"loss_fn_outputs": [{"logprobs": wire(lp)} for lp in outputs],
                 "metrics": {"loss:sum": total}}
 
     def _record(self, args: dict[str, Any], fields: dict[str, torch.Tensor], meta: dict[str, Any],
                 log_probs: torch.Tensor, outputs: list[torch.Tensor], total: float) -> None:
-        directory = os.environ["TB_VERL_RECORD"]
+        directory = settings().record
+        assert directory is not None
         os.makedirs(directory, exist_ok=True)
         self.record_seq += 1
         fixture = {

@@ -19,7 +19,6 @@ one), else ``cuda``. How each was found: docs/engines/verl.md, "VeOmni".
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,13 +67,13 @@ def lora_build(lora: LoraSpec, path: str, grad_ckpt: bool) -> Iterator[None]:
         _building.clear()
 
 
-def engine_config(world_size: int, offload: bool, max_tokens: int) -> Any:
+def engine_config(world_size: int, offload: bool, max_tokens: int, attn: str) -> Any:
     from verl.workers.config import VeOmniEngineConfig
 
     return VeOmniEngineConfig(
         strategy="veomni", forward_only=False, use_dynamic_bsz=True, max_token_len_per_gpu=max_tokens,
         use_remove_padding=False, use_torch_compile=False,
-        attn_implementation=os.environ.get("TB_VERL_ATTN", "sdpa"), moe_implementation="eager",
+        attn_implementation=attn, moe_implementation="eager",
         mixed_precision=True, init_device="meta" if world_size > 1 else "cuda", enable_full_shard=True,
         param_offload=offload, optimizer_offload=offload)
 

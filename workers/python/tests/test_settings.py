@@ -1,0 +1,72 @@
+"""The engines' settings: read from the environment in one place each, checked, a bad value named."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tinker_engine import settings
+from tinker_engine.settings import EngineSettings, SettingsError, load
+from tinker_engine_verl.settings import VerlSettings
+
+PY_ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_when_unset_or_empty() -> None:
+    assert load(EngineSettings, {}) == EngineSettings()
+    assert load(EngineSettings, {"TB_ENGINE_SAMPLE_TOKENS": "", "TB_ENGINE_DEVICE": ""}) == EngineSettings()
+    assert load(VerlSettings, {}) == VerlSettings()
+    assert (EngineSettings().max_batch_tokens, EngineSettings().sampler_cache, EngineSettings().log_level) == (16384, 4, "INFO")
+    assert (VerlSettings().strategy, VerlSettings().offload, VerlSettings().grad_ckpt, VerlSettings().attn) == ("fsdp2", False, True, "sdpa")
+
+
+def test_values_are_parsed() -> None:
+    s = load(EngineSettings, {"TB_ENGINE_DEVICE": "cuda:1", "TB_ENGINE_DTYPE": "bfloat16", "TB_ENGINE_LOG_LEVEL": "warning",
+                              "TB_ENGINE_SAMPLE_TOKENS": "1000", "TB_ENGINE_SAMPLER_CACHE": "2",
+                              "TB_ENGINE_MAX_BATCH_TOKENS": "12", "TB_ENGINE_CHECK_RESULTS": "1"})
+    assert s == EngineSettings(device="cuda:1", dtype="bfloat16", log_level="WARNING", sample_tokens=1000,
+                               sampler_cache=2, max_batch_tokens=12, check_results=True)
+    v = load(VerlSettings, {"TB_VERL_STRATEGY": "veomni", "TB_VERL_OFFLOAD": "1", "TB_VERL_GRAD_CKPT": "false",
+                            "TB_VERL_ATTN": "eager", "TB_VERL_RECORD": "/tmp/x", "TB_VERL_RECORD_MAX_TOKENS": "64"})
+    assert v == VerlSettings(strategy="veomni", offload=True, grad_ckpt=False, attn="eager", record="/tmp/x",
+                             record_max_tokens=64)
+
+
+@pytest.mark.parametrize("cls, name, value, why", [
+    (EngineSettings, "TB_ENGINE_SAMPLE_TOKENS", "abc", "a positive integer"),
+    (EngineSettings, "TB_ENGINE_SAMPLER_CACHE", "0", "a positive integer"),
+    (EngineSettings, "TB_ENGINE_MAX_BATCH_TOKENS", "1.5", "a positive integer"),
+    (EngineSettings, "TB_ENGINE_MAX_BATCH_TOKENS", " 12", "a positive integer"),
+    (EngineSettings, "TB_ENGINE_DEVICE", "cuda:0,1", "cpu, cuda or cuda:N"),
+    (EngineSettings, "TB_ENGINE_DTYPE", "fp8", "one of float32, bfloat16, float16"),
+    (EngineSettings, "TB_ENGINE_LOG_LEVEL", "loud", "one of DEBUG, INFO, WARNING, ERROR"),
+    (EngineSettings, "TB_ENGINE_CHECK_RESULTS", "yes", "1, 0, true or false"),
+    (EngineSettings, "TB_LOSS_CATALOGUE", "/nonexistent/losses.json", "a file that exists"),
+    (VerlSettings, "TB_VERL_STRATEGY", "megatron", "one of fsdp2, fsdp, veomni"),
+    (VerlSettings, "TB_VERL_OFFLOAD", "on", "1, 0, true or false"),
+    (VerlSettings, "TB_VERL_ATTN", "flash", "one of sdpa, eager"),
+    (VerlSettings, "TB_VERL_RECORD_MAX_TOKENS", "-1", "a positive integer"),
+])
+def test_a_bad_value_is_refused_naming_its_variable(cls: type, name: str, value: str, why: str) -> None:
+    with pytest.raises(SettingsError, match=rf"^{name}='{value}': must be {why}"):
+        load(cls, {name: value})
+
+
+def test_overridden_holds_inside_its_block_only() -> None:
+    before = settings.current()
+    assert before.check_results  # conftest: the tests check every result against its schema
+    with settings.overridden(max_batch_tokens=3) as s:
+        assert settings.current() is s and s.max_batch_tokens == 3
+    assert settings.current() is before
+
+
+def test_the_engine_refuses_to_start_on_a_bad_setting() -> None:
+    path = os.pathsep.join(p for p in (str(PY_ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "TB_ENGINE_DEVICE": "cpu", "TB_ENGINE_SAMPLER_CACHE": "many"}
+    run = subprocess.run([sys.executable, "-m", "tinker_engine"], input=b"", capture_output=True, env=env, timeout=120)
+    assert run.returncode != 0
+    assert "TB_ENGINE_SAMPLER_CACHE='many': must be a positive integer" in run.stderr.decode()
