@@ -205,6 +205,12 @@ const AgentEnv = CommonEnv.extend({
   TB_SNAPSHOT_EVERY_S: z.coerce.number().min(0).default(0),
   /** Snapshots kept per model (the newest). @defaultValue 2 */
   TB_SNAPSHOT_KEEP: z.coerce.number().int().positive().default(2),
+  /**
+   * Co-batching (docs/architecture.md): at most this many forward_backward ops of different models on
+   * one base model run in one engine pass, taken from those already queued (1: one at a time; an
+   * engine without co-batching: one at a time). @defaultValue 1
+   */
+  TB_COBATCH_MAX: z.coerce.number().int().min(1).max(64).default(1),
   ...EngineEnv.shape,
 });
 
@@ -311,6 +317,8 @@ export type AgentConfig = {
   drainKeepS?: number | undefined;
   /** Continuous snapshots (workers/snapshots.ts; TB_SNAPSHOT_*); unset: none. */
   snapshots?: { everySteps: number; everyS: number; keep: number } | undefined;
+  /** Most forward_backward ops in one engine pass (TB_COBATCH_MAX). @defaultValue 1 */
+  cobatchMax?: number | undefined;
   /** The Python engines' settings (`EngineEnv`), which the adapters pass to the engine. @defaultValue every default */
   engineSettings?: EngineSettings | undefined;
 };
@@ -432,6 +440,7 @@ export function loadAgentConfig(
     jobLockMs: e.TB_JOB_LOCK_MS,
     drainKeepS: e.TB_DRAIN_KEEP_S,
     snapshots: { everySteps: e.TB_SNAPSHOT_EVERY_STEPS, everyS: e.TB_SNAPSHOT_EVERY_S, keep: e.TB_SNAPSHOT_KEEP },
+    cobatchMax: e.TB_COBATCH_MAX,
     engineSettings: Object.fromEntries(ENGINE_SETTING_NAMES.map((name) => [name, e[name as keyof EngineSettings]])) as EngineSettings,
   };
 }

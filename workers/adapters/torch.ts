@@ -121,17 +121,13 @@ export class TorchAdapter implements EngineAdapter {
   }
 
   async forwardBackward(job: ForwardBackwardJob): Promise<ForwardBackwardResult> {
-    return this.engine.call('forward_backward', {
-      model_id: job.model_id,
-      loss_fn: job.loss_fn,
-      loss_fn_config: job.loss_fn_config,
-      forward_only: job.forward_only,
-      // Tensors travel as binary, not as JSON number lists.
-      data: job.data.map((d) => ({
-        tokens: BinTensor.ints([d.tokens.length], d.tokens),
-        loss_fn_inputs: Object.fromEntries(Object.entries(d.loss_fn_inputs).map(([k, t]) => [k, BinTensor.from(t)])),
-      })),
-    });
+    return this.engine.call('forward_backward', fbArgs(job));
+  }
+
+  /** Several models' forward_backward in one engine pass (tinker_engine/cobatch.py); a member's error comes back as its own. */
+  async forwardBackwardGroup(jobs: ForwardBackwardJob[]): Promise<(ForwardBackwardResult | Error)[]> {
+    const r = await this.engine.call('forward_backward_group', { members: jobs.map((job) => fbArgs(job)) });
+    return r.results.map((x) => ('error' in x ? new EngineError(x.error.category, x.error.message) : x));
   }
 
   async optimStep(job: OptimStepJob): Promise<{ metrics: Record<string, number> }> {
@@ -201,3 +197,17 @@ export const TORCH_ENGINE = registerEngine({
   },
   create: (config, log) => new TorchAdapter({ python: config.python, device: config.engineDevice, log, env: torchEnv(config) }),
 });
+
+/** A forward_backward job as the engine's request. Tensors travel as binary, not as JSON number lists. */
+function fbArgs(job: ForwardBackwardJob) {
+  return {
+    model_id: job.model_id,
+    loss_fn: job.loss_fn,
+    loss_fn_config: job.loss_fn_config,
+    forward_only: job.forward_only,
+    data: job.data.map((d) => ({
+      tokens: BinTensor.ints([d.tokens.length], d.tokens),
+      loss_fn_inputs: Object.fromEntries(Object.entries(d.loss_fn_inputs).map(([k, t]) => [k, BinTensor.from(t)])),
+    })),
+  };
+}

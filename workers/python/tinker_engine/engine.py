@@ -23,6 +23,7 @@ from .save import save_sampler
 from .settings import current as settings
 from .snapshot import SnapshotWriter, snapshot_state
 from .state import load_state, save_state
+from .cobatch import forward_backward_group
 from .train import forward_backward, optim_step
 
 log = logging.getLogger("tinker_engine")
@@ -93,6 +94,7 @@ class Engine:
             "load_base": self.load_base,
             "create_model": self.create_model,
             "forward_backward": lambda args: forward_backward(self.registry, args),
+            "forward_backward_group": lambda args: forward_backward_group(self.registry, args),
             "optim_step": lambda args: optim_step(self.registry, args),
             "save_sampler": lambda args: save_sampler(self.registry, args),
             "save_state": lambda args: save_state(self.registry, args),
@@ -165,7 +167,7 @@ class Engine:
             parse_frame(body, f)
             if f.op == "sample_batch" and isinstance(f.args.get("requests"), list):
                 f.subject += f" requests={len(f.args['requests'])}"
-            if f.op in ("forward_backward", "optim_step"):
+            if f.op in ("forward_backward", "forward_backward_group", "optim_step"):
                 self.registry.trained_since_release = True
             if stepped and f.op in self.stepped_ops:
                 return Task(self, f.id, f.op, f.subject, start, self.stepped_ops[f.op](f.args), None)
