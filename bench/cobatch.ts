@@ -45,7 +45,7 @@ async function run(together: boolean, cobatch: number): Promise<Run> {
         const t = performance.now();
         const fb = await post(base, '/forward_backward', undefined, encodeForwardBackward({ modelId, seqId: seq++, data }));
         await result(base, fb.request_id);
-        const opt = await post(base, '/optim_step', { model_id: modelId, seq_id: seq++, adam: BENCH_ADAM });
+        const opt = await post(base, '/optim_step', { model_id: modelId, seq_id: seq++, adam_params: BENCH_ADAM });
         await result(base, opt.request_id);
         times.push(performance.now() - t);
       }
