@@ -122,11 +122,16 @@ export class Registration {
    * Before a training op is claimed: after a pause longer than the liveness timeout (the process was
    * stopped, a long GC), one heartbeat first, and what follows it. A reaped agent so learns it
    * before it runs an op on a model the reaper gave up, and takes its models back from their
-   * snapshots (workers/agent/adoption.ts) unless another agent has them. Otherwise nothing to wait for.
+   * snapshots (workers/agent/adoption.ts) unless another agent has them. Otherwise nothing to wait
+   * for: undefined, so the caller does not yield to the event loop.
    */
-  async ensureFresh(): Promise<void> {
-    if (Date.now() - this.lastOkAt > this.o.timeoutS * 1000) await this.beat();
-    if (this.recovering) await this.recovering;
+  ensureFresh(): Promise<void> | undefined {
+    const stale = Date.now() - this.lastOkAt > this.o.timeoutS * 1000;
+    if (!stale && !this.recovering) return undefined;
+    return (async () => {
+      if (stale) await this.beat();
+      if (this.recovering) await this.recovering;
+    })();
   }
 
   /** Engine memory for /metrics and `tinker-broker agents`; a failure to read it is not an error of the agent. */

@@ -44,7 +44,7 @@ export type TrainingPipelineOptions = {
    * Before an op is claimed: resolves once the agent knows it still holds its models (after a pause
    * past its liveness timeout it beats first, Registration.ensureFresh). Absent: nothing to wait for.
    */
-  fresh?: () => Promise<void>;
+  fresh?: () => Promise<void> | undefined;
   /**
    * Co-batching: at most this many forward_backward ops of different models on one base run as one
    * engine pass (TB_COBATCH_MAX; 1 or an engine without `forwardBackwardGroup`: one at a time).
@@ -155,7 +155,10 @@ export class TrainingPipeline {
       this.waiting.splice(this.waiting.indexOf(waiting), 1);
       // Taken along by an earlier op's co-batch: its outcome is recorded already.
       if (waiting.ride) return await this.standing(jobId, op, await waiting.ride);
-      await this.o.fresh?.();
+      // Awaited only when there is something to wait for: an await here would let the API write a
+      // submit's answer before this op's engine call (the fast path, docs/architecture.md).
+      const fresh = this.o.fresh?.();
+      if (fresh) await fresh;
       const token = job.token;
       if (this.o.halted()) {
         // Taken ahead but not started: back to the head of the queue, for whoever runs the model next.
@@ -177,7 +180,7 @@ export class TrainingPipeline {
         if (!parsed.success) throw parsed.error;
         const t0 = performance.timeOrigin + performance.now();
         const d = parsed.data;
-        const partners = d.op === 'forward_backward' ? await this.partners(d) : [];
+        const partners = d.op === 'forward_backward' && this.cobatchMax > 1 && this.waiting.length > 0 ? await this.partners(d) : [];
         if (partners.length) cobatched = partners.length + 1;
         const call = d.op === 'forward_backward' && partners.length ? this.cobatch(d, partners, epoch) : trainOp(d, this.o);
         // Once the promise jobs that carry the call to the engine have run.
