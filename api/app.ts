@@ -17,6 +17,7 @@ import { errorHandler, notFoundHandler, redisUnavailable } from './errors.js';
 import { FutureResolver } from './futures.js';
 import { startCheckpointSweeper } from './services/checkpoints.js';
 import { futureRoutes } from './routes/futures.js';
+import { sessionFutureRoutes } from './routes/session-futures.js';
 import { checkpointRoutes } from './routes/checkpoints.js';
 import { sessionRoutes } from './routes/sessions.js';
 import { modelRoutes } from './routes/models.js';
@@ -177,6 +178,7 @@ export function buildApp(config: ApiConfig, opts: { localAgentsReady?: () => boo
   v1.use(trainingRoutes(ctx, direct));
   v1.use(samplingRoutes(ctx, direct));
   v1.use(futureRoutes(ctx, direct));
+  v1.use(sessionFutureRoutes(ctx, direct));
   v1.use(checkpointRoutes(ctx));
   v1.use(unknownEndpointGuard(ctx));
   // The OpenAPI document is open, like /healthz: it describes the API, nothing of its state.

@@ -11,6 +11,7 @@ import type { QueueSet } from '../queues/runtime/queues.js';
 import { FailedFuture } from '../queues/registry/futures.js';
 import type { Registry } from '../queues/registry/index.js';
 import { scripts } from '../queues/runtime/scripts.js';
+import { readSessionFutures, sessionSignalKey, type SessionFutures } from '../queues/runtime/session-futures.js';
 import type { JobOp } from '../queues/contract/schemas.js';
 
 /**
@@ -28,6 +29,11 @@ import type { JobOp } from '../queues/contract/schemas.js';
  * Every read is for the asking tenant: a future issued to another tenant (or to none) is unknown
  * (the route answers 404 as for a future that never existed); for a training op the owner is
  * checked inside the script that reads its state, in the same round trip.
+ *
+ * `retrieve_futures` (the SDK's session poller, `sessionFutures`) reads the log of a sampling
+ * session's client (queues/runtime/session-futures.ts) the same way: a waiter for the signals of
+ * that client's samples first, then the read, then a sleep on the waiter, for at most the
+ * long-poll window. Its route checks that the session is the tenant's before anything is read.
  */
 export type FutureState =
   | { kind: 'done'; op: JobOp; result: unknown }
@@ -54,7 +60,7 @@ export class FutureResolver {
     private readonly queues: QueueSet,
     private readonly gate: OrderingGate,
     private readonly registry: Registry,
-    retentionS = 86_400,
+    private readonly retentionS = 86_400,
     /** Seconds a finished training op's or sample's job (payload and result) stays once read. */
     private readonly ttlAfterReadS = 300,
   ) {
@@ -305,6 +311,38 @@ export class FutureResolver {
       const aborted = new Promise<undefined>((resolve) => signal?.addEventListener('abort', () => resolve(undefined), { once: true }));
       const wake = await Promise.race([woken, timeout, aborted]);
       return this.signalled(ref, wake) ?? (await this.state(ref, tenant));
+    } finally {
+      clearTimeout(timer);
+      cancel();
+    }
+  }
+
+  /**
+   * retrieve_futures: the samples of a sampling session's client (`clone`) that ended after
+   * `prevCursor`, those at or before it acknowledged (they leave the log). When there are none,
+   * waits up to `timeoutMs` for one (0: answers at once); `signal` ends the wait early. The
+   * caller has checked that the session is the asking tenant's.
+   */
+  async sessionFutures(samplingSessionId: string, clone: number, prevCursor: number, timeoutMs: number, signal?: AbortSignal): Promise<SessionFutures> {
+    const key = this.names.sessionFutures(samplingSessionId, clone);
+    const read = () => readSessionFutures(this.redis, key, prevCursor, this.retentionS);
+    if (timeoutMs <= 0) return read();
+    // The waiter first, then each read: an entry added after a read comes with a signal that wakes it.
+    const { next, cancel } = await this.completions.watchSession(sessionSignalKey(samplingSessionId, clone));
+    let timer: NodeJS.Timeout | undefined;
+    let over = false;
+    const ended = new Promise<void>((resolve) => {
+      timer = setTimeout(resolve, timeoutMs);
+      signal?.addEventListener('abort', () => resolve(), { once: true });
+    }).then(() => void (over = true));
+    try {
+      for (;;) {
+        const woken = next();
+        const got = await read();
+        // At the window's end, the last read answers (it finds an entry whose signal this process missed).
+        if (got.completions.length > 0 || over || signal?.aborted) return got;
+        await Promise.race([woken, ended]);
+      }
     } finally {
       clearTimeout(timer);
       cancel();

@@ -221,3 +221,21 @@ export const RetrieveFutureBody = z.object({
   request_id: id,
   allow_metadata_only: z.boolean().optional(),
 });
+
+/**
+ * retrieve_futures (the SDK's session poller): one client of a sampling session (its
+ * cloned_sampler_id), the cursor of its last answer (entries at or before it are acknowledged), and
+ * how long to wait for an entry (seconds; absent: the long-poll window; 0: answer at once). The
+ * results it has fetched (`retrieved_request_ids`) need nothing more here: a read already shortens
+ * their lifetime (TB_RESULT_TTL_AFTER_READ_S).
+ */
+export const RetrieveFuturesBody = z.object({
+  target: z.object({
+    type: z.literal('sampling_session').default('sampling_session'),
+    sampling_session_id: id,
+    cloned_sampler_id: nonNegInt.default(0),
+  }),
+  prev_cursor: nonNegInt.default(0),
+  timeout: z.number().nonnegative().nullable().optional(),
+  retrieved_request_ids: z.array(z.string()).max(100_000).default([]),
+});

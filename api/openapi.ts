@@ -49,6 +49,11 @@ export const OPERATIONS: Record<string, Doc> = {
     summary: "An operation's result; held open up to the long-poll window, then {type: try_again}",
     body: S.RetrieveFutureBody,
   },
+  'POST /retrieve_futures': {
+    tag: 'session-futures',
+    summary: "The samples of a sampling session's client that ended since its cursor (the SDK's session poller); held open up to the long-poll window",
+    body: S.RetrieveFuturesBody,
+  },
   'GET /training_runs': { tag: 'models', summary: 'Training runs (models), newest first', query: Paging },
   'GET /training_runs/{id}': { tag: 'models', summary: 'One training run' },
   'GET /training_runs/{id}/checkpoints': { tag: 'checkpoints', summary: "A training run's checkpoints" },

@@ -1,11 +1,12 @@
 import { randomUUID } from 'node:crypto';
 import type { Request } from 'express';
 import type { z } from 'zod';
-import { BrokerError, invalid } from '../../queues/contract/errors.js';
+import { BrokerError, failure, invalid } from '../../queues/contract/errors.js';
 import { encodeRequestId } from '../../queues/contract/futures.js';
 import type { SampleFeature } from '../../queues/infra/config.js';
 import { jobIds, resourceIds } from '../../queues/contract/names.js';
 import { sampleEngine } from '../../queues/registry/agents.js';
+import { reportRefusedSample } from '../../queues/runtime/session-futures.js';
 import type { SamplingSessionRecord } from '../../queues/registry/samplers.js';
 import type { SampleJob, SamplingParams } from '../../queues/contract/schemas.js';
 import { tenantOf } from '../auth.js';
@@ -153,6 +154,8 @@ export async function sample(ctx: ApiContext, req: Request, body: Body): Promise
     const message = `sampling session ${sessionId} is pinned to sampler weights ${session.model_path}, which no longer exist (deleted or expired); save new sampler weights and create a new sampling client`;
     if (body.sampling_session_id) await ctx.registry.samplers.touch(sessionId, ctx.config.retentionS);
     await ctx.registry.futures.putFailed(jobId, { op: 'sample', category: 'user', code: 'STALE_SAMPLER', message }, ctx.config.retentionS);
+    // Its client's retrieve_futures poller hears of it as of a sample that ran and failed.
+    await reportRefusedSample(ctx.redis, ctx.names, { id: jobId, queue, sampling_session_id: sessionId, seq_id: seqId ?? -1 }, failure('STALE_SAMPLER', message), ctx.config.retentionS);
     return reply();
   }
 

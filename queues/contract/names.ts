@@ -233,6 +233,15 @@ export class Names {
   outcomesChannel(): string {
     return `${this.prefix}:outcomes`;
   }
+  /**
+   * The samples of one client of a sampling session that ended and that its `retrieve_futures` poller
+   * has not acknowledged (a stream, queues/runtime/session-futures.ts). `clone` is the SDK's
+   * cloned_sampler_id (its seq_ids start at 1e9·clone). At most SESSION_FUTURES_MAX entries; TTL
+   * the retention, restarted by every entry and every poll, so it outlives its sampling session.
+   */
+  sessionFutures(samplingSessionId: string, clone: number): string {
+    return `${this.samplingSession(samplingSessionId)}:futures:${clone}`;
+  }
 }
 
 /** BullMQ job ids may not contain ':'; these are deterministic so a repeated submission is the same job. */

@@ -3,6 +3,7 @@ import type { Failure } from '../contract/errors.js';
 import type { FutureRef } from '../contract/futures.js';
 import type { Names } from '../contract/names.js';
 import type { Outcome } from './outcomes.js';
+import { sessionSignalKeyOfJob } from './session-futures.js';
 
 /**
  * Completion signals, so a waiting `retrieve_future` answers the moment its op finishes, never by
@@ -13,7 +14,9 @@ import type { Outcome } from './outcomes.js';
  * - a sample's end is published by the agent once BullMQ has recorded it (`sampleEndSignal`, in
  *   the transaction that records the job's metrics), with its result or failure when small.
  * The waiter answers from a record without reading it back. A waiter is registered before the
- * caller reads the state, so a signal sent between the two is not lost.
+ * caller reads the state, so a signal sent between the two is not lost. A `retrieve_futures` poll
+ * (the SDK's session poller) waits the same way for any sample of its sampling session's client
+ * (`watchSession`), recognised by its job id, then reads that client's log (queues/runtime/session-futures.ts).
  *
  * When the agent runs in the same process as the API (`tinker-broker start`), whoever sends a signal
  * also hands it to this process's waiters at once: the answer does not wait for the message to come
@@ -69,7 +72,7 @@ const local = new Map<string, Set<Completions>>();
  * of this process on `channel`. Call it once the end is recorded in Redis, beside the publish.
  */
 export function signalLocally(channel: string, message: string): void {
-  for (const c of local.get(channel) ?? []) c.deliver(message);
+  for (const c of local.get(channel) ?? []) c.deliver(message, true);
 }
 
 /**
@@ -182,11 +185,52 @@ export class Completions {
     private readonly names: Names,
   ) {}
 
-  /** A signal's message: '<job id>' or '<job id> <final outcome record>' (job ids hold no space). */
-  deliver(msg: string): void {
+  /** Polls of sampling sessions' logs (`watchSession`), by `sessionSignalKey`. */
+  private readonly sessionWaiters = new Map<string, Set<{ wake: (() => void) | null }>>();
+
+  /**
+   * A signal's message: '<job id>' or '<job id> <final outcome record>' (job ids hold no space).
+   * `local`: handed over in this process (signalLocally) before the sender's transaction ran, so
+   * before a sample's log entry is in Redis: polls of session logs wait for the message from Redis.
+   */
+  deliver(msg: string, local = false): void {
     const sp = msg.indexOf(' ');
+    const jobId = sp === -1 ? msg : msg.slice(0, sp);
     if (sp === -1) this.wakeAll(msg);
-    else this.wakeAll(msg.slice(0, sp), msg.slice(sp + 1));
+    else this.wakeAll(jobId, msg.slice(sp + 1));
+    if (!local && this.sessionWaiters.size > 0) this.wakeSession(jobId);
+  }
+
+  /** Wakes the polls of the sampling session's client whose sample the job is, if any wait here. */
+  private wakeSession(jobId: string): void {
+    const key = sessionSignalKeyOfJob(jobId);
+    for (const w of (key !== null && this.sessionWaiters.get(key)) || []) {
+      w.wake?.();
+      w.wake = null;
+    }
+  }
+
+  /**
+   * Registers a poll of a sampling session's client's log (api/futures.ts `sessionFutures`), by its
+   * `sessionSignalKey`: `next()` resolves on the first signal of one of the client's samples after
+   * the call, so a poll arms it before it reads the log and misses no entry added after that read.
+   * Only messages from Redis wake it: one comes for every sample's end once its entry is written
+   * (a hand-over in this process, `signalLocally`, comes before that). `cancel` removes the waiter.
+   */
+  async watchSession(key: string): Promise<{ next: () => Promise<void>; cancel: () => void }> {
+    await this.subscribe();
+    const w: { wake: (() => void) | null } = { wake: null };
+    const set = this.sessionWaiters.get(key) ?? new Set();
+    set.add(w);
+    this.sessionWaiters.set(key, set);
+    return {
+      next: () => new Promise<void>((resolve) => (w.wake = resolve)),
+      cancel: () => {
+        w.wake = null;
+        set.delete(w);
+        if (set.size === 0 && this.sessionWaiters.get(key) === set) this.sessionWaiters.delete(key);
+      },
+    };
   }
 
   /**

@@ -6,6 +6,7 @@ import { decodeJobFailure, encodeJobFailure } from '../../queues/contract/errors
 import type { Names } from '../../queues/contract/names.js';
 import { SampleJob, type SampleResult } from '../../queues/contract/schemas.js';
 import { sampleEndSignal, signalLocally, type SampleEnd } from '../../queues/runtime/completions.js';
+import { addSampleEnd } from '../../queues/runtime/session-futures.js';
 import { addJobs, type JobStatus } from '../../queues/runtime/metrics.js';
 import { writeStabilityRecords } from '../../queues/runtime/stability.js';
 import type { ServedModel } from '../../queues/registry/agents.js';
@@ -24,7 +25,7 @@ import { opFailure, tokensOf } from './ops.js';
  */
 
 export type SampleWorkersOptions = {
-  config: Pick<AgentConfig, 'agentId' | 'sampleConcurrency' | 'sampleGatherMs' | 'sampleBatchTokens'>;
+  config: Pick<AgentConfig, 'agentId' | 'sampleConcurrency' | 'sampleGatherMs' | 'sampleBatchTokens' | 'retentionS'>;
   log: Logger;
   names: Names;
   redis: Redis;
@@ -105,9 +106,10 @@ export class SampleWorkers {
   }
 
   /**
-   * A sample job's end, once BullMQ recorded it: its metrics and its completion signal (with the
-   * result or failure when small, so the waiting retrieve_future answers without reading it) in one
-   * transaction, one round trip.
+   * A sample job's end, once BullMQ recorded it: its metrics, its entry in its sampling session's
+   * log (queues/runtime/session-futures.ts, for the SDK's retrieve_futures poller) and its completion
+   * signal (with the result or failure when small, so the waiting retrieve_future answers without
+   * reading it) in one transaction, one round trip.
    */
   private ended(job: Job<SampleJob, SampleResult>, end: SampleEnd): void {
     const { redis, names, config, log } = this.o;
@@ -116,6 +118,7 @@ export class SampleWorkers {
     const finishedAt = job.finishedOn ?? Date.now();
     const m = redis.multi();
     addJobs(m, names, [{ op: job.name, status, enqueuedAt: job.timestamp, startedAt: job.processedOn ?? finishedAt, finishedAt, ...(tokens ? { tokens } : {}) }]);
+    addSampleEnd(m, names, { id: job.id!, queue: job.queueName, sampling_session_id: job.data.sampling_session_id, seq_id: job.data.seq_id }, end, config.retentionS);
     const [channel, message] = sampleEndSignal(names, job.id!, config.agentId, end);
     m.publish(channel, message);
     m.exec().catch((e) => log.debug('sample end not signalled', { jobId: job.id, error: String(e) }));
