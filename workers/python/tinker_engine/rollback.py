@@ -53,7 +53,7 @@ def check_grad_max_abs(indices: list[int], max_abs: float) -> None:
                         "the model is as before this forward_backward")
 
 
-def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def device_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Fresh copies of ``tensors`` in one multi-tensor kernel per device and dtype (exact: x * 1.0
     is x for every float, NaN and infinities included), instead of one ``clone`` launch per tensor:
     a LoRA adapter on every linear layer of a 28-layer model has ~400 tensors. Per-tensor clones and
@@ -80,7 +80,7 @@ class UndoBuffers:
         same = kept is not None and len(kept) == len(tensors) and all(
             k.shape == t.shape and k.dtype == t.dtype and k.device == t.device for k, t in zip(kept, tensors))
         if not same:
-            kept = _copies(tensors)
+            kept = device_copies(tensors)
             self._sets[key] = kept
             return kept
         assert kept is not None

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from .models import ADAPTER_FILES, Registry, TrainingModel
 from .params import get_str
+from .rollback import device_copies
 
 
 def _normalise_config(path: str) -> None:
@@ -35,16 +36,19 @@ def _normalise_config(path: str) -> None:
         f.write("\n")
 
 
-def capture_adapter(model: TrainingModel) -> tuple[Any, dict[str, torch.Tensor]]:
-    """The adapter's PEFT config (for this base, inference mode) and a CPU copy of its LoRA tensors,
-    owned by the caller: later training steps do not change them."""
+def capture_adapter(model: TrainingModel, on_device: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The adapter's PEFT config (for this base, inference mode) and a copy of its LoRA tensors,
+    owned by the caller: later training steps do not change them. The copy is in CPU memory, or
+    with ``on_device`` on the model's device (one multi-tensor kernel; ``CapturedState.host`` moves it)."""
     base = model.base
     assert base.peft is not None
     config = copy.deepcopy(base.peft.peft_config[model.adapter])
     config.base_model_name_or_path = base.path
     config.inference_mode = True
-    state = get_peft_model_state_dict(base.peft, adapter_name=model.adapter, save_embedding_layers=False)
-    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sorted(state.items())}
+    state = sorted(get_peft_model_state_dict(base.peft, adapter_name=model.adapter, save_embedding_layers=False).items())
+    if on_device:
+        return config, dict(zip([k for k, _ in state], device_copies([v for _, v in state])))
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state}
     return config, tensors
 
 

@@ -41,6 +41,7 @@ from .errors import UserError
 from .flat import MOMENTS  # re-exported: the AdamW moments a checkpoint holds (the verl engine reads it here)
 from .models import ADAPTER_FILES, Registry, TrainingModel
 from .params import get_bool, get_str
+from .rollback import device_copies
 from .save import capture_adapter, write_captured_adapter
 
 STATE_FORMAT = 1
@@ -77,9 +78,10 @@ def _describe_lora(lora: dict[str, Any]) -> str:
 # --- save -------------------------------------------------------------------------------------
 
 
-def _optimizer_payload(model: TrainingModel) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _optimizer_payload(model: TrainingModel, on_device: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The AdamW state as (tensors, json), per parameter as separate tensors would have it, copied
-    (later steps do not change it); a model that never stepped gives an empty state."""
+    (later steps do not change it) to CPU memory, or with ``on_device`` on the model's device; a
+    model that never stepped gives an empty state."""
     tensors: dict[str, torch.Tensor] = {}
     steps: dict[str, float] = {}
     hyper: dict[str, Any] | None = None
@@ -95,7 +97,9 @@ def _optimizer_payload(model: TrainingModel) -> tuple[dict[str, torch.Tensor], d
                 continue
             steps[key] = float(st["step"])
             for moment in MOMENTS:
-                tensors[f"{moment}/{key}"] = st[moment].detach().to("cpu", torch.float32, copy=True).contiguous()
+                tensors[f"{moment}/{key}"] = st[moment] if on_device else st[moment].detach().to("cpu", torch.float32, copy=True).contiguous()
+        if on_device:
+            tensors = dict(zip(tensors, device_copies([t.float() for t in tensors.values()])))
     meta = {"format": STATE_FORMAT, "optimizer": "adamw", "hyperparameters": hyper, "step": steps}
     return tensors, meta
 
@@ -140,8 +144,9 @@ def save_state_target(args: dict[str, Any]) -> tuple[str, bool]:
 
 @dataclass
 class CapturedState:
-    """A model's training state copied to CPU memory: what ``write_state`` puts on disk. Later
-    training steps do not change it, so it can be written while the model trains on."""
+    """A model's training state copied: what ``write_state`` puts on disk. Later training steps do
+    not change it, so it can be written while the model trains on. Its tensors are in CPU memory,
+    or (captured ``on_device``) on the model's device until ``host`` copies them."""
 
     adapter_config: Any
     adapter_tensors: dict[str, torch.Tensor]
@@ -149,12 +154,22 @@ class CapturedState:
     optimizer: tuple[dict[str, torch.Tensor], dict[str, Any]] | None
     gradients: dict[str, torch.Tensor] | None
 
+    def host(self) -> CapturedState:
+        """The same state with every tensor in CPU memory (contiguous, as ``save_file`` writes it)."""
+        def cpu(ts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {k: t.to("cpu").contiguous() for k, t in ts.items()}
+        optimizer = None if self.optimizer is None else (cpu(self.optimizer[0]), self.optimizer[1])
+        gradients = None if self.gradients is None else cpu(self.gradients)
+        return CapturedState(self.adapter_config, cpu(self.adapter_tensors), self.state_json, optimizer, gradients)
 
-def capture_state(model: TrainingModel, with_optimizer: bool, gradients: bool = False) -> CapturedState:
-    config, tensors = capture_adapter(model)
+
+def capture_state(model: TrainingModel, with_optimizer: bool, gradients: bool = False, on_device: bool = False) -> CapturedState:
+    """The model's state, copied (``on_device``: copies on its device, for a writer thread to move;
+    not with ``gradients``)."""
+    config, tensors = capture_adapter(model, on_device)
     optimizer = None
     if with_optimizer:
-        optimizer = _optimizer_payload(model)
+        optimizer = _optimizer_payload(model, on_device)
     grads = None
     if gradients:
         grads = {key: p.grad.detach().to("cpu", torch.float32, copy=True).contiguous()
