@@ -1,5 +1,8 @@
+import { Redis } from 'ioredis';
+import { Names } from '../queues/contract/names.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
 import { E2EServer } from '../test/e2e/server.js';
+import { REDIS_URL } from '../test/helpers/stack.js';
 import { encodeForwardBackward } from '../test/helpers/wire.js';
 import { BENCH_ADAM, benchBatch, post, result, runBench } from './client.js';
 
@@ -20,7 +23,7 @@ const [loops, steps, datums, seqLen] = [4, 30, 2, 64].map((d, i) => Number(proce
 const model = process.argv[6] ?? TINY_MODEL_ALIAS;
 const device = process.argv[7];
 
-type Run = { seconds: number; tokens: number; stepMs: number[][] };
+type Run = { seconds: number; tokens: number; stepMs: number[][]; passes: Map<number, number[]> };
 
 async function run(together: boolean, cobatch: number): Promise<Run> {
   const env: Record<string, string> = { TB_COBATCH_MAX: String(cobatch), TB_LONG_POLL_MS: '25000', TB_SNAPSHOT_EVERY_STEPS: '0' };
@@ -39,26 +42,48 @@ async function run(together: boolean, cobatch: number): Promise<Run> {
       const cm = await post(base, '/create_model', { session_id: session, model_seq_id: k, base_model: model === TINY_MODEL_ALIAS ? TINY_MODEL_ALIAS : 'bench-model', lora_config: { rank: 32, seed: k } });
       models.push((await result(base, cm.request_id)).model_id);
     }
-    const loop = async (modelId: string, n: number, times: number[]) => {
+    const fbIds: string[] = [];
+    const loop = async (modelId: string, n: number, times: number[], timed = true) => {
       let seq = 1;
       for (let i = 0; i < n; i++) {
         const t = performance.now();
         const fb = await post(base, '/forward_backward', undefined, encodeForwardBackward({ modelId, seqId: seq++, data }));
+        if (timed) fbIds.push(fb.request_id);
         await result(base, fb.request_id);
         const opt = await post(base, '/optim_step', { model_id: modelId, seq_id: seq++, adam_params: BENCH_ADAM });
         await result(base, opt.request_id);
         times.push(performance.now() - t);
       }
     };
-    for (const m of models) await loop(m, 3, []); // warm-up
+    for (const m of models) await loop(m, 3, [], false); // warm-up
     const stepMs = models.map(() => [] as number[]);
     const t0 = performance.now();
     if (together) await Promise.all(models.map((m, k) => loop(m, steps, stepMs[k]!)));
     else for (const [k, m] of models.entries()) await loop(m, steps, stepMs[k]!);
     const seconds = (performance.now() - t0) / 1000;
-    return { seconds, tokens: loops * steps * tokensPerStep, stepMs };
+    return { seconds, tokens: loops * steps * tokensPerStep, stepMs, passes: await passes(server.prefix, fbIds) };
   } finally {
     await server.stop();
+  }
+}
+
+/** The timed forward_backward ops by the size of the engine pass they ran in: each op's engine time (ms), from its outcome record. */
+async function passes(prefix: string, requestIds: string[]): Promise<Map<number, number[]>> {
+  const names = new Names(prefix);
+  const redis = new Redis(REDIS_URL);
+  try {
+    const out = new Map<number, number[]>();
+    const recs = requestIds.length ? await redis.mget(requestIds.map((id) => names.outcome(id.split('/')[1]!))) : [];
+    for (const raw of recs) {
+      if (!raw) continue;
+      const o = JSON.parse(raw) as { cobatch?: number; engine?: [number, number] };
+      const size = o.cobatch ?? 1;
+      if (!out.has(size)) out.set(size, []);
+      if (o.engine) out.get(size)!.push(o.engine[1] - o.engine[0]);
+    }
+    return out;
+  } finally {
+    redis.disconnect();
   }
 }
 
@@ -77,6 +102,8 @@ runBench(async () => {
   console.log(`together, not co-batched (TB_COBATCH_MAX=1): ${tps(plain).toFixed(0)} trained tokens/s (${plain.seconds.toFixed(2)} s)`);
   console.log(`together, co-batched (TB_COBATCH_MAX=${loops}): ${tps(together).toFixed(0)} trained tokens/s (${together.seconds.toFixed(2)} s)`);
   console.log(`together / one after another = ${(tps(together) / tps(alone)).toFixed(2)}x`);
+  for (const [name, r] of [['one after another', alone], ['together, co-batched', together]] as const)
+    console.log(`${name}: forward_backward ops by engine pass size: ${[...r.passes].sort((a, b) => a[0] - b[0]).map(([n, ms]) => `${n}: ${ms.length} ops, engine p50 ${ms.length ? pct(ms, 50).toFixed(1) : '-'} ms`).join('; ')}`);
   for (let k = 0; k < loops; k++)
     console.log(`loop ${k}: step p50 alone ${pct(alone.stepMs[k]!, 50).toFixed(1)} ms, p99 together ${pct(together.stepMs[k]!, 99).toFixed(1)} ms (${(pct(together.stepMs[k]!, 99) / pct(alone.stepMs[k]!, 50)).toFixed(2)}x)`);
 });
