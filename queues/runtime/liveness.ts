@@ -150,8 +150,9 @@ export class Liveness {
     const agentId = rec.agent_id;
     const timeout = rec.timeout_s ?? 30;
     const why = `its worker agent '${agentId}' stopped answering (no heartbeat for over ${timeout} s)`;
+    // The record's removal is the reap's claim: another API process's reaper that read it too does nothing.
+    if ((await this.redis.hdel(this.names.agents(), agentId)) === 0) return;
     await this.redis.set(this.names.agentReaped(agentId), `${rec.incarnation ?? '?'} ${why}`, 'EX', 7 * 86_400);
-    await this.redis.hdel(this.names.agents(), agentId);
     await removeAgentStats(this.redis, this.names, agentId);
     const recovers = (await this.redis.exists(this.names.agentRecovers(agentId))) === 1;
     const orphans = recovers ? await this.models.orphanOnAgent(agentId) : [];
