@@ -233,8 +233,13 @@ export class TrainingPipeline {
       if (seen.has(d.model_id)) continue;
       seen.add(d.model_id);
       if (d.op !== 'forward_backward' || w.ride || w.job.claim || !engine.loaded.has(d.model_id)) continue;
-      if ((await registry.models.placed(d.model_id))?.base_model !== base) continue;
-      if ((await outcomes.claim(w.job.id, d.op, config.agentId, w.job.token)) !== null) continue;
+      try {
+        if ((await registry.models.placed(d.model_id))?.base_model !== base) continue;
+        if ((await outcomes.claim(w.job.id, d.op, config.agentId, w.job.token)) !== null) continue;
+      } catch {
+        // Redis unreachable: the partners claimed so far come along; the others run in their turn.
+        break;
+      }
       out.push(w as Waiting & { data: typeof d });
     }
     return out;
