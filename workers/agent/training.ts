@@ -221,7 +221,7 @@ export class TrainingPipeline {
     const max = this.cobatchMax;
     if (max <= 1 || this.waiting.length === 0) return [];
     const { engine, registry, outcomes, config } = this.o;
-    const base = (await registry.models.placed(lead.model_id))?.base_model;
+    const base = (await registry.models.placed(lead.model_id).catch(() => null))?.base_model;
     if (!base) return [];
     const seen = new Set([lead.model_id]);
     const out: (Waiting & { data: Extract<TrainJob, { op: 'forward_backward' }> })[] = [];
