@@ -3,8 +3,8 @@ one pass of the base ("co-batching", docs/architecture.md).
 
 Each member is a forward_backward request of its own model (its datums, its loss function and
 config, its forward-only flag). Their datums are packed together into micro-batches by padded tokens,
-as one request's are; each row goes through its own model's LoRA adapter (PEFT's per-row
-``adapter_names``: the base's linear layers run once over every row, each adapter over its rows).
+as one request's are, one member's after another; each row goes through its own model's LoRA adapter
+(``_row_segments``: the base's linear layers run once over every row, each adapter over its rows).
 Ranks, target modules and loss functions may differ between the members.
 
 Why each member gets what it would get alone:
@@ -25,10 +25,15 @@ others go on. Any other failure (out of memory) restores every member's gradient
 
 from __future__ import annotations
 
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from peft.tuners.lora.layer import Linear as LoraLinear
+from peft.tuners.lora.layer import LoraLayer
 
 from .errors import UserError
 from .models import BaseModel, Registry, TrainingModel
@@ -134,16 +139,8 @@ def _run_batch(base: BaseModel, staged: Any, rows: list[_Member]) -> None:
         if len(set(names)) == 1:
             logits = base.hf(input_ids=staged.ids, use_cache=False).logits
         else:
-            assert base.peft is not None
-            # PEFT refuses per-row adapters on a module in training mode (its flag alone: the layers
-            # run in eval mode as always, models.py); the flag says nothing else about this pass.
-            tuner = base.peft.base_model
-            was = tuner.training
-            tuner.training = False
-            try:
-                logits = base.peft(adapter_names=names, input_ids=staged.ids, use_cache=False).logits
-            finally:
-                tuner.training = was
+            with _row_segments(base, _segments(names)):
+                logits = base.hf(input_ids=staged.ids, use_cache=False).logits
         lps = _batch_target_logprobs(logits, batch, staged.targets)
         del logits
         losses = torch.stack([m.req.loss.fn(lp, inputs, m.req.config) for m, lp, inputs in zip(rows, lps, staged.inputs)])
@@ -171,3 +168,49 @@ def _run_batch(base: BaseModel, staged: Any, rows: list[_Member]) -> None:
             m.error = str(e)
             continue
         m.total += float(host[len(batch) + k])
+
+
+def _segments(names: list[str]) -> list[tuple[str, int, int]]:
+    """The pack's rows as runs of one adapter: (adapter, first row, row after the last). A member's
+    rows are consecutive in a micro-batch (its datums are packed in order, one member after another)."""
+    out: list[tuple[str, int, int]] = []
+    for row, name in enumerate(names):
+        if out and out[-1][0] == name and out[-1][2] == row:
+            out[-1] = (name, out[-1][1], row + 1)
+        else:
+            out.append((name, row, row + 1))
+    return out
+
+
+@contextmanager
+def _row_segments(base: BaseModel, segments: list[tuple[str, int, int]]) -> Iterator[None]:
+    """Every LoRA linear layer of the base runs, for this pass, its base layer over all rows and each
+    adapter over its run of rows, a slice: no index list to copy to the device per layer, as PEFT's
+    per-row ``adapter_names`` path makes (a host-to-device copy and a gather per layer and adapter,
+    which cost more on a GPU than separate passes, docs/benchmarks.md). The same sums as PEFT's
+    LoRA forward: base(x) + lora_B(lora_A(dropout(x))) * scaling, per row."""
+    assert base.peft is not None
+    layers = [m for m in base.peft.modules() if isinstance(m, LoraLinear)]
+    others = [type(m).__name__ for m in base.peft.modules() if isinstance(m, LoraLayer) and not isinstance(m, LoraLinear)]
+    if others:  # the engine's adapters are on linear layers only (models.py LoraSpec)
+        raise RuntimeError(f"co-batching runs LoRA on linear layers only, not on {sorted(set(others))}")
+
+    def forward(self: LoraLinear, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        result = self.base_layer(x, *args, **kwargs)
+        dtype = result.dtype
+        for adapter, first, end in segments:
+            if adapter not in self.lora_A:
+                continue
+            lora_a = self.lora_A[adapter]
+            part = x[first:end].to(lora_a.weight.dtype)
+            out = self.lora_B[adapter](lora_a(self.lora_dropout[adapter](part))) * self.scaling[adapter]
+            result[first:end] += out.to(dtype)
+        return result
+
+    for layer in layers:
+        layer.forward = types.MethodType(forward, layer)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
