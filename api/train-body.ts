@@ -4,6 +4,7 @@ import type { ApiContext } from './context.js';
 import { bodyTooLarge } from './errors.js';
 import { MAX_TARGET_K, useUpSeqId } from './services/training.js';
 import { ForwardBackwardScan, type ScanLimits } from './wire/fb-scan.js';
+import { bodyCoding, ZstdBody } from './wire/zstd.js';
 
 /** Bytes of one loss-input element at most (int64 / float64). */
 const MAX_ELEMENT_BYTES = 8;
@@ -20,6 +21,11 @@ const WATCH_FROM_BYTES = 2 ** 20;
  * is read and dropped (never kept, never copied into one buffer). The route then finds `req.body`
  * already read (body-parser leaves a request with `_body` set alone) and decodes it under the
  * model's exact bounds. Past `TB_MAX_TRAIN_BODY_MB` the body is refused as body-parser would.
+ *
+ * A zstd body (`Content-Encoding: zstd`, the SDK's `proto_compress_fwdbwd`) is inflated once it
+ * has arrived (wire/zstd.ts), and every bound above applies to the inflated body: the limit (a body
+ * whose frame headers allow more is refused from its first bytes, before anything is inflated), the watch
+ * from 1 MiB and the datum bounds. The compressed body is held to the limit too.
  *
  * A refusal uses up the request's seq_id in the model's gate, as the route's own refusals do
  * (services/training.ts useUpSeqId: the SDK never resends a refused seq_id), when the model_id and
@@ -40,6 +46,12 @@ export function forwardBackwardBody(ctx: ApiContext): RequestHandler {
   return (req, _res, next) => {
     const declared = Number(req.headers['content-length']);
     if (Number.isFinite(declared) && declared > limit) return next(bodyTooLarge(limit));
+    let coding: 'identity' | 'zstd';
+    try {
+      coding = bodyCoding(req.headers['content-encoding']);
+    } catch (e) {
+      return next(e);
+    }
     const chunks: Buffer[] = [];
     let size = 0;
     let scan: ForwardBackwardScan | null = null;
@@ -48,8 +60,8 @@ export function forwardBackwardBody(ctx: ApiContext): RequestHandler {
     let done = false;
     const stopReading = () => {
       done = true;
-      req.removeListener('data', onData);
-      req.removeListener('end', onEnd);
+      req.removeListener('data', onBody);
+      req.removeListener('end', onBodyEnd);
       chunks.length = 0;
       req.resume(); // the rest is read and dropped; the reply goes out now
     };
@@ -93,8 +105,30 @@ export function forwardBackwardBody(ctx: ApiContext): RequestHandler {
       req.body = chunks.length === 1 ? chunks[0]! : Buffer.concat(chunks, size);
       next();
     };
-    req.on('data', onData);
-    req.on('end', onEnd);
+    // The body as sent: plain, or zstd, inflated once it has arrived (wire/zstd.ts: what its frame
+    // headers allow must be within the limit) and read on from there as a plain body.
+    const zstd = coding === 'zstd' ? new ZstdBody(limit) : null;
+    const onBody = !zstd
+      ? onData
+      : (chunk: Buffer) => {
+          if (zstd.size + chunk.length > limit) return fail(bodyTooLarge(limit));
+          try {
+            zstd.push(chunk);
+          } catch (e) {
+            fail(e);
+          }
+        };
+    const onBodyEnd = !zstd
+      ? onEnd
+      : () => {
+          zstd.inflate().then((plain) => {
+            if (done) return;
+            onData(plain);
+            onEnd();
+          }, fail);
+        };
+    req.on('data', onBody);
+    req.on('end', onBodyEnd);
     req.on('error', fail);
   };
 }

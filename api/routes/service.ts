@@ -17,14 +17,14 @@ export const CAPABILITY_NOTES = [
 export function serviceRoutes(ctx: ApiContext): Router {
   const r = Router();
 
-  // Feature flags for the SDK: plain httpx transport, uncompressed protobuf forward_backward,
-  // and none of the optional server-side features.
+  // Feature flags for the SDK: its pyqwest (reqwest) transport, zstd-compressed protobuf
+  // forward_backward bodies (api/wire/zstd.ts), and none of the other optional server-side features.
   r.post('/client/config', (_req, res) => {
     res.json({
       pjwt_auth_enabled: false,
       credential_default_source: 'api_key',
-      use_pyqwest_transport: false,
-      proto_compress_fwdbwd: false,
+      use_pyqwest_transport: true,
+      proto_compress_fwdbwd: true,
       parallel_fwdbwd_chunks: true,
       create_model_via_load_weights: false,
       sample_use_retrieve_futures: false,
