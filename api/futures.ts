@@ -11,7 +11,16 @@ import type { QueueSet } from '../queues/runtime/queues.js';
 import { FailedFuture } from '../queues/registry/futures.js';
 import type { Registry } from '../queues/registry/index.js';
 import { scripts } from '../queues/runtime/scripts.js';
-import { readSessionFutures, sessionSignalKey, type SessionFutures } from '../queues/runtime/session-futures.js';
+import {
+  readSessionFutures,
+  reconcileSessionFutures,
+  SESSION_RECONCILE_EVERY_MS,
+  sessionKeys,
+  sessionSignalKey,
+  type SessionEnd,
+  type SessionFutures,
+  type SessionKeys,
+} from '../queues/runtime/session-futures.js';
 import type { JobOp } from '../queues/contract/schemas.js';
 
 /**
@@ -34,12 +43,18 @@ import type { JobOp } from '../queues/contract/schemas.js';
  * session's client (queues/runtime/session-futures.ts) the same way: a waiter for the signals of
  * that client's samples first, then the read, then a sleep on the waiter, for at most the
  * long-poll window. Its route checks that the session is the tenant's before anything is read.
+ * A read with nothing to report first reconciles the client (at most every
+ * SESSION_RECONCILE_EVERY_MS, also while the poll waits): its pending samples whose futures read
+ * as ended (`sampleState`, as retrieve_future answers them) get the entries nobody wrote.
  */
 export type FutureState =
   | { kind: 'done'; op: JobOp; result: unknown }
   | ({ kind: 'failed'; op: string } & Failure)
   | { kind: 'pending'; queueState: 'active'; heldModel?: string }
   | { kind: 'unknown' };
+
+/** Clients whose reconcile scan position one process keeps (FutureResolver.reconcile); the oldest is forgotten first. */
+const RECONCILE_CURSORS_MAX = 10_000;
 
 /** How long a read-once expiry given without a read of Redis waits for others to go with it (FutureResolver.expireLater). */
 export const EXPIRY_BATCH_MS = 20;
@@ -185,16 +200,17 @@ export class FutureResolver {
 
   /**
    * A sample's future: its owner, its job's state, else its failed-future record, read in one round
-   * trip; a finished job (payload and result) leaves Redis soon once read, with the owner record.
+   * trip; a finished job (payload and result) leaves Redis `readTtlMs` after this read (soon), with
+   * the owner record.
    */
-  private async sampleState(ref: FutureRef, tenant: string): Promise<FutureState> {
+  private async sampleState(ref: FutureRef, tenant: string, readTtlMs = this.ttlAfterReadS * 1000): Promise<FutureState> {
     const job = await this.queues.sampleFuture(
       ref.queue,
       ref.jobId,
       this.names.futureOwner(encodeRequestId(ref)),
       this.names.failedFuture(ref.jobId),
       tenant,
-      this.ttlAfterReadS * 1000,
+      readTtlMs,
     );
     // Records older than tenants (owner '') belong to no tenant.
     if (job.kind === 'not-owner') return { kind: 'unknown' };
@@ -321,15 +337,28 @@ export class FutureResolver {
    * retrieve_futures: the samples of a sampling session's client (`clone`) that ended after
    * `prevCursor`, those at or before it acknowledged (they leave the log). When there are none,
    * waits up to `timeoutMs` for one (0: answers at once); `signal` ends the wait early. The
-   * caller has checked that the session is the asking tenant's.
+   * caller has checked that the session is `tenant`'s.
    */
-  async sessionFutures(samplingSessionId: string, clone: number, prevCursor: number, timeoutMs: number, signal?: AbortSignal): Promise<SessionFutures> {
-    const key = this.names.sessionFutures(samplingSessionId, clone);
-    const read = () => readSessionFutures(this.redis, key, prevCursor, this.retentionS);
+  async sessionFutures(
+    samplingSessionId: string,
+    clone: number,
+    prevCursor: number,
+    timeoutMs: number,
+    tenant: string,
+    signal?: AbortSignal,
+  ): Promise<SessionFutures> {
+    const keys = sessionKeys(this.names, samplingSessionId, clone);
+    // Nothing to report: the client's samples that ended without their entry get theirs, and are read.
+    const read = async () => {
+      const got = await readSessionFutures(this.redis, keys, prevCursor, this.retentionS);
+      if (got.completions.length > 0 || !(await this.reconcile(keys, tenant))) return got;
+      return readSessionFutures(this.redis, keys, prevCursor, this.retentionS);
+    };
     if (timeoutMs <= 0) return read();
     // The waiter first, then each read: an entry added after a read comes with a signal that wakes it.
     const { next, cancel } = await this.completions.watchSession(sessionSignalKey(samplingSessionId, clone));
     let timer: NodeJS.Timeout | undefined;
+    let tick: NodeJS.Timeout | undefined;
     let over = false;
     const ended = new Promise<void>((resolve) => {
       timer = setTimeout(resolve, timeoutMs);
@@ -341,11 +370,65 @@ export class FutureResolver {
         const got = await read();
         // At the window's end, the last read answers (it finds an entry whose signal this process missed).
         if (got.completions.length > 0 || over || signal?.aborted) return got;
-        await Promise.race([woken, ended]);
+        // Woken by a signal, at the window's end, or for the next reconcile.
+        const reconcileDue = new Promise<void>((resolve) => (tick = setTimeout(resolve, SESSION_RECONCILE_EVERY_MS)));
+        await Promise.race([woken, ended, reconcileDue]);
+        clearTimeout(tick);
       }
     } finally {
       clearTimeout(timer);
+      clearTimeout(tick);
       cancel();
+    }
+  }
+
+  /** Per client (its pending set), where its next reconcile in this process goes on scanning; bounded. */
+  private readonly reconcileFrom = new Map<string, string>();
+
+  /**
+   * One reconcile of a client's pending samples (queues/runtime/session-futures.ts), unless another
+   * poll had its turn within SESSION_RECONCILE_EVERY_MS; resolves to whether it added entries. A
+   * failure is logged and counts as none: the poll goes on, and the next turn tries again.
+   */
+  private async reconcile(keys: SessionKeys, tenant: string): Promise<boolean> {
+    try {
+      if ((await this.redis.set(keys.turn, '1', 'PX', SESSION_RECONCILE_EVERY_MS, 'NX')) === null) return false;
+      const from = this.reconcileFrom.get(keys.pending) ?? '0';
+      const { added, next } = await reconcileSessionFutures(this.redis, this.names, keys, (id) => this.pendingSampleEnd(id, tenant), this.retentionS, from);
+      this.reconcileFrom.delete(keys.pending);
+      if (next !== '0') {
+        if (this.reconcileFrom.size >= RECONCILE_CURSORS_MAX) this.reconcileFrom.delete(this.reconcileFrom.keys().next().value!);
+        this.reconcileFrom.set(keys.pending, next);
+      }
+      if (added > 0) logger.info('retrieve_futures: samples that ended without their entry reported', { pending: keys.pending, added });
+      return added > 0;
+    } catch (e) {
+      logger.warn('retrieve_futures: reconcile failed', { pending: keys.pending, error: String(e) });
+      return false;
+    }
+  }
+
+  /**
+   * The end of a pending sample as its future reads for `tenant` (null while it has none): done,
+   * failed as retrieve_future answers it, or, when nothing of it is left (its job removed or
+   * expired), failed as the unknown future retrieve_future answers NOT_FOUND for. The read is not
+   * the client's, so it applies no read-once expiry (that is the client's retrieve_future's).
+   */
+  private async pendingSampleEnd(requestId: string, tenant: string): Promise<SessionEnd | null> {
+    const ref = decodeRequestId(requestId);
+    const known = ref !== null && ref.queue.startsWith('sample-') && QUEUE_NAME.test(ref.queue) && JOB_ID.test(ref.jobId);
+    // The read's PEXPIRE … LT with the owner record's lifetime (retention × 2) keeps every shorter
+    // one; a finished job's hash, which has none, gets it (BullMQ removes it at the retention anyway).
+    const st: FutureState = known ? await this.sampleState(ref, tenant, this.retentionS * 2 * 1000) : { kind: 'unknown' };
+    switch (st.kind) {
+      case 'pending':
+        return null;
+      case 'done':
+        return { state: 'done' };
+      case 'failed':
+        return { state: 'failed', category: st.category, code: st.code, message: st.message };
+      case 'unknown':
+        return { state: 'failed', ...failure('NOT_FOUND', `unknown or expired future '${requestId}'`) };
     }
   }
 

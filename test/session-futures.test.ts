@@ -1,10 +1,29 @@
 import { rmSync } from 'node:fs';
+import { Queue, Worker, type Job } from 'bullmq';
 import { expect } from 'chai';
 import { Completions, signalLocally } from '../queues/runtime/completions.js';
+import { decodeRequestId } from '../queues/contract/futures.js';
 import { Names, jobIds } from '../queues/contract/names.js';
-import { addSessionFuture, CLONE_SEQ_SPAN, SESSION_FUTURES_MAX, SESSION_FAILURE_MESSAGE_MAX, SESSION_FUTURES_PER_POLL, sessionSignalKey } from '../queues/runtime/session-futures.js';
+import type { AgentRecord, ServedModel } from '../queues/registry/agents.js';
+import {
+  addSampleEnd,
+  addSessionFuture,
+  CLONE_SEQ_SPAN,
+  readSessionFutures,
+  reconcileSessionFutures,
+  SESSION_FUTURES_MAX,
+  SESSION_FAILURE_MESSAGE_MAX,
+  SESSION_FUTURES_PER_POLL,
+  SESSION_PENDING_MAX,
+  SESSION_RECONCILE_BATCH,
+  SESSION_RECONCILED_MAX,
+  sessionKeys,
+  sessionSignalKey,
+  trackPendingSample,
+  type SessionEnd,
+} from '../queues/runtime/session-futures.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
-import { API_KEY_B, awaitFuture, call, REDIS_URL, startStack, type HttpReply, type TestStack } from './helpers/stack.js';
+import { API_KEY_B, awaitFuture, call, deletePrefix, REDIS_URL, startStack, type HttpReply, type TestStack } from './helpers/stack.js';
 import { Redis } from 'ioredis';
 
 /**
@@ -12,6 +31,50 @@ import { Redis } from 'ioredis';
  * client of a sampling session, the samples that ended since the client's cursor, long-polled;
  * entries at or before the cursor it sends back leave. Real server, agent, engine (tiny model) and Redis.
  */
+/**
+ * Samples that end without their agent's entry. A ghost sampler takes the place of the agent that
+ * dies: an agent record of an engine kind of its own, of the highest sampling priority, serving
+ * `model`, so the API queues that model's samples on its queue; the test takes each job there with
+ * a BullMQ worker of its own and ends it through BullMQ, as a dying agent's worker would leave it
+ * (or BullMQ's stalled-job check, or a removal), and no end transaction of an agent ever runs.
+ */
+type Ghost = { queue: Queue; take: () => Promise<Job>; token: string };
+/** What a ghost sampler's jobs end with. */
+const RESULT = { sequences: [{ tokens: [7, 8, 9], logprobs: [-0.5, -0.25, -1], stop_reason: 'length' as const }], prompt_logprobs: null, topk_prompt_logprobs: null };
+async function withGhostSampler(s: TestStack, model: ServedModel, run: (g: Ghost) => Promise<void>): Promise<void> {
+  const { redis, names } = s.built.ctx;
+  const agentId = `ghost-${s.prefix}`;
+  const record: AgentRecord = {
+    agent_id: agentId, train_queue: `train-${agentId}`, models: [{ ...model, trainable: false }], engine: 'ghost', device: 'cpu',
+    started_at: new Date().toISOString(), capabilities: { trains: false, samples: true, sample_priority: 1_000, drains: false },
+  };
+  const name = names.sampleQueue(model.name, 'ghost');
+  const connection = new Redis(REDIS_URL, { maxRetriesPerRequest: null });
+  const queue = new Queue(name, { connection, prefix: names.bull });
+  const worker = new Worker(name, undefined, { connection, prefix: names.bull });
+  const token = `ghost-token-${s.prefix}`;
+  await redis.multi().hset(names.agents(), agentId, JSON.stringify(record)).set(names.agentAlive(agentId), `ghost ${Date.now()}`, 'EX', 600).exec();
+  try {
+    await run({
+      queue,
+      token,
+      take: async () => {
+        for (;;) {
+          const job = await worker.getNextJob(token, { block: false });
+          if (job) return job;
+          await new Promise((r) => setTimeout(r, 20));
+        }
+      },
+    });
+  } finally {
+    await redis.hdel(names.agents(), agentId);
+    await redis.del(names.agentAlive(agentId));
+    await worker.close();
+    await queue.close();
+    connection.disconnect();
+  }
+}
+
 describe('retrieve_futures (the session poller)', function () {
   this.timeout(300_000);
   let s: TestStack;
@@ -168,6 +231,145 @@ describe('retrieve_futures (the session poller)', function () {
     expect(await redis.xlen(key)).to.equal(0);
     for (const id of real) expect((await awaitFuture(s.baseUrl, id)).json.sequences).to.have.length(1);
   });
+
+  /**
+   * Samples that end without their agent's entry. A ghost sampler takes the place of the agent that
+   * dies: an agent record of an engine kind of its own, of the highest sampling priority, so the API
+   * queues the tiny model's samples on its queue; the test takes each job there with a BullMQ worker
+   * of its own and ends it through BullMQ, as a dying agent's worker would leave it (or BullMQ's
+   * stalled-job check, or a removal), and no end transaction of an agent ever runs.
+   */
+  const tinyModel = async () => (await s.built.ctx.registry.agents.live()).flatMap((a) => a.models).find((m) => m.aliases.includes(TINY_MODEL_ALIAS))!;
+  const ctx = () => s.built.ctx;
+
+  it("reports a sample whose job BullMQ completed without its agent's entry (the agent died before its end transaction) to the poll waiting, once", async () => {
+    const session = await newSamplingSession();
+    const keys = sessionKeys(ctx().names, session, 0);
+    await withGhostSampler(s, await tinyModel(), async (ghost) => {
+      const waiting = poll(session, 0, { timeout: null });
+      const id = await sample(session, 0);
+      expect(await ctx().redis.sismember(keys.pending, id)).to.equal(1);
+      const job = await ghost.take();
+      expect(job.id).to.equal(decodeRequestId(id)!.jobId);
+      await job.moveToCompleted(RESULT, ghost.token, false);
+      // Nobody signals it: the waiting poll finds it at its next reconcile.
+      const got = ok(await waiting).json;
+      expect(got.completions).to.deep.equal([{ state: 'finished', request_id: id }]);
+      expect(await ctx().redis.sismember(keys.pending, id)).to.equal(0);
+      expect((await awaitFuture(s.baseUrl, id)).json.sequences.map((q: { tokens: number[] }) => q.tokens)).to.deep.equal([[7, 8, 9]]);
+      // Its agent's end transaction after all, late: its entry is not reported a second time.
+      const m = ctx().redis.multi();
+      addSampleEnd(m, ctx().names, { id: job.id!, queue: job.queueName, sampling_session_id: session, seq_id: 0 }, { state: 'done' }, ctx().config.retentionS);
+      await m.exec();
+      expect(await ctx().redis.xlen(keys.log)).to.equal(2);
+      const next = ok(await poll(session, got.cursor)).json;
+      expect(next.completions).to.deep.equal([]);
+      expect(ok(await poll(session, next.cursor)).json).to.deep.equal({ completions: [], cursor: next.cursor });
+      expect(await ctx().redis.xlen(keys.log)).to.equal(0);
+    });
+  });
+
+  it('reports a sample failed through BullMQ alone (a stall, a crash) with the error retrieve_future answers', async () => {
+    const session = await newSamplingSession();
+    await withGhostSampler(s, await tinyModel(), async (ghost) => {
+      const id = await sample(session, 0);
+      const job = await ghost.take();
+      await job.moveToFailed(new Error('job stalled more than allowable limit'), ghost.token, false);
+      const answer = (await awaitFuture(s.baseUrl, id)).json;
+      expect(answer).to.include({ category: 'server', code: 'INTERNAL', error: 'job stalled more than allowable limit' });
+      expect(ok(await poll(session, 0, { timeout: null })).json.completions).to.deep.equal([{ state: 'failed', request_id: id, ...answer }]);
+    });
+  });
+
+  it('reports a sample whose job was removed as the unknown future retrieve_future answers', async () => {
+    const session = await newSamplingSession();
+    await withGhostSampler(s, await tinyModel(), async (ghost) => {
+      const id = await sample(session, 0);
+      expect(await ghost.queue.remove(decodeRequestId(id)!.jobId)).to.equal(1);
+      const got = ok(await poll(session, 0, { timeout: null })).json;
+      const answer = await call(s.baseUrl, 'POST', '/retrieve_future', { request_id: id });
+      expect(answer.status).to.equal(404);
+      expect(answer.json).to.include({ category: 'user', code: 'NOT_FOUND' });
+      expect(got.completions).to.deep.equal([{ state: 'failed', request_id: id, ...answer.json }]);
+    });
+  });
+
+  it('reports each sample of the normal path once while reconciles race its agents’ end transactions', async () => {
+    const session = await newSamplingSession();
+    const { redis, names } = ctx();
+    const keys = sessionKeys(names, session, 0);
+    // The agent's end signals, sent in its end transactions after their entries: once all came, every agent entry is in the log.
+    const sub = new Redis(REDIS_URL);
+    const agentEnded = new Set<string>();
+    sub.on('message', (_channel: string, message: string) => {
+      const space = message.indexOf(' ');
+      if (space > 0 && message.includes(`"agent_id":"${s.agent!.config.agentId}"`)) agentEnded.add(message.slice(0, space));
+    });
+    await sub.subscribe(names.outcomesChannel());
+    try {
+      const n = 12;
+      let ids: string[] | null = null;
+      const submitted = Promise.all(Array.from({ length: n }, (_, i) => sample(session, i))).then((v) => (ids = v));
+      const seen: string[] = [];
+      let cursor = 0;
+      // Every poll may reconcile (its turn freed): one that reads a sample's end between BullMQ's record
+      // and its agent's transaction races that transaction; whichever comes first writes the entry.
+      const ended = () => ids !== null && ids.every((id) => agentEnded.has(decodeRequestId(id)!.jobId));
+      while (!ended() || new Set(seen).size < n) {
+        await redis.del(keys.turn);
+        const page = ok(await poll(session, cursor)).json;
+        seen.push(...page.completions.map((c: { request_id: string }) => c.request_id));
+        cursor = page.cursor;
+      }
+      await submitted;
+      // Every agent entry is in the log now: those of samples a reconcile reported are skipped.
+      await redis.del(keys.turn);
+      const rest = ok(await poll(session, cursor)).json;
+      seen.push(...rest.completions.map((c: { request_id: string }) => c.request_id));
+      expect([...seen].sort()).to.deep.equal([...ids!].sort());
+      expect(await redis.scard(keys.pending)).to.equal(0);
+    } finally {
+      sub.disconnect();
+    }
+  });
+
+  it('bounds the pending and reconciled sets, and what one reconcile reads', async () => {
+    const session = await newSamplingSession();
+    const { redis, names } = ctx();
+    const keys = sessionKeys(names, session, 0);
+    // A client at the bound (ids of samples that never existed), with as many reconciled already.
+    const fill = redis.pipeline();
+    for (let i = 0; i < SESSION_PENDING_MAX; i += 1000) {
+      fill.sadd(keys.pending, ...Array.from({ length: 1000 }, (_, k) => `sample-x/s-fake-${i + k}`));
+      fill.sadd(keys.reconciled, ...Array.from({ length: 1000 }, (_, k) => `sample-x/s-old-${i + k}`));
+    }
+    await fill.exec();
+    expect(await redis.scard(keys.reconciled)).to.equal(SESSION_RECONCILED_MAX);
+    // A sample queued beyond the bound is not tracked, and its agent reports it.
+    const id = await sample(session, 0);
+    expect(await redis.sismember(keys.pending, id)).to.equal(0);
+    expect(await redis.scard(keys.pending)).to.equal(SESSION_PENDING_MAX);
+    let cursor = 0;
+    for (let found = false; !found; ) {
+      const page = ok(await poll(session, cursor, { timeout: null })).json;
+      found = page.completions.some((c: { request_id: string }) => c.request_id === id);
+      cursor = page.cursor;
+    }
+    // One reconcile reads SESSION_RECONCILE_BATCH of them; every one is gone (no owner, no job): reported as unknown futures.
+    await redis.del(keys.turn);
+    const before = await redis.scard(keys.pending);
+    const page = ok(await poll(session, cursor)).json;
+    expect(page.completions).to.have.length(SESSION_RECONCILE_BATCH);
+    expect(await redis.scard(keys.pending)).to.equal(before - SESSION_RECONCILE_BATCH);
+    const one = page.completions[0];
+    expect(one.request_id).to.match(/^sample-x\/s-fake-\d+$/);
+    expect(one).to.deep.equal({ state: 'failed', request_id: one.request_id, error: `unknown or expired future '${one.request_id}'`, category: 'user', code: 'NOT_FOUND' });
+    expect(await redis.scard(keys.reconciled)).to.equal(SESSION_RECONCILED_MAX);
+    // The next poll within the turn does not reconcile.
+    const quiet = ok(await poll(session, page.cursor)).json;
+    expect(quiet).to.deep.equal({ completions: [], cursor: page.cursor });
+    expect(await redis.scard(keys.pending)).to.equal(before - SESSION_RECONCILE_BATCH);
+  });
 });
 
 describe('Completions.watchSession (real Redis)', function () {
@@ -222,5 +424,114 @@ describe('Completions.watchSession (real Redis)', function () {
       await completions.close();
       for (const c of [...conns, pub]) c.disconnect();
     }
+  });
+});
+
+describe('reconcileSessionFutures against the agent’s end transaction (real Redis)', function () {
+  this.timeout(60_000);
+  let redis: Redis;
+  let names: Names;
+  const session = 'sess:sample:0';
+  const job = (seq: number) => ({ id: jobIds.sample(session, seq), queue: 'sample-q', sampling_session_id: session, seq_id: seq });
+  const requestId = (seq: number) => `sample-q/${jobIds.sample(session, seq)}`;
+  const agentEnd = async (seq: number) => {
+    const m = redis.multi();
+    addSampleEnd(m, names, job(seq), { state: 'done' }, 60);
+    await m.exec();
+  };
+  beforeEach(async () => {
+    redis = new Redis(REDIS_URL);
+    names = new Names(`test-reconcile-${Date.now()}`);
+  });
+  afterEach(async () => {
+    redis.disconnect();
+    await deletePrefix(names.prefix);
+  });
+
+  it('keeps the agent’s entry when the agent’s transaction comes between the read and the claim', async () => {
+    const keys = sessionKeys(names, session, 0);
+    expect(await trackPendingSample(redis, names, job(1), 60)).to.equal(true);
+    // The sample's state is read as ended; its agent's transaction lands before the reconcile's.
+    const stateOf = async (): Promise<SessionEnd> => {
+      await agentEnd(1);
+      return { state: 'done' };
+    };
+    expect(await reconcileSessionFutures(redis, names, keys, stateOf, 60)).to.deep.equal({ added: 0, next: '0' });
+    const read = await readSessionFutures(redis, keys, 0, 60);
+    expect(read.completions).to.deep.equal([{ state: 'finished', request_id: requestId(1) }]);
+    expect(await redis.xlen(keys.log)).to.equal(1);
+    expect(await redis.scard(keys.pending)).to.equal(0);
+    expect(await redis.scard(keys.reconciled)).to.equal(0);
+  });
+
+  it('writes one entry when two reconciles (two API processes) take the same samples at once', async () => {
+    const keys = sessionKeys(names, session, 0);
+    for (let seq = 0; seq < 5; seq++) await trackPendingSample(redis, names, job(seq), 60);
+    const stateOf = async (id: string): Promise<SessionEnd | null> => (id === requestId(4) ? null : { state: 'done' });
+    const [a, b] = await Promise.all([reconcileSessionFutures(redis, names, keys, stateOf, 60), reconcileSessionFutures(redis, names, keys, stateOf, 60)]);
+    expect(a.added + b.added).to.equal(4);
+    const read = await readSessionFutures(redis, keys, 0, 60);
+    expect(read.completions.map((c) => c.request_id).sort()).to.deep.equal([0, 1, 2, 3].map(requestId).sort());
+    // The one still running stays pending; the agents' entries of the others, when they come, are not reported.
+    expect(await redis.smembers(keys.pending)).to.deep.equal([requestId(4)]);
+    for (let seq = 0; seq < 5; seq++) await agentEnd(seq);
+    const after = await readSessionFutures(redis, keys, read.cursor, 60);
+    expect(after.completions).to.deep.equal([{ state: 'finished', request_id: requestId(4) }]);
+    expect(await redis.scard(keys.pending)).to.equal(0);
+  });
+
+  it('tracks a sample queued again after a reconcile reported it (its agent’s entry is reported)', async () => {
+    const keys = sessionKeys(names, session, 0);
+    await trackPendingSample(redis, names, job(0), 60);
+    expect((await reconcileSessionFutures(redis, names, keys, async () => ({ state: 'done' }), 60)).added).to.equal(1);
+    const first = await readSessionFutures(redis, keys, 0, 60);
+    expect(first.completions).to.have.length(1);
+    await trackPendingSample(redis, names, job(0), 60);
+    expect(await redis.sismember(keys.reconciled, requestId(0))).to.equal(0);
+    await agentEnd(0);
+    expect((await readSessionFutures(redis, keys, first.cursor, 60)).completions).to.deep.equal([{ state: 'finished', request_id: requestId(0) }]);
+  });
+});
+
+describe('retrieve_futures and a full sample queue', function () {
+  this.timeout(120_000);
+  let s: TestStack;
+  before(async () => {
+    s = await startStack({ agent: false, longPollMs: 60_000, env: { TB_MAX_QUEUED_SAMPLES: '1' } });
+  });
+  after(async () => s?.stop());
+
+  it('leaves a sample refused with 429 untracked, and reports it once when its resend is queued and ends', async () => {
+    const model: ServedModel = { name: '/models/ghost-base', aliases: ['ghost-base'], arch: 'Ghost', vocab_size: 100, max_context_length: 256, trainable: false, lora_max_rank: 8, topk_max: 20 };
+    await withGhostSampler(s, model, async (ghost) => {
+      const { redis, names } = s.built.ctx;
+      const sessionId = (await call(s.baseUrl, 'POST', '/create_session', { tags: [], sdk_version: '0.38.0' })).json.session_id;
+      const created = await call(s.baseUrl, 'POST', '/create_sampling_session', { session_id: sessionId, sampling_session_seq_id: 0, base_model: 'ghost-base' });
+      const session = created.json.sampling_session_id as string;
+      const keys = sessionKeys(names, session, 0);
+      const asample = (seq: number) =>
+        call(s.baseUrl, 'POST', '/asample', { sampling_session_id: session, seq_id: seq, num_samples: 1, prompt: { chunks: [{ type: 'encoded_text', tokens: [1, 2] }] }, sampling_params: { max_tokens: 3 } });
+      const first = await asample(0);
+      expect(first.status, JSON.stringify(first.json)).to.equal(200);
+      // The queue holds one: the next is refused, and is not pending (no entry could ever come for it).
+      const refused = await asample(1);
+      expect(refused.status).to.equal(429);
+      expect(await redis.smembers(keys.pending)).to.deep.equal([first.json.request_id]);
+      // The first ends (through BullMQ alone); the resend is queued and ends too.
+      await (await ghost.take()).moveToCompleted(RESULT, ghost.token, false);
+      const resent = await asample(1);
+      expect(resent.status).to.equal(200);
+      await (await ghost.take()).moveToCompleted(RESULT, ghost.token, false);
+      const ids = [first.json.request_id, resent.json.request_id];
+      const seen: string[] = [];
+      let cursor = 0;
+      while (new Set(seen).size < 2) {
+        const page = (await call(s.baseUrl, 'POST', '/retrieve_futures', { target: { sampling_session_id: session }, prev_cursor: cursor })).json;
+        seen.push(...page.completions.map((c: { request_id: string }) => c.request_id));
+        cursor = page.cursor;
+      }
+      expect([...seen].sort()).to.deep.equal([...ids].sort());
+      expect(await redis.scard(keys.pending)).to.equal(0);
+    });
   });
 });

@@ -2,13 +2,15 @@ import { Router } from 'express';
 import type { ApiContext } from '../context.js';
 import type { DirectRoutes } from '../direct.js';
 import { parseBody, RetrieveFuturesBody } from '../http-schemas.js';
+import { tenantOf } from '../auth.js';
 import { requireSamplingSession } from '../tenants.js';
 
 /**
  * retrieve_futures: the SDK's session poller (`sample_use_retrieve_futures`), a long-poll on the
  * samples of one client of a sampling session that ended (api/futures.ts `sessionFutures`). It
  * answers `{completions: [{state: 'finished', request_id} | {state: 'failed', request_id, error,
- * category, code}], cursor}`; the client then fetches each result with retrieve_future.
+ * category, code}], cursor}`; the client then fetches each result with retrieve_future. A poll with
+ * nothing to report also reports the client's samples that ended without their entry (reconcile).
  */
 export function sessionFutureRoutes(ctx: ApiContext, direct: DirectRoutes): Router {
   const r = Router();
@@ -22,7 +24,7 @@ export function sessionFutureRoutes(ctx: ApiContext, direct: DirectRoutes): Rout
     const timeoutMs = body.timeout == null ? ctx.config.longPollMs : Math.min(ctx.config.longPollMs, Math.round(body.timeout * 1000));
     const abort = new AbortController();
     res.on('close', () => abort.abort());
-    const out = await ctx.futures.sessionFutures(id, clone, body.prev_cursor, timeoutMs, abort.signal);
+    const out = await ctx.futures.sessionFutures(id, clone, body.prev_cursor, timeoutMs, tenantOf(req), abort.signal);
     if (abort.signal.aborted && !res.writable) return;
     res.json(out);
   });

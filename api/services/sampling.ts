@@ -6,7 +6,7 @@ import { encodeRequestId } from '../../queues/contract/futures.js';
 import type { SampleFeature } from '../../queues/infra/config.js';
 import { jobIds, resourceIds } from '../../queues/contract/names.js';
 import { sampleEngine } from '../../queues/registry/agents.js';
-import { reportRefusedSample } from '../../queues/runtime/session-futures.js';
+import { reportRefusedSample, trackPendingSample, untrackPendingSample } from '../../queues/runtime/session-futures.js';
 import type { SamplingSessionRecord } from '../../queues/registry/samplers.js';
 import type { SampleJob, SamplingParams } from '../../queues/contract/schemas.js';
 import { tenantOf } from '../auth.js';
@@ -178,11 +178,16 @@ export async function sample(ctx: ApiContext, req: Request, body: Body): Promise
     // Only samples of a sampling session are recorded: the record belongs to that session (and its tenant).
     record_stability: body.record_stability_info && ownerSession ? { session_id: ownerSession, request_id: requestId } : null,
   };
+  // Pending for its client's retrieve_futures poller before the job exists (sent first on the same
+  // connection, in the same round trip): a sample that ends without its agent's entry is still
+  // reported (queues/runtime/session-futures.ts).
+  const ref = { id: jobId, queue, sampling_session_id: sessionId, seq_id: seqId ?? -1 };
+  const tracked = trackPendingSample(ctx.redis, ctx.names, ref, ctx.config.retentionS);
   // One round trip: the job queued (unless the queue is full), its owner recorded, the session's
   // lifetime restarted (a sampling client in use does not expire: a teacher's may sample for days).
   // A (sampling session, seq_id) names one request: a replay with another payload would silently
   // get the first one's samples, so it is refused; a true replay gets the same future.
-  const admitted = await ctx.queues.submitSample(queue, jobId, job, {
+  const submitted = ctx.queues.submitSample(queue, jobId, job, {
     maxWaiting: ctx.config.maxQueuedSamples,
     ownerKey: ctx.names.futureOwner(requestId),
     tenant: tenantOf(req),
@@ -190,7 +195,12 @@ export async function sample(ctx: ApiContext, req: Request, body: Body): Promise
     ownerTtlS: ctx.config.retentionS * 2,
     session: body.sampling_session_id ? { key: ctx.names.samplingSession(sessionId), ttlS: ctx.config.retentionS } : null,
   });
-  if (admitted === 'full') throw new BrokerError('OVERLOADED', `sampling queue of ${session.base_model} is full; retry shortly`);
+  // Either failing fails the request: the client's retry is a replay, tracked again.
+  const [admitted] = await Promise.all([submitted, tracked]);
+  if (admitted === 'full') {
+    await untrackPendingSample(ctx.redis, ctx.names, ref);
+    throw new BrokerError('OVERLOADED', `sampling queue of ${session.base_model} is full; retry shortly`);
+  }
   if (admitted === 'conflict')
     throw invalid(`seq_id ${seqId} of sampling session ${sessionId} was already used by a different sample request; a seq_id names one request`);
   return { request_id: requestId, sample_sequence_ids: sequenceIds(requestId, body.num_samples) };

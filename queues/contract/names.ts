@@ -242,6 +242,25 @@ export class Names {
   sessionFutures(samplingSessionId: string, clone: number): string {
     return `${this.samplingSession(samplingSessionId)}:futures:${clone}`;
   }
+  /**
+   * The request ids of one client's samples that were queued and whose entry is not in its
+   * `sessionFutures` log yet (a set, queues/runtime/session-futures.ts): what a poll reconciles.
+   * At most SESSION_PENDING_MAX members; TTL the retention, restarted by every sample queued.
+   */
+  sessionPending(samplingSessionId: string, clone: number): string {
+    return `${this.samplingSession(samplingSessionId)}:pending:${clone}`;
+  }
+  /**
+   * The request ids of one client's samples whose entry a reconcile wrote (a set): an entry their
+   * agent writes after it is not reported again. At most SESSION_RECONCILED_MAX members; TTL the retention.
+   */
+  sessionReconciled(samplingSessionId: string, clone: number): string {
+    return `${this.samplingSession(samplingSessionId)}:reconciled:${clone}`;
+  }
+  /** Held for SESSION_RECONCILE_EVERY_MS by the poll that reconciles one client's samples (one at a time, across API processes). */
+  sessionReconcileTurn(samplingSessionId: string, clone: number): string {
+    return `${this.samplingSession(samplingSessionId)}:reconcile:${clone}`;
+  }
 }
 
 /** BullMQ job ids may not contain ':'; these are deterministic so a repeated submission is the same job. */
