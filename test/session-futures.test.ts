@@ -86,7 +86,7 @@ describe('retrieve_futures (the session poller)', function () {
 
   // A long-poll window far beyond any sample here: a poll that answers with an entry was woken by it.
   before(async () => {
-    s = await startStack({ longPollMs: 120_000 });
+    s = await startStack({ longPollMs: 120_000, env: { TB_SAMPLE_RETRIEVE_FUTURES: 'true' } });
     sessionId = (await call(s.baseUrl, 'POST', '/create_session', { tags: [], sdk_version: '0.38.0' })).json.session_id;
     samplingSession = await newSamplingSession();
   });
@@ -497,7 +497,7 @@ describe('retrieve_futures and a full sample queue', function () {
   this.timeout(120_000);
   let s: TestStack;
   before(async () => {
-    s = await startStack({ agent: false, longPollMs: 60_000, env: { TB_MAX_QUEUED_SAMPLES: '1' } });
+    s = await startStack({ agent: false, longPollMs: 60_000, env: { TB_MAX_QUEUED_SAMPLES: '1', TB_SAMPLE_RETRIEVE_FUTURES: 'true' } });
   });
   after(async () => s?.stop());
 

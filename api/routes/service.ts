@@ -27,7 +27,7 @@ export function serviceRoutes(ctx: ApiContext): Router {
       proto_compress_fwdbwd: true,
       parallel_fwdbwd_chunks: true,
       create_model_via_load_weights: false,
-      sample_use_retrieve_futures: false,
+      sample_use_retrieve_futures: ctx.config.sampleRetrieveFutures === true,
       sample_join_sampling_session: true,
       custom_loss_server_side: false,
     });

@@ -16,6 +16,7 @@ import type { CreateSamplingSessionBody, SampleBody, SamplingParamsBody } from '
 import { issueFuture, requireSamplingSession, requireSession } from '../tenants.js';
 import { samplerWeights } from './checkpoints.js';
 
+
 /** Sampling sessions (pinned to a base model or one immutable sampler version) and asample. */
 
 type Target = Pick<SamplingSessionRecord, 'base_model' | 'model_path' | 'adapter_dir'>;
@@ -181,8 +182,10 @@ export async function sample(ctx: ApiContext, req: Request, body: Body): Promise
   // Pending for its client's retrieve_futures poller before the job exists (sent first on the same
   // connection, in the same round trip): a sample that ends without its agent's entry is still
   // reported (queues/runtime/session-futures.ts).
+  // Only while the SDK is told to use the poller (TB_SAMPLE_RETRIEVE_FUTURES): otherwise it fetches
+  // every sample with retrieve_future, and nothing would read the record.
   const ref = { id: jobId, queue, sampling_session_id: sessionId, seq_id: seqId ?? -1 };
-  const tracked = trackPendingSample(ctx.redis, ctx.names, ref, ctx.config.retentionS);
+  const tracked = ctx.config.sampleRetrieveFutures ? trackPendingSample(ctx.redis, ctx.names, ref, ctx.config.retentionS) : Promise.resolve();
   // One round trip: the job queued (unless the queue is full), its owner recorded, the session's
   // lifetime restarted (a sampling client in use does not expire: a teacher's may sample for days).
   // A (sampling session, seq_id) names one request: a replay with another payload would silently
@@ -198,7 +201,7 @@ export async function sample(ctx: ApiContext, req: Request, body: Body): Promise
   // Either failing fails the request: the client's retry is a replay, tracked again.
   const [admitted] = await Promise.all([submitted, tracked]);
   if (admitted === 'full') {
-    await untrackPendingSample(ctx.redis, ctx.names, ref);
+    if (ctx.config.sampleRetrieveFutures) await untrackPendingSample(ctx.redis, ctx.names, ref);
     throw new BrokerError('OVERLOADED', `sampling queue of ${session.base_model} is full; retry shortly`);
   }
   if (admitted === 'conflict')

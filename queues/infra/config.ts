@@ -129,6 +129,11 @@ const ApiEnv = CommonEnv.extend({
   TB_API_KEYS: csv.default(['tml-local']),
   /** Longest time a `retrieve_future` call is held open before `try_again`, in ms. @defaultValue 25000 */
   TB_LONG_POLL_MS: z.coerce.number().int().positive().default(25_000),
+  /**
+   * Tell the SDK to wait for samples through its session poller (`sample_use_retrieve_futures`,
+   * /api/v1/retrieve_futures) instead of one retrieve_future long-poll per sample. @defaultValue false
+   */
+  TB_SAMPLE_RETRIEVE_FUTURES: bool.default(false),
   /** Base models that must be served before `/healthz` reports `ready`; empty: any agent. */
   TB_REQUIRED_MODELS: csv.default([]),
   /** Keys that open the /admin queue dashboard (it shows every tenant's jobs). @defaultValue the API key when exactly one is configured, else none */
@@ -239,6 +244,8 @@ export type ApiConfig = {
   port: number;
   apiKeys: string[];
   longPollMs: number;
+  /** The SDK waits for samples through retrieve_futures (TB_SAMPLE_RETRIEVE_FUTURES). @defaultValue false */
+  sampleRetrieveFutures?: boolean;
   requiredModels: string[];
   maxQueuedSamples: number;
   /** @defaultValue 1024 (TB_SEQ_WINDOW) */
@@ -385,6 +392,7 @@ export function loadApiConfig(env: NodeJS.ProcessEnv = process.env, defaults: En
     port: e.TB_PORT,
     apiKeys: e.TB_API_KEYS,
     longPollMs: e.TB_LONG_POLL_MS,
+    sampleRetrieveFutures: e.TB_SAMPLE_RETRIEVE_FUTURES,
     requiredModels: e.TB_REQUIRED_MODELS,
     maxQueuedSamples: e.TB_MAX_QUEUED_SAMPLES,
     seqWindow: e.TB_SEQ_WINDOW,
