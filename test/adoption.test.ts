@@ -44,6 +44,21 @@ describe('adoption: a dead agent\'s model is taken in by another agent from its 
     return a;
   };
   const record = async (m: string) => ModelRecord.parse(JSON.parse((await redis.get(names.model(m)))!));
+  /** A client, a model of `seed` trained 2 steps, and those steps' losses. */
+  const trainedModel = async (seed: number) => {
+    const client = new Client(api);
+    await client.init();
+    const m = await client.createModel(seed);
+    return { client, m, before: await client.train(m, 2) };
+  };
+  /** The agent's engine stopped (SIGSTOP) with a forward_backward of `m` sent to it. */
+  const opInStoppedEngine = async (agent: AgentProc, client: Client, m: string) => {
+    const engine = await enginePid(agent);
+    process.kill(engine, 'SIGSTOP');
+    const inFlight = await client.submitFb(m);
+    await sleep(300); // taken and sent to the engine
+    return { engine, inFlight };
+  };
 
   beforeEach(async () => {
     st = stackEnv(REDIS_URL);
@@ -64,17 +79,11 @@ describe('adoption: a dead agent\'s model is taken in by another agent from its 
 
   it('the running op fails with OUTCOME_UNKNOWN, the others wait for an agent of the base, run there, and the loop goes on with the twin\'s losses', async () => {
     const first = await spawn(`a1-${st.prefix}`);
-    const client = new Client(api);
-    await client.init();
-    const m = await client.createModel(3);
+    const { client, m, before } = await trainedModel(3);
     expect((await record(m)).agent_id).to.equal(first.id);
-    const before = await client.train(m, 2);
 
     // One op in the engine (stopped), two behind it; then the node dies with them.
-    const engine = await enginePid(first);
-    process.kill(engine, 'SIGSTOP');
-    const running = await client.submitFb(m);
-    await sleep(300);
+    const { engine, inFlight: running } = await opInStoppedEngine(first, client, m);
     const waitingOptim = await client.submitOptim(m);
     const waitingFb = await client.submitFb(m);
     await stopAgent(first, 'SIGKILL');
@@ -122,16 +131,10 @@ describe('adoption: a dead agent\'s model is taken in by another agent from its 
 
   it('an agent reaped while alive (SIGSTOP past its timeout) takes its model back from its snapshot at SIGCONT: only the op in flight fails, the loop goes on with the twin\'s losses', async () => {
     const a = await spawn(`a3-${st.prefix}`);
-    const client = new Client(api);
-    await client.init();
-    const m = await client.createModel(5);
-    const before = await client.train(m, 2);
+    const { client, m, before } = await trainedModel(5);
     // An op in the engine when the agent stops, one behind it; the engine finishes the first while
     // the agent is stopped: the agent holds a result the reaper has already given up on.
-    const engine = await enginePid(a);
-    process.kill(engine, 'SIGSTOP');
-    const inFlight = await client.submitFb(m);
-    await sleep(300);
+    const { engine, inFlight } = await opInStoppedEngine(a, client, m);
     const queued = await client.submitOptim(m);
     process.kill(a.child.pid!, 'SIGSTOP');
     process.kill(engine, 'SIGCONT');
