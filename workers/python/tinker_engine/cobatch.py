@@ -2,20 +2,23 @@
 one pass of the base ("co-batching", docs/architecture.md).
 
 Each member is a forward_backward request of its own model (its datums, its loss function and
-config, its forward-only flag). Their datums are packed together into micro-batches by padded tokens,
-as one request's are, one member's after another; each row goes through its own model's LoRA adapter
-(``_row_segments``: the base's linear layers run once over every row, each adapter over its rows).
+config, its forward-only flag). Their datums are grouped together into micro-batches as one request's
+are (packing.py: packed into one row where the attention kernel isolates datums, else padded:
+``group_layout``), one member's after another; each datum's tokens go
+through its own model's LoRA adapter (``_token_segments``: the base's linear layers run once over
+every token, each adapter over its members' tokens).
 Ranks, target modules and loss functions may differ between the members.
 
 Why each member gets what it would get alone:
-- rows never mix in a decoder (attention is per row and causal, normalisation per token), so a
-  row's logits depend only on its tokens and its adapter; a row right-padded further (the longest
-  row of the pack is another member's) keeps its real positions' outputs;
+- datums never mix in a decoder (attention is causal and kept within each datum, per row when padded,
+  per datum of a packed row; normalisation is per token), so a datum's logits depend only on its
+  tokens and its adapter; a row right-padded further (the longest row is another member's) keeps its
+  real positions' outputs;
 - the pass backpropagates the sum of every trainable member's loss: a member's LoRA parameters
   appear only in its own rows, so their gradient is the gradient of its own loss, accumulated into
   its own flat buffer (flat.py), as forward_backward accumulates it;
-- what differs is float32 rounding only: the base's matrix products run over more rows (another
-  blocking of the same sums) and an adapter's over its rows gathered from the pack. tests/test_cobatch.py
+- what differs is float32 rounding only: the base's matrix products run over more tokens (another
+  blocking of the same sums) and an adapter's over its tokens sliced from the micro-batch. tests/test_cobatch.py
   bounds the difference.
 
 A member whose request is invalid (a UserError while parsing: bad datum, unknown model) or whose
@@ -39,7 +42,9 @@ from .errors import UserError
 from .models import BaseModel, Registry, TrainingModel
 from .rollback import check_grad_max_abs, check_losses, grad_max_abs
 from .tensors import wire
-from .train import Datum, ForwardBackwardRequest, _batch_target_logprobs, _stage, max_batch_tokens, micro_batches, parse_forward_backward
+from .chunked_logprobs import token_offset
+from .packing import LAYOUTS, Layout, Staged, isolates_datums
+from .train import Datum, ForwardBackwardRequest, batch_logprobs, layout, parse_forward_backward, stage
 
 #: The most members one group takes (the agent groups fewer: TB_COBATCH_MAX).
 MAX_MEMBERS = 64
@@ -113,7 +118,7 @@ def _run(base: BaseModel, members: list[_Member]) -> None:
         for p in m.model.parameters():
             p.requires_grad_(True)
     try:
-        for staged in _stage(list(micro_batches(datums, max_batch_tokens())), base.device):
+        for staged in stage(datums, base, group_layout(base)):
             _run_batch(base, staged, [owner[id(d)] for d in staged.batch])
     except BaseException:
         for m in trainers:
@@ -128,21 +133,30 @@ def _run(base: BaseModel, members: list[_Member]) -> None:
             m.model.flat.restore_grads(m.saved)
 
 
-def _run_batch(base: BaseModel, staged: Any, rows: list[_Member]) -> None:
-    """Forward (and backward of the trainable members' losses) of one packed micro-batch; each row
-    through its owner's adapter. One device -> host copy at the end, as forward_backward's."""
+def group_layout(base: BaseModel) -> Layout:
+    """The engine's layout, except that members' datums share a packed row only where its attention
+    computes nothing across datums (packing.isolates_datums: flash-attn's variable-length kernel);
+    elsewhere (SDPA's block-diagonal mask) a member's non-finite loss would reach its neighbours'
+    gradients through the masked scores, so the group is padded, one datum per row."""
+    engine_layout = layout()
+    if engine_layout.name == "packed" and not isolates_datums(base):
+        return LAYOUTS["padded"]
+    return engine_layout
+
+
+def _run_batch(base: BaseModel, staged: Staged, rows: list[_Member]) -> None:
+    """Forward (and backward of the trainable members' losses) of one micro-batch; each datum's
+    tokens (its slot) through its owner's adapter. One device -> host copy at the end, as forward_backward's."""
     batch: list[Datum] = staged.batch
     names = [m.model.adapter for m in rows]
     here = list({id(m): m for m in rows}.values())
     live = [m for m in here if m.trains and m.error is None]
     with torch.set_grad_enabled(bool(live)):
         if len(set(names)) == 1:
-            logits = base.hf(input_ids=staged.ids, use_cache=False).logits
+            lps = batch_logprobs(base, staged)
         else:
-            with _row_segments(base, _segments(names)):
-                logits = base.hf(input_ids=staged.ids, use_cache=False).logits
-        lps = _batch_target_logprobs(logits, batch, staged.targets)
-        del logits
+            with _token_segments(base, _segments(names, staged.slots)):
+                lps = batch_logprobs(base, staged)
         losses = torch.stack([m.req.loss.fn(lp, inputs, m.req.config) for m, lp, inputs in zip(rows, lps, staged.inputs)])
         # Each member's summed loss over its rows here (float32 on the device, as forward_backward sums a micro-batch).
         sums = torch.stack([losses[[r for r, o in enumerate(rows) if o is m]].sum() for m in here])
@@ -170,25 +184,30 @@ def _run_batch(base: BaseModel, staged: Any, rows: list[_Member]) -> None:
         m.total += float(host[len(batch) + k])
 
 
-def _segments(names: list[str]) -> list[tuple[str, int, int]]:
-    """The pack's rows as runs of one adapter: (adapter, first row, row after the last). A member's
-    rows are consecutive in a micro-batch (its datums are packed in order, one member after another)."""
+def _segments(names: list[str], slots: list[tuple[int, int]]) -> list[tuple[str, int, int]]:
+    """The micro-batch's token axis (flattened B x L) as runs of one adapter: (adapter, first token,
+    token after the last). A member's datums are consecutive in a micro-batch (its datums are staged
+    in order, one member after another), so its slots are one run."""
     out: list[tuple[str, int, int]] = []
-    for row, name in enumerate(names):
-        if out and out[-1][0] == name and out[-1][2] == row:
-            out[-1] = (name, out[-1][1], row + 1)
+    for name, (first, end) in zip(names, slots):
+        if out and out[-1][0] == name and out[-1][2] == first:
+            out[-1] = (name, out[-1][1], end)
         else:
-            out.append((name, row, row + 1))
+            out.append((name, first, end))
     return out
 
 
 @contextmanager
-def _row_segments(base: BaseModel, segments: list[tuple[str, int, int]]) -> Iterator[None]:
-    """Every LoRA linear layer of the base runs, for this pass, its base layer over all rows and each
-    adapter over its run of rows, a slice: no index list to copy to the device per layer, as PEFT's
+def _token_segments(base: BaseModel, segments: list[tuple[str, int, int]]) -> Iterator[None]:
+    """Every LoRA linear layer of the base runs, for this pass, its base layer over all tokens and each
+    adapter over its run of tokens, a slice: no index list to copy to the device per layer, as PEFT's
     per-row ``adapter_names`` path makes (a host-to-device copy and a gather per layer and adapter,
     which cost more on a GPU than separate passes, docs/benchmarks.md). The same sums as PEFT's
-    LoRA forward: base(x) + lora_B(lora_A(dropout(x))) * scaling, per row."""
+    LoRA forward: base(x) + lora_B(lora_A(dropout(x))) * scaling, per token.
+
+    A layer's input is the micro-batch's tokens flattened (B x L or a packed row's T), or, for the
+    output layer, a chunk of them starting at ``token_offset()`` (chunked_logprobs.py): each segment
+    is cut to the tokens the layer is given."""
     assert base.peft is not None
     layers = [m for m in base.peft.modules() if isinstance(m, LoraLinear)]
     others = [type(m).__name__ for m in base.peft.modules() if isinstance(m, LoraLayer) and not isinstance(m, LoraLinear)]
@@ -198,13 +217,18 @@ def _row_segments(base: BaseModel, segments: list[tuple[str, int, int]]) -> Iter
     def forward(self: LoraLinear, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         result = self.base_layer(x, *args, **kwargs)
         dtype = result.dtype
+        tokens = x.reshape(-1, x.shape[-1])
+        out_tokens = result.view(-1, result.shape[-1])
+        offset = token_offset()
+        n = tokens.shape[0]
         for adapter, first, end in segments:
-            if adapter not in self.lora_A:
+            lo, hi = max(first, offset) - offset, min(end, offset + n) - offset
+            if adapter not in self.lora_A or lo >= hi:
                 continue
             lora_a = self.lora_A[adapter]
-            part = x[first:end].to(lora_a.weight.dtype)
+            part = tokens[lo:hi].to(lora_a.weight.dtype)
             out = self.lora_B[adapter](lora_a(self.lora_dropout[adapter](part))) * self.scaling[adapter]
-            result[first:end] += out.to(dtype)
+            out_tokens[lo:hi] += out.to(dtype)
         return result
 
     for layer in layers:

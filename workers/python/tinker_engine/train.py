@@ -1,8 +1,10 @@
 """``forward_backward`` and ``optim_step``.
 
 forward_backward validates every datum before it touches the model, so a ``UserError`` changes
-nothing. Datums are right-padded into micro-batches of at most ``max_batch_tokens`` padded tokens
-(``TB_ENGINE_MAX_BATCH_TOKENS``, settings.py); each micro-batch's summed loss is backpropagated
+nothing. Datums are grouped into micro-batches of at most ``max_batch_tokens`` tokens
+(``TB_ENGINE_MAX_BATCH_TOKENS``, settings.py), packed into one row each or padded (packing.py,
+``TB_ENGINE_LAYOUT``); target logprobs come from the last hidden state through the output layer a
+chunk of tokens at a time (chunked_logprobs.py); each micro-batch's summed loss is backpropagated
 into the adapter's ``.grad``, which accumulates across calls until ``optim_step``. If anything
 fails midway, the gradients are restored to what they were before the call.
 """
@@ -10,16 +12,17 @@ fails midway, the gradients are restored to what they were before the call.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
+from .chunked_logprobs import head_target_logprobs, plain_linear_head
 from .errors import UserError
 from .logprobs import target_logprobs
 from .losses import LossSpec, get_loss
 from .models import BaseModel, Registry
+from .packing import LAYOUTS, Layout, Staged, attention_for, stage_all
 from .params import check_token_tensor, get_bool, get_obj, get_str, is_int
 from .protocol import defaults
 from .rollback import StepUndo, check_grad_max_abs, check_losses, check_norm, grad_max_abs, step_max_abs
@@ -28,7 +31,7 @@ from .tensors import tensor_from_json, wire
 
 
 def max_batch_tokens() -> int:
-    """The most padded tokens of one micro-batch (the engine's settings)."""
+    """The most tokens of one micro-batch (the engine's settings): real tokens when packed, padded ones when padded."""
     return settings().max_batch_tokens
 
 
@@ -106,62 +109,17 @@ def _datum_tokens(raw: Any, where: str) -> torch.Tensor:
     return torch.tensor(raw, dtype=torch.int64)
 
 
-def micro_batches(datums: list[Datum], budget: int) -> Iterator[list[Datum]]:
-    """Consecutive groups whose padded size (count x longest) stays within ``budget`` tokens."""
-    batch: list[Datum] = []
-    longest = 0
-    for d in datums:
-        n = d.tokens.shape[0]
-        if batch and max(longest, n) * (len(batch) + 1) > budget:
-            yield batch
-            batch, longest = [], 0
-        batch.append(d)
-        longest = max(longest, n)
-    if batch:
-        yield batch
+def layout() -> Layout:
+    """How micro-batches are formed and staged (packing.py): ``TB_ENGINE_LAYOUT``."""
+    return LAYOUTS[settings().layout]
 
 
-@dataclass
-class _Staged:
-    """One micro-batch's inputs on the device: padded ids (B, L), the targets (padded (B, L, *tail)
-    when every datum's targets share a trailing shape, else one tensor per datum) and each datum's
-    float loss inputs."""
-
-    batch: list[Datum]
-    ids: torch.Tensor
-    targets: torch.Tensor | list[torch.Tensor]
-    inputs: list[dict[str, torch.Tensor]]
+def stage(datums: list[Datum], base: BaseModel, how: Layout | None = None) -> list[Staged]:
+    """Every micro-batch of ``datums`` in layout ``how`` (default: the engine's), staged on ``base``'s device."""
+    return stage_all(datums, how or layout(), max_batch_tokens(), base.device)
 
 
-def _stage(batches: list[list[Datum]], device: torch.device) -> list[_Staged]:
-    """Every micro-batch's host -> device copies, made before the op's first kernel.
-
-    A copy from pageable host memory waits for the device's stream to drain; made between the
-    forward and the loss (as the inputs are needed) it would stall the GPU mid-step, made here the
-    stream is idle anyway (the previous op ended with its host copy).
-    """
-    staged: list[_Staged] = []
-    for batch in batches:
-        longest = max(d.tokens.shape[0] for d in batch)
-        ids = torch.zeros((len(batch), longest), dtype=torch.int64)
-        for row, d in enumerate(batch):
-            ids[row, : d.tokens.shape[0]] = d.tokens
-        tails = {tuple(d.targets.shape[1:]) for d in batch}
-        targets: torch.Tensor | list[torch.Tensor]
-        if len(tails) == 1:
-            (tail,) = tails
-            padded = torch.zeros((len(batch), longest, *tail), dtype=torch.int64)
-            for row, d in enumerate(batch):
-                padded[row, : d.tokens.shape[0]] = d.targets
-            targets = padded.to(device)
-        else:
-            targets = [d.targets.to(device) for d in batch]
-        inputs = [{k: v.to(device) for k, v in d.inputs.items()} for d in batch]
-        staged.append(_Staged(batch, ids.to(device), targets, inputs))
-    return staged
-
-
-def _run_batch(base: BaseModel, staged: _Staged, loss: LossSpec, config: dict[str, float],
+def _run_batch(base: BaseModel, staged: Staged, loss: LossSpec, config: dict[str, float],
                flat_weight: torch.nn.Parameter | None) -> tuple[list[torch.Tensor], float]:
     """Forward (and, given the adapter's ``flat_weight``, backward) of one staged micro-batch.
 
@@ -172,12 +130,7 @@ def _run_batch(base: BaseModel, staged: _Staged, loss: LossSpec, config: dict[st
     """
     batch = staged.batch
     with torch.set_grad_enabled(flat_weight is not None):
-        # Rows are right-padded and attention is causal, so no real token can see a pad: the
-        # logits of real positions are the same without a mask, and the model keeps its fastest
-        # (mask-free) attention kernel. Pad positions' outputs are discarded below.
-        logits = base.hf(input_ids=staged.ids, use_cache=False).logits
-        lps = _batch_target_logprobs(logits, batch, staged.targets)
-        del logits
+        lps = batch_logprobs(base, staged)
         losses = [loss.fn(lp, inputs, config) for lp, inputs in zip(lps, staged.inputs)]
         stacked = torch.stack(losses)
         total = stacked.sum()
@@ -201,20 +154,39 @@ def _run_batch(base: BaseModel, staged: _Staged, loss: LossSpec, config: dict[st
     return outputs, float(host[0])
 
 
-def _batch_target_logprobs(logits: torch.Tensor, batch: list[Datum],
-                           targets: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each datum's target logprobs from the micro-batch's logits (B, L, V).
+def batch_logprobs(base: BaseModel, staged: Staged) -> list[torch.Tensor]:
+    """Each datum's target logprobs (float32, shaped like its targets) for one staged micro-batch, in
+    the current grad mode, through the active adapter(s).
 
-    With padded targets (every datum's targets of one trailing shape), one chunked pass over the
-    (B x L) rows (padding targets 0, their logprobs unused, so their gradient is 0); else per datum.
+    The decoder's last hidden state goes through the output layer a chunk of tokens at a time
+    (chunked_logprobs.py), so the micro-batch's (tokens x vocab) logits never exist at once. A padded
+    micro-batch runs mask-free: rows are right-padded and attention is causal, so no real token can
+    see a pad, and pad positions' outputs are discarded here (each datum's logprobs are read at its slot). A packed one passes its restarting
+    position ids (packing.py).
     """
-    if isinstance(targets, list):
-        return [target_logprobs(logits[row, : d.tokens.shape[0]], t) for row, (d, t) in enumerate(zip(batch, targets))]
-    rows, longest = logits.shape[0], logits.shape[1]
-    tail = tuple(targets.shape[2:])
-    flat = target_logprobs(logits.reshape(rows * longest, -1), targets.reshape(rows * longest, *tail))
-    flat = flat.reshape(rows, longest, *tail)
-    return [flat[row, : d.tokens.shape[0]] for row, d in enumerate(batch)]
+    batch = staged.batch
+    if not plain_linear_head(base.hf):
+        # A model whose logits are more than its output layer (soft-capping, scaling): its own forward.
+        with attention_for(base, staged) as extra:
+            logits = base.hf(input_ids=staged.ids, position_ids=staged.position_ids, use_cache=False, **extra).logits
+        flat_logits = logits.reshape(-1, logits.shape[-1])
+        if isinstance(staged.targets, list):
+            return [target_logprobs(flat_logits[a : a + d.tokens.shape[0]], t)
+                    for (a, _), d, t in zip(staged.slots, batch, staged.targets)]
+        lp = target_logprobs(flat_logits, staged.targets)
+        return [lp[a : a + d.tokens.shape[0]] for (a, _), d in zip(staged.slots, batch)]
+    with attention_for(base, staged) as extra:
+        hidden = base.hf.get_decoder()(input_ids=staged.ids, position_ids=staged.position_ids,
+                                       use_cache=False, **extra).last_hidden_state
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    head = base.hf.get_output_embeddings()
+    if isinstance(staged.targets, list):
+        return [head_target_logprobs(flat[a : a + d.tokens.shape[0]], head, t, offset=a)
+                for (a, _), d, t in zip(staged.slots, batch, staged.targets)]
+    # Padded: every position through the output layer (as the padded layout computes every position
+    # anyway); a pad's target is 0 and its logprob unused, so its gradient is 0.
+    lp = head_target_logprobs(flat, head, staged.targets)
+    return [lp[a : a + d.tokens.shape[0]] for (a, _), d in zip(staged.slots, batch)]
 
 
 @dataclass(frozen=True)
@@ -254,7 +226,7 @@ def forward_backward(registry: Registry, args: dict[str, Any]) -> dict[str, Any]
     outputs: list[torch.Tensor] = []
     total = 0.0
     try:
-        for staged in _stage(list(micro_batches(datums, max_batch_tokens())), base.device):
+        for staged in stage(datums, base):
             batch_outputs, batch_loss = _run_batch(base, staged, loss, config, None if forward_only else flat.weight)
             outputs.extend(batch_outputs)
             total += batch_loss
