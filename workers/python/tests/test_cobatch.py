@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 import torch
 
+from tinker_engine import chunked_logprobs, cobatch
 from tinker_engine.cobatch import forward_backward_group
 from tinker_engine.engine import Engine
 from tinker_engine.errors import UserError
+from tinker_engine.settings import overridden
 
 from helpers import ORDER_SLACK, adam, assert_close_up_to_summation_order, create, datum, fb, grads, out_logprobs, params, perturb
 
@@ -67,7 +69,32 @@ def _vocab(engine: Engine) -> int:
     return engine.registry.base("tiny").vocab_size
 
 
-def test_group_equals_each_model_alone(engine: Engine) -> None:
+# How the group's micro-batches are laid out (packing.py): padded (what a group runs on the CPU, where
+# SDPA's masked attention does not isolate packed datums), packed (what it runs where flash-attn's
+# variable-length kernel does: forced here, so that the token segments of a packed row and of the
+# output layer's chunks, chunked_logprobs.py, are checked on the CPU), each with the engine's layouts
+# for the solo runs as configured. A 4-token output-layer chunk cuts the members' segments.
+GROUP_LAYOUTS = ["padded", "packed", "packed-small-head-chunks"]
+
+
+@pytest.fixture(params=GROUP_LAYOUTS)
+def group_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setattr(cobatch, "isolates_datums", lambda base: request.param != "padded")
+    if request.param == "packed-small-head-chunks":
+        monkeypatch.setattr(chunked_logprobs, "HEAD_CHUNK_TOKENS", 4)
+    return str(request.param)
+
+
+def test_group_layout_follows_attention_isolation(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    base = engine.registry.base("tiny")
+    assert cobatch.group_layout(base).name == "padded"  # the CPU: SDPA with a block-diagonal mask
+    monkeypatch.setattr(cobatch, "isolates_datums", lambda b: True)
+    assert cobatch.group_layout(base).name == "packed"
+    with overridden(layout="padded"):
+        assert cobatch.group_layout(base).name == "padded"
+
+
+def test_group_equals_each_model_alone(engine: Engine, group_layout: str) -> None:
     vocab = _vocab(engine)
     for suffix in ("-solo", "-grp"):
         _build(engine, suffix)
@@ -111,14 +138,16 @@ def _assert_first_adam_step_close(got: torch.Tensor, want: torch.Tensor, grad: t
     assert float((got - want).abs().max()) <= 2 * lr * (1 + ORDER_SLACK), what
 
 
-def test_a_group_of_one_is_forward_backward_bit_for_bit(engine: Engine) -> None:
+def test_a_group_of_one_is_forward_backward_bit_for_bit(engine: Engine, group_layout: str) -> None:
+    # The solo run in the group's layout: the same micro-batches, the same kernels.
     vocab = _vocab(engine)
     for suffix in ("-solo", "-grp"):
         _build(engine, suffix)
     solo_req = _requests(engine, "-solo", vocab)[1]
     group_req = _requests(engine, "-grp", vocab)[1]
-    solo = fb(engine, solo_req["model_id"], solo_req["loss_fn"], solo_req["data"])
-    (grouped,) = _group(engine, [group_req])
+    with overridden(layout="padded" if group_layout == "padded" else "packed"):
+        solo = fb(engine, solo_req["model_id"], solo_req["loss_fn"], solo_req["data"])
+        (grouped,) = _group(engine, [group_req])
     assert grouped["metrics"] == solo["metrics"]
     for i in range(2):
         assert torch.equal(out_logprobs(grouped, i), out_logprobs(solo, i))

@@ -51,9 +51,11 @@ def _chunk_logprobs(head: Head, hidden: torch.Tensor, targets: torch.Tensor, off
 
 
 def head_target_logprobs(hidden: torch.Tensor, head: Head, targets: torch.Tensor,
-                         chunk: int = HEAD_CHUNK_TOKENS, offset: int = 0) -> torch.Tensor:
+                         chunk: int | None = None, offset: int = 0) -> torch.Tensor:
     """log p(targets) (float32, shaped like ``targets``: (N,) or (N, K)) for ``hidden`` (N, H), whose
-    first token is token ``offset`` of the micro-batch."""
+    first token is token ``offset`` of the micro-batch; ``chunk`` tokens at a time (default
+    ``HEAD_CHUNK_TOKENS``)."""
+    chunk = HEAD_CHUNK_TOKENS if chunk is None else chunk
     if chunk < 1:
         raise ValueError(f"chunk must be at least 1, got {chunk}")
     n = hidden.shape[0]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,12 +151,11 @@ def _run_batch(base: BaseModel, staged: Staged, rows: list[_Member]) -> None:
     names = [m.model.adapter for m in rows]
     here = list({id(m): m for m in rows}.values())
     live = [m for m in here if m.trains and m.error is None]
-    with torch.set_grad_enabled(bool(live)):
-        if len(set(names)) == 1:
-            lps = batch_logprobs(base, staged)
-        else:
-            with _token_segments(base, _segments(names, staged.slots)):
-                lps = batch_logprobs(base, staged)
+    # The token segments stay in force through the backward: the output layer's chunks are recomputed
+    # there (chunked_logprobs.py) and must run each adapter over the same tokens as in the forward.
+    segments = nullcontext() if len(set(names)) == 1 else _token_segments(base, _segments(names, staged.slots))
+    with torch.set_grad_enabled(bool(live)), segments:
+        lps = batch_logprobs(base, staged)
         losses = torch.stack([m.req.loss.fn(lp, inputs, m.req.config) for m, lp, inputs in zip(rows, lps, staged.inputs)])
         # Each member's summed loss over its rows here (float32 on the device, as forward_backward sums a micro-batch).
         sums = torch.stack([losses[[r for r, o in enumerate(rows) if o is m]].sum() for m in here])
