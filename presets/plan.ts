@@ -16,7 +16,7 @@ export type Plan = {
   api: ApiConfig | null;
   agents: (AgentConfig & { engine: Engine; device: string; roles: Record<string, ModelRole[]> })[];
   /** Every model of the preset: name → resolved path, role, engine. */
-  models: { name: string; path: string; role: ModelRole; engine: Engine; served_by: string[] }[];
+  models: { name: string; path: string; tokenizer: string; role: ModelRole; engine: Engine; served_by: string[] }[];
   /** Every agent of the preset, on every node; `here`: started by this command. */
   layout: { id: string; node: string; device: string; engine: Engine; models: string[]; here: boolean }[];
   /** Storage directory and how long futures and unnamed sampler weights are kept. */
@@ -74,6 +74,7 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
           const e = byPath.get(m.path) ?? {
             name: m.path,
             path: m.path,
+            tokenizer: m.tokenizer ?? m.path,
             aliases: [],
             trainable: false,
             loraMaxRank: m.lora_max_rank,
@@ -133,6 +134,7 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
     models: models.map((m) => ({
       name: m.name,
       path: m.path,
+      tokenizer: m.tokenizer ?? m.path,
       role: m.role,
       engine: m.engine,
       served_by: preset.agents.filter((a) => a.models.includes(m.name)).map((a) => `${a.id}@${a.node}(${a.device})`),
@@ -181,7 +183,7 @@ function pad(rows: string[][]): string {
 }
 
 /** `start --dry-run`: the plan as tables, API keys left out, then the problems start would refuse. */
-export function formatPlan(p: Plan, problems: string[]): string {
+export function formatPlan(p: Plan & { notes?: string[] | undefined }, problems: string[]): string {
   const lines: string[] = [];
   lines.push(`preset   ${p.preset}`);
   lines.push(`node     ${p.node} (start --node NAME picks another node of the preset)`);
@@ -217,6 +219,8 @@ export function formatPlan(p: Plan, problems: string[]): string {
   );
   const nodes = [...new Set(p.layout.map((a) => a.node))];
   if (nodes.length > 1) lines.push('', `nodes: ${nodes.join(', ')}; run 'tinker-broker start --preset ${p.preset} --node NAME' on each (the API runs on '${p.api ? p.node : 'its node'}')`);
+  // `start --cpu-standin` (presets/standin.ts): what the stand-in could not keep.
+  if (p.notes) lines.push('', `cpu stand-in of the preset: tiny models, CPU devices, local Redis and storage${p.notes.length ? '; changed beyond that:' : ''}`, ...p.notes.map((x) => `  - ${x}`));
   if (problems.length) lines.push('', 'start would refuse this plan:', ...problems.map((x) => `  ! ${x}`));
   else lines.push('', 'start would accept this plan.');
   return lines.join('\n');

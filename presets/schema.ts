@@ -33,6 +33,13 @@ export const ModelSpec = z
     /** A local directory (relative paths are resolved against the preset's directory, then the working directory). */
     path: z.string().min(1),
     role: ModelRole,
+    /**
+     * What `get_info` names as the tokenizer (`tokenizer_id`), which a client's `get_tokenizer()` loads
+     * with `transformers.AutoTokenizer`: the hub id for a real model (e.g. `Qwen/Qwen3-8B`), so a client
+     * on another machine loads it from the hub or its cache; a directory for a local model.
+     * @defaultValue the model's resolved `path`
+     */
+    tokenizer: z.string().min(1).optional(),
     /** @defaultValue the registered default engine (torch) */
     engine: Engine.default(() => defaultEngine()),
     /** How the engine splits the model over the agent's GPUs; each field applies to one engine, and is refused on the others (`parallelismProblems`). */

@@ -12,6 +12,8 @@ import { UsageError } from './cli.js';
  */
 export const TINY_MODEL_DIR = path.resolve('models/tiny-qwen3');
 export const TINY_MODEL_ALIAS = 'tiny-qwen3';
+/** The tiny teacher: the tiny model's shape, other weights (seed 1; any `tiny-qwen3-*` directory is generated so). */
+export const TINY_TEACHER_DIR = `${TINY_MODEL_DIR}-teacher`;
 
 export async function redisReachable(url: string): Promise<boolean> {
   const r = new Redis(url, { lazyConnect: true, maxRetriesPerRequest: 0, retryStrategy: () => null, connectTimeout: 1000 });

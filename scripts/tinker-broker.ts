@@ -6,10 +6,11 @@ import { loadLauncherConfig } from '../queues/infra/config.js';
 import { logger } from '../queues/infra/logger.js';
 import { loadPreset, PresetError } from '../presets/schema.js';
 import { formatPlan, planPreset, planProblems, type Plan } from '../presets/plan.js';
+import { cpuStandin } from '../presets/standin.js';
 import type { Agent } from '../workers/agent.js';
 import { commandUsage, parseCommand, programUsage, UsageError, type Command, type CommandTable, type OptionSpec, type Parsed } from './cli.js';
 import { inspectCommands } from './inspect.js';
-import { assertPortFree, defaultPython, ensureRedis, ensureTinyModel, stopChild, TINY_MODEL_DIR } from './stack.js';
+import { assertPortFree, defaultPython, ensureRedis, ensureTinyModel, stopChild, TINY_MODEL_DIR, TINY_TEACHER_DIR } from './stack.js';
 
 /**
  * The command line, `tinker-broker <command>`: one entry per command in COMMANDS below (options,
@@ -47,11 +48,17 @@ set; a second signal stops at once.
 examples:
   tinker-broker start                                   # tiny CPU model on 127.0.0.1:8000
   tinker-broker start --preset presets/quick_start/actor.yaml --dry-run
-  tinker-broker start --preset my.yaml --node gpu-node-2 # the agents of one node`;
+  tinker-broker start --preset my.yaml --node gpu-node-2 # the agents of one node
+  tinker-broker start --preset presets/distill/single_teacher.yaml --cpu-standin --dry-run`;
 
-function plan(p: Parsed): Plan {
+/** The preset's plan for this command; with `--cpu-standin`, the preset's CPU stand-in (presets/standin.ts) and its notes. */
+function plan(p: Parsed): Plan & { notes?: string[] } {
   const file = p.values.preset as string;
-  const { preset, dir } = loadPreset(file);
+  const loaded = loadPreset(file);
+  const { preset, notes } = p.values['cpu-standin']
+    ? cpuStandin(loaded.preset, { tinyDir: TINY_MODEL_DIR, teacherDir: TINY_TEACHER_DIR, storageRoot: 'var/standin' })
+    : { preset: loaded.preset, notes: undefined };
+  const dir = loaded.dir;
   let pl: Plan;
   try {
     pl = planPreset(preset, dir, file, {
@@ -65,7 +72,7 @@ function plan(p: Parsed): Plan {
   } catch (e) {
     throw new UsageError((e as Error).message);
   }
-  return pl;
+  return notes ? { ...pl, notes } : pl;
 }
 
 /** Model directories that start generates itself (the tiny test models). */
@@ -115,6 +122,7 @@ async function start(p: Parsed): Promise<void> {
     } else process.stdout.write(`${formatPlan(pl, problems)}\n`);
     return;
   }
+  for (const n of pl.notes ?? []) process.stderr.write(`cpu-standin: ${n}\n`);
   if (problems.length) throw new UsageError(problems.join('\n'));
   if (pl.api) await assertPortFree(pl.api.host, pl.api.port);
 
@@ -232,6 +240,7 @@ export const COMMANDS: CommandTable = {
       agent: { type: 'string', arg: 'ID', multiple: true, help: 'start only this agent of the preset (any node), e.g. one per GPU container' },
       'api-only': { type: 'boolean', help: 'start the API only, no agent' },
       'agents-only': { type: 'boolean', help: 'start the agents only, no API' },
+      'cpu-standin': { type: 'boolean', help: 'run the preset on this CPU: tiny models, CPU devices, local Redis and storage; names, roles, agents and nodes kept (presets/README.md)' },
       'dry-run': { type: 'boolean', help: 'print what would start (agents, GPUs, models, engines, roles) and what start would refuse; start nothing' },
       json: { type: 'boolean', help: 'with --dry-run: the plan as JSON (API keys hidden)' },
     },

@@ -143,7 +143,7 @@ agents:
     expect(megatron.stderr).to.match(/models\[0\]\.parallelism\.strategy: verl strategies available in this version: fsdp2, fsdp, veomni \(megatron is not\)/);
     // What the shipped multi-GPU preset sets is used: vLLM's expert parallelism, verl's data size and strategy.
     const plan = JSON.parse(cli('start', '--preset', 'presets/distill/multi_teacher.yaml', '--node', 'node-1', '--dry-run', '--json').stdout);
-    expect(plan.agents[0].models[0]).to.include({ tensorParallel: 4, expertParallel: true });
+    expect(plan.agents[0].models[0]).to.include({ tensorParallel: 8, expertParallel: true });
   });
 
   it('parses the environment over the preset once, with the same rules as without a preset', () => {
@@ -185,9 +185,9 @@ agents:
     expect(r.stderr).to.match(/^agent g0: engine 'verl' runs on GPUs; its device is 'cpu'/);
     expect(r.stderr).to.not.match(/^\s+at |Error:/m); // plain lines, no stack trace
     // On its GPUs a verl agent passes the engine check and stops at the next one (its model directory).
-    const g = cli('start', '--preset', 'presets/distill/multi_teacher.yaml', '--agent', 'n0-actor');
+    const g = cli('start', '--preset', 'presets/gpu/h200_verl.yaml', '--agent', 'h200-verl');
     expect(g.status).to.equal(2);
-    expect(g.stderr.trim()).to.match(/^agent n0-actor: model Qwen\/Qwen3-32B has no model directory at \/models\/Qwen3-32B/);
+    expect(g.stderr.trim()).to.match(/^agent h200-verl: model h200-qwen3-0\.6b-verl has no model directory at \S+\/models\/h200-qwen3-0\.6b /);
   });
 
   it('prints --dry-run as tables with what start would refuse, and never the API keys', () => {
@@ -195,17 +195,18 @@ agents:
     const file = write('secret.yaml', readFileSync('presets/distill/multi_teacher.yaml', 'utf8').replace('keys: [tml-local]', 'keys: [tml-secret-4711]'));
     const r = cli('start', '--preset', file, '--dry-run');
     expect(r.status, r.stderr).to.equal(0);
-    expect(r.stdout).to.match(/^ {2}n0-actor +node-0 +cuda:0,1,2,3 +4 +verl +yes +Qwen\/Qwen3-32B \(actor\)$/m);
-    expect(r.stdout).to.match(/^ {2}n1-teacher-instruct +node-1 +cuda:0,1,2,3 +4 +vllm +no +Qwen\/Qwen3-235B-A22B-Instruct-2507 \(teacher\)$/m);
-    expect(r.stdout).to.match(/! agent n0-actor: model Qwen\/Qwen3-32B has no model directory/);
-    expect(r.stdout).to.match(/! agent n0-rollout-a: model Qwen\/Qwen3-32B-rollout has no model directory at \/models\/Qwen3-32B/);
+    expect(r.stdout).to.match(/^ {2}n0-actor +node-0 +cuda:0 +1 +torch +yes +Qwen\/Qwen3-8B \(actor\)$/m);
+    expect(r.stdout).to.match(/^ {2}n0-teacher-32b +node-0 +cuda:4,5,6,7 +4 +vllm +yes +Qwen\/Qwen3-32B \(teacher\)$/m);
+    expect(r.stdout).to.match(/^ {2}n1-teacher-235b +node-1 +cuda:0,1,2,3,4,5,6,7 +8 +vllm +no +Qwen\/Qwen3-235B-A22B \(teacher\)$/m);
+    expect(r.stdout).to.match(/! agent n0-actor: model Qwen\/Qwen3-8B has no model directory/);
+    expect(r.stdout).to.match(/! agent n0-rollout-a: model Qwen\/Qwen3-8B-rollout has no model directory at \/models\/Qwen3-8B/);
     expect(r.stdout).to.include('(1 API key, not shown)');
     expect(r.stdout).to.not.include('tml-secret-4711');
     const j = cli('start', '--preset', file, '--dry-run', '--json');
     expect(j.stdout).to.not.include('tml-secret-4711');
-    expect(JSON.parse(j.stdout).problems).to.have.length(3);
+    expect(JSON.parse(j.stdout).problems).to.have.length(5);
     // The shipped preset keeps the well-known default key on 0.0.0.0: start refuses that too.
-    expect(JSON.parse(cli('start', '--preset', 'presets/distill/multi_teacher.yaml', '--dry-run', '--json').stdout).problems[3]).to.match(/refusing to listen on 0\.0\.0\.0/);
+    expect(JSON.parse(cli('start', '--preset', 'presets/distill/multi_teacher.yaml', '--dry-run', '--json').stdout).problems[5]).to.match(/refusing to listen on 0\.0\.0\.0/);
     // A verl agent on the CPU is refused.
     const cpu = cli('start', '--preset', write('verlcpu2.yaml', `name: t\nmodels:\n  - { name: a, path: /m/a, role: actor, engine: verl }\nagents:\n  - { id: g0, models: [a] }\n`), '--dry-run');
     expect(cpu.stdout).to.match(/! agent g0: engine 'verl' runs on GPUs; its device is 'cpu'/);

@@ -6,6 +6,15 @@ import { CreateModelBody, ModelIdBody, PageQuery, parseBody } from '../http-sche
 import { createModel, trainingRuns, unloadModel } from '../services/models.js';
 import { requireModel } from '../tenants.js';
 
+/**
+ * The tokenizer a client loads for a base model (`get_info`'s tokenizer_id): the one its agents
+ * publish (the preset's `tokenizer`, a hub id or a directory), else the model's canonical name, its
+ * directory on the agent (also when no agent serves it right now).
+ */
+export async function tokenizerOf(ctx: ApiContext, baseModel: string): Promise<string> {
+  return (await ctx.registry.agents.servedModels()).get(baseModel)?.model.tokenizer ?? baseModel;
+}
+
 /** Training models: create_model (a future; the model's seq 0), get_info, unload_model, and the REST training runs (api/services/models.ts). */
 export function modelRoutes(ctx: ApiContext): Router {
   const r = Router();
@@ -23,7 +32,7 @@ export function modelRoutes(ctx: ApiContext): Router {
     res.json({
       type: 'get_info',
       model_id: m.model_id,
-      model_data: { arch: m.arch, model_name: m.base_model, tokenizer_id: m.base_model },
+      model_data: { arch: m.arch, model_name: m.base_model, tokenizer_id: await tokenizerOf(ctx, m.base_model) },
       is_lora: true,
       lora_rank: m.lora.rank,
       model_name: m.base_model,

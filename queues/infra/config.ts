@@ -269,6 +269,8 @@ export type BaseModelSpec = {
   /** Canonical name: the absolute path of the model directory. */
   name: string;
   path: string;
+  /** What `get_info` names as the tokenizer (the preset's `tokenizer`: a hub id or a directory). @defaultValue `path` */
+  tokenizer?: string | undefined;
   /** Other names clients may use as `base_model`. */
   aliases: string[];
   /** Whether LoRA models may be trained on it (role `actor`); teachers and references are frozen. */

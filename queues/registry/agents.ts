@@ -15,6 +15,8 @@ import { RedisRegistry } from './store.js';
 export const ServedModel = z.object({
   name: z.string(),
   aliases: z.array(z.string()),
+  /** The tokenizer clients load for this model (`get_info`'s tokenizer_id): a hub id or a directory. @defaultValue the model's name (its directory) */
+  tokenizer: z.string().optional(),
   arch: z.string(),
   vocab_size: z.number().int(),
   max_context_length: z.number().int(),

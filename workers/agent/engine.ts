@@ -65,7 +65,8 @@ export class EngineSupervisor {
     await adapter.start();
     this.served = [];
     for (const spec of config.models) {
-      const m = await adapter.loadBase(spec);
+      // The tokenizer is the preset's, whatever the engine (get_info's tokenizer_id).
+      const m = { ...(await adapter.loadBase(spec)), ...(spec.tokenizer ? { tokenizer: spec.tokenizer } : {}) };
       this.served.push(capabilities.trains ? m : { ...m, trainable: false });
     }
   }
