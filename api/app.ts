@@ -24,6 +24,7 @@ import { modelRoutes } from './routes/models.js';
 import { samplingRoutes } from './routes/sampling.js';
 import { healthHandler, serviceRoutes } from './routes/service.js';
 import { trainingRoutes, unknownEndpointGuard } from './routes/training.js';
+import { customLossRoutes } from './routes/custom-loss.js';
 import { fileDownloadHandler } from './file-urls.js';
 import { ADMIN_PATH, adminRoutes } from './admin.js';
 import { metricsHandler } from './metrics.js';
@@ -176,6 +177,7 @@ export function buildApp(config: ApiConfig, opts: { localAgentsReady?: () => boo
   v1.use(sessionRoutes(ctx));
   v1.use(modelRoutes(ctx));
   v1.use(trainingRoutes(ctx, direct));
+  v1.use(customLossRoutes(ctx));
   v1.use(samplingRoutes(ctx, direct));
   v1.use(futureRoutes(ctx, direct));
   v1.use(sessionFutureRoutes(ctx, direct));

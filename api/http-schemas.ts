@@ -1,6 +1,7 @@
 import { z } from 'zod';
 import { invalid } from '../queues/contract/errors.js';
 import { AdamParams, SamplingParams } from '../queues/contract/params.js';
+import { CustomLossSpec } from '../queues/contract/custom-loss.js';
 
 /**
  * Request bodies of the Tinker HTTP API (SDK 0.38), as the SDK sends them. Unknown fields
@@ -238,4 +239,17 @@ export const RetrieveFuturesBody = z.object({
   prev_cursor: nonNegInt.default(0),
   timeout: z.number().nonnegative().nullable().optional(),
   retrieved_request_ids: z.array(z.string()).max(100_000).default([]),
+});
+
+/**
+ * create_custom_loss (SDK `CreateCustomLossRequest`): the traced loss as plain data. Its graph's
+ * structure, names and constants are checked against the allowlist by `checkCustomLoss`
+ * (queues/contract/custom-loss.ts) before it is stored.
+ */
+export const CreateCustomLossBody = z.object({
+  session_id: id,
+  custom_loss_seq_id: nonNegInt.max(1_000_000_000),
+  name: CustomLossSpec.shape.name,
+  inputs: CustomLossSpec.shape.inputs,
+  graph: CustomLossSpec.shape.graph,
 });

@@ -40,6 +40,7 @@ export const OPERATIONS: Record<string, Doc> = {
   },
   'POST /save_weights_external': { tag: 'training', summary: 'Save the adapter as files for download (optionally age-encrypted)', body: S.SaveWeightsExternalBody, future: true },
   'POST /unload_model': { tag: 'models', summary: "Free a model's weights on its agent", body: S.ModelIdBody, future: true },
+  'POST /create_custom_loss': { tag: 'custom-loss', summary: 'Store a traced custom loss (checked against the allowlist) for forward_backward with loss_fn custom', body: S.CreateCustomLossBody, future: true },
   'POST /create_sampling_session': { tag: 'sampling', summary: 'A sampling session on a base model or a sampler version', body: S.CreateSamplingSessionBody },
   'POST /join_sampling_session': { tag: 'sampling', summary: 'Join an existing sampling session', body: S.JoinSamplingSessionBody },
   'GET /samplers/{id}': { tag: 'sampling', summary: 'A sampling session: base model and sampler version' },

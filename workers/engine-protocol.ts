@@ -12,6 +12,19 @@ import { AdamParams, LoraConfig, SampleJob, SampleResult, Tensor, TargetPromptId
  */
 export const PROTOCOL_VERSION = 2;
 
+/**
+ * A custom loss as the engine receives it: its shape only. The API checked it against the allowlist
+ * (queues/contract/custom-loss.ts); the engine rebuilds it from the same allowlist, authoritatively.
+ */
+const EngineCustomLoss = z.object({
+  name: z.string(),
+  inputs: z.array(z.object({ name: z.string(), rank: z.number().int() })),
+  graph: z.object({
+    format: z.number().int(),
+    nodes: z.array(z.object({ op: z.string(), name: z.string(), target: z.string(), args: z.array(z.unknown()), kwargs: z.record(z.string(), z.unknown()) })),
+  }),
+});
+
 /** The integer dtypes a tensor can travel in; `int32` is a wire form of Tinker's int64 (token ids). */
 export type WireDtype = 'float32' | 'int32' | 'int64';
 
@@ -122,6 +135,8 @@ export const ENGINE_OPS = {
       loss_fn_config: z.record(z.string(), z.union([z.number(), z.string()])),
       forward_only: z.boolean(),
       data: z.array(z.object({ tokens: TensorArg, loss_fn_inputs: z.record(z.string(), TensorArg) })).min(1),
+      /** loss_fn `custom`: the custom loss's traced graph as data, rebuilt by the engine from the allowlist (tinker_engine/custom_loss.py). */
+      custom_loss: EngineCustomLoss.optional(),
     }),
     result: z.object({
       loss_fn_outputs: z.array(z.record(z.string(), Tensor)),

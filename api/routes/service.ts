@@ -12,13 +12,14 @@ export const CAPABILITY_NOTES = [
     'kl_coeff * sum(r - 1 - log r) (k3 estimate of KL(sampler || model), default kl_coeff 0); the datum\'s own logprobs are not used',
   'gspo: GSPO-token as in Tinker\'s docs; default clip thresholds 1 - 3e-4 / 1 + 4e-4 (GSPO paper); without sequence_ratio_mask the ratio spans the tokens with a nonzero advantage',
   'cispo: default clip thresholds 0.0 / 4.0 (one-sided, as Tinker documents)',
-  'optimizers: adamw only (dimuon refused); custom losses run on the client (custom_loss_server_side false)',
+  'optimizers: adamw only (dimuon refused)',
+  'custom losses (create_custom_loss) run on the server in one forward_backward (torch engine; verl refuses them): the traced graph is rebuilt from an allowlist of torch, math and operator functions (queues/contract/custom-loss.json), inputs of rank 1 and 2; metrics: loss:sum and the loss\'s custom/* metrics (no surrogate_loss:sum)',
 ];
 export function serviceRoutes(ctx: ApiContext): Router {
   const r = Router();
 
   // Feature flags for the SDK: its pyqwest (reqwest) transport, zstd-compressed protobuf
-  // forward_backward bodies (api/wire/zstd.ts), and none of the other optional server-side features.
+  // forward_backward bodies (api/wire/zstd.ts), and server-side custom losses (api/services/custom-loss.ts).
   r.post('/client/config', (_req, res) => {
     res.json({
       pjwt_auth_enabled: false,
@@ -29,7 +30,7 @@ export function serviceRoutes(ctx: ApiContext): Router {
       create_model_via_load_weights: false,
       sample_use_retrieve_futures: ctx.config.sampleRetrieveFutures === true,
       sample_join_sampling_session: true,
-      custom_loss_server_side: false,
+      custom_loss_server_side: true,
     });
   });
 

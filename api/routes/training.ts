@@ -147,7 +147,7 @@ export function trainingRoutes(ctx: ApiContext, direct: DirectRoutes): Router {
         if (fb.seq_id < 1) throw invalid(`forward_backward: seq_id must be ≥ 1, got ${fb.seq_id}`);
         return fb;
       },
-      (fb, model) => forwardBackwardJob(ctx, fb, model),
+      (fb, model, req) => forwardBackwardJob(ctx, req, fb, model),
     ),
   );
 

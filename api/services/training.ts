@@ -1,4 +1,6 @@
 import type { Request } from 'express';
+import { CUSTOM_LOSS_FN } from '../../queues/contract/custom-loss.js';
+import { customLossForJob } from './custom-loss.js';
 import { invalid } from '../../queues/contract/errors.js';
 import { checkLossConfig, lossEntry, lossInputs } from '../../queues/contract/losses.js';
 import { jobIds } from '../../queues/contract/names.js';
@@ -58,9 +60,24 @@ export function validateBatch(lossFn: string, data: Datum[], vocabSize: number):
 }
 
 /** The forward_backward job of a decoded request: its datums decoded under the model's bounds and checked. */
-export async function forwardBackwardJob(ctx: ApiContext, fb: DecodedForwardBackward, model: ModelRecord): Promise<ForwardBackwardJob> {
+export async function forwardBackwardJob(ctx: ApiContext, req: Request, fb: DecodedForwardBackward, model: ModelRecord): Promise<ForwardBackwardJob> {
   // The datums are decoded only now, under the model's bounds: nothing is allocated past them.
   const data = fb.data({ maxTokens: await contextLength(ctx, model), vocabSize: model.vocab_size, maxK: MAX_TARGET_K });
+  if (fb.loss_fn === CUSTOM_LOSS_FN) {
+    // A stored custom loss (api/services/custom-loss.ts): its declared inputs, not the catalogue, say what a datum needs.
+    if (data.length === 0) throw invalid('forward_backward needs at least one datum');
+    const custom = await customLossForJob(ctx, req, fb.loss_fn_config, data, model);
+    custom.data.forEach((d, i) => {
+      if (d.tokens.length === 0) throw invalid(`data[${i}]: model_input is empty`);
+      for (const t of d.tokens) if (t < 0 || t >= model.vocab_size) throw invalid(`data[${i}]: model_input token id ${t} is outside the vocabulary [0, ${model.vocab_size})`);
+      for (const t of d.loss_fn_inputs.target_tokens!.data)
+        if (!Number.isInteger(t) || t < 0 || t >= model.vocab_size) throw invalid(`data[${i}]: target token id ${t} is outside the vocabulary [0, ${model.vocab_size})`);
+      for (const [k, t] of Object.entries(d.loss_fn_inputs))
+        if (t.data.some((v) => !Number.isFinite(v))) throw invalid(`data[${i}]: loss_fn_inputs.${k} contains NaN or infinite values`);
+    });
+    const { data: _lazy, provenance: _spans, ...rest } = fb;
+    return { op: 'forward_backward', ...rest, data: custom.data, custom_loss: custom.spec };
+  }
   validateBatch(fb.loss_fn, data, model.vocab_size);
   checkLossConfig(fb.loss_fn, fb.loss_fn_config);
   if (lossEntry(fb.loss_fn).provenance) await attachStability(ctx, model, fb.loss_fn, data, fb.provenance);

@@ -92,6 +92,14 @@ export class Names {
   sessionSamplers(sessionId: string): string {
     return `${this.session(sessionId)}:samplers`;
   }
+  /**
+   * The custom losses a session created (create_custom_loss; a hash, field = custom_loss_seq_id,
+   * queues/registry/custom-losses.ts): TTL the retention, restarted by every create and every
+   * forward_backward that runs one.
+   */
+  sessionCustomLosses(sessionId: string): string {
+    return `${this.session(sessionId)}:custom-losses`;
+  }
   /** A session's first finish record, from ServiceClient.close (the session's lifetime, `session`). */
   sessionFinish(sessionId: string): string {
     return `${this.session(sessionId)}:finish`;
@@ -280,6 +288,8 @@ export const jobIds = {
   unload: (modelId: string) => `u-${shortHash(modelId)}`,
   loadOnCreate: (modelId: string) => `l-${shortHash(modelId)}`,
   sample: (samplingSessionId: string, seqId: number) => `s-${shortHash(samplingSessionId)}-${seqId}`,
+  /** create_custom_loss's future: answered at once, by an outcome record the API writes (no job). */
+  customLoss: (sessionId: string, customLossSeqId: number) => `l-${shortHash(sessionId)}-loss-${customLossSeqId}`,
 };
 
 /**
@@ -290,4 +300,6 @@ export const jobIds = {
 export const resourceIds = {
   model: (sessionId: string, modelSeqId: number) => `${sessionId}:train:${modelSeqId}`,
   samplingSession: (sessionId: string, samplingSessionSeqId: number) => `${sessionId}:sample:${samplingSessionSeqId}`,
+  /** A custom loss (create_custom_loss): `<session_id>:loss:<custom_loss_seq_id>`. */
+  customLoss: (sessionId: string, customLossSeqId: number) => `${sessionId}:loss:${customLossSeqId}`,
 };

@@ -1,5 +1,6 @@
 import { z } from 'zod';
 import { AdamParams, SamplingParams } from './params.js';
+import { CustomLossSpec } from './custom-loss.js';
 
 /**
  * The contract between the API and the agents: one schema per job type and per result,
@@ -84,6 +85,8 @@ export const ForwardBackwardJob = z.object({
   loss_fn_config: z.record(z.string(), z.union([z.number(), z.string()])),
   forward_only: z.boolean(),
   data: z.array(Datum).min(1),
+  /** loss_fn `custom`: the stored custom loss that `loss_fn_config.loss_id` names (queues/contract/custom-loss.ts), for the engine to rebuild. */
+  custom_loss: CustomLossSpec.optional(),
 });
 export const OptimStepJob = z.object({
   op: z.literal('optim_step'),
@@ -236,4 +239,6 @@ export const ResultSchemas = {
   unload_model: UnloadModelResult,
   save_weights_external: SaveExternalResult,
   sample: SampleResult,
-} as const satisfies Record<JobOp, z.ZodType>;
+  /** create_custom_loss's future: answered at once by the API (api/services/custom-loss.ts), no job. */
+  create_custom_loss: z.object({ loss_id: z.string() }),
+} as const satisfies Record<JobOp | 'create_custom_loss', z.ZodType>;

@@ -126,8 +126,24 @@ export class TorchAdapter implements EngineAdapter {
 
   /** Several models' forward_backward in one engine pass (tinker_engine/cobatch.py); a member's error comes back as its own. */
   async forwardBackwardGroup(jobs: ForwardBackwardJob[]): Promise<(ForwardBackwardResult | Error)[]> {
-    const r = await this.engine.call('forward_backward_group', { members: jobs.map((job) => fbArgs(job)) });
-    return r.results.map((x) => ('error' in x ? new EngineError(x.error.category, x.error.message) : x));
+    // A custom loss (its graph rebuilt per op, tinker_engine/custom_loss.py) runs in its own pass, after the group.
+    const grouped = jobs.filter((job) => !job.custom_loss);
+    const out = new Array<ForwardBackwardResult | Error>(jobs.length);
+    if (grouped.length) {
+      const r = await this.engine.call('forward_backward_group', { members: grouped.map((job) => fbArgs(job)) });
+      r.results.forEach((x, i) => (out[jobs.indexOf(grouped[i]!)] = 'error' in x ? new EngineError(x.error.category, x.error.message) : x));
+    }
+    for (const [i, job] of jobs.entries()) {
+      if (!job.custom_loss) continue;
+      try {
+        out[i] = await this.forwardBackward(job);
+      } catch (e) {
+        // A member's own error is its own; the engine dying is everyone's (as for the group call).
+        if (e instanceof EngineError) out[i] = e;
+        else throw e;
+      }
+    }
+    return out;
   }
 
   async optimStep(job: OptimStepJob): Promise<{ metrics: Record<string, number> }> {
@@ -205,6 +221,7 @@ function fbArgs(job: ForwardBackwardJob) {
     loss_fn: job.loss_fn,
     loss_fn_config: job.loss_fn_config,
     forward_only: job.forward_only,
+    ...(job.custom_loss ? { custom_loss: job.custom_loss } : {}),
     data: job.data.map((d) => ({
       tokens: BinTensor.ints([d.tokens.length], d.tokens),
       loss_fn_inputs: Object.fromEntries(Object.entries(d.loss_fn_inputs).map(([k, t]) => [k, BinTensor.from(t)])),

@@ -24,6 +24,7 @@ from .settings import current as settings
 from .snapshot import SnapshotWriter, snapshot_state
 from .state import load_state, save_state
 from .cobatch import forward_backward_group
+from . import custom_loss
 from .train import forward_backward, optim_step
 
 log = logging.getLogger("tinker_engine")
@@ -93,7 +94,9 @@ class Engine:
             "hello": self.hello,
             "load_base": self.load_base,
             "create_model": self.create_model,
-            "forward_backward": lambda args: forward_backward(self.registry, args),
+            # loss_fn 'custom': a server-side custom loss, its graph rebuilt from the allowlist (custom_loss.py).
+            "forward_backward": lambda args: (custom_loss.forward_backward if args.get("loss_fn") == custom_loss.LOSS_FN
+                                              else forward_backward)(self.registry, args),
             "forward_backward_group": lambda args: forward_backward_group(self.registry, args),
             "optim_step": lambda args: optim_step(self.registry, args),
             "save_sampler": lambda args: save_sampler(self.registry, args),
