@@ -1,3 +1,4 @@
+import os from 'node:os';
 import { deviceGpus, engineSettingsEnv, type BaseModelSpec, type EngineSettings } from '../../queues/infra/config.js';
 import type { Logger } from '../../queues/infra/logger.js';
 import { EngineError } from '../engine.js';
@@ -18,30 +19,54 @@ export const VERL_STRATEGIES: readonly string[] = ['fsdp2', 'fsdp', 'veomni'];
 
 export type VerlLaunch = { args: string[]; env: NodeJS.ProcessEnv; nproc: number };
 
+/** A model spec as the verl adapter reads it: `dataParallel` is the preset's `parallelism.data` (the ranks FSDP shards over). */
+type VerlModelSpec = BaseModelSpec & { dataParallel?: number | undefined };
+
 /**
- * How the agent starts the verl engine: one process per GPU of the agent's device under torchrun,
- * `CUDA_VISIBLE_DEVICES` set to those GPUs; rank 0 speaks the engine channel (workers/python/tinker_engine_verl).
+ * The CPU ranks of an agent whose device is `cpu`: the `parallelism.data` its models set (they must
+ * agree); null when none sets it (a verl agent off the GPUs needs it).
+ */
+export function cpuRanksOf(device: string | undefined, models: VerlModelSpec[]): number | null {
+  if (device !== 'cpu') return null;
+  const sizes = [...new Set(models.map((m) => m.dataParallel).filter((d): d is number => d !== undefined))];
+  if (sizes.length > 1) throw new Error(`one verl engine runs one rank count; the agent's models ask for parallelism.data ${sizes.join(', ')}`);
+  const n = sizes[0];
+  if (n === undefined) return null;
+  if (!Number.isInteger(n) || n < 1) throw new Error(`parallelism.data must be a positive integer, got ${n}`);
+  return n;
+}
+
+/**
+ * How the agent starts the verl engine under torchrun, rank 0 speaking the engine channel
+ * (workers/python/tinker_engine_verl):
+ * - on GPUs (`cuda`, `cuda:N`, `cuda:N,M,…`): one process per GPU, `CUDA_VISIBLE_DEVICES` set to those GPUs;
+ * - on CPU (`cpu` with the models' `parallelism.data` = N): N processes over gloo, no GPU visible,
+ *   the machine's cores split between them (OMP_NUM_THREADS, unless the operator set it).
  * The preset's strategy (fsdp2 by default; fsdp; veomni: verl's VeOmni engine, which needs the veomni
  * package beside verl, docs/engines/verl.md) and offload of the agent's models become
  * `TB_VERL_STRATEGY` / `TB_VERL_OFFLOAD`.
  */
-export function verlLaunch(device: string | undefined, models: BaseModelSpec[]): VerlLaunch {
+export function verlLaunch(device: string | undefined, models: VerlModelSpec[]): VerlLaunch {
   const gpus = gpusOf(device);
-  if (!gpus) throw new Error(`the verl engine runs on GPUs: device '${device ?? ''}' is not cuda, cuda:N or cuda:N,M,…`);
+  const cpuRanks = gpus ? null : cpuRanksOf(device, models);
+  if (!gpus && !cpuRanks)
+    throw new Error(`the verl engine runs on GPUs: device '${device ?? ''}' is not cuda, cuda:N or cuda:N,M,… (on CPU ranks: device cpu and the model's parallelism.data = the rank count)`);
   const strategies = [...new Set(models.map((m) => m.strategy ?? 'fsdp2'))];
   if (strategies.length > 1) throw new Error(`one verl engine runs one strategy; the agent's models ask for ${strategies.join(', ')}`);
   const strategy = strategies[0] ?? 'fsdp2';
   if (!VERL_STRATEGIES.includes(strategy))
     throw new Error(`verl strategy '${strategy}' is not available in this version (${VERL_STRATEGIES.join(', ')} are)`);
-  const nproc = gpus.length;
+  const nproc = gpus ? gpus.length : cpuRanks!;
+  const threads = process.env.OMP_NUM_THREADS ?? (gpus ? '4' : String(Math.max(1, Math.floor(os.availableParallelism() / nproc))));
   return {
     nproc,
     args: ['-m', 'torch.distributed.run', '--standalone', `--nproc_per_node=${nproc}`, '-m', 'tinker_engine_verl'],
     env: {
-      CUDA_VISIBLE_DEVICES: gpus.join(','),
+      // On CPU ranks no GPU is visible: the engine picks gloo and verl's CPU platform (tinker_engine_verl/cpu.py).
+      CUDA_VISIBLE_DEVICES: gpus ? gpus.join(',') : '',
       TB_VERL_STRATEGY: strategy,
       TB_VERL_OFFLOAD: models.some((m) => m.offload) ? '1' : '0',
-      OMP_NUM_THREADS: process.env.OMP_NUM_THREADS ?? '4',
+      OMP_NUM_THREADS: threads,
     },
   };
 }
@@ -76,11 +101,12 @@ export const VERL_ENGINE = registerEngine({
     samplePriority: 0,
     drains: false,
     gpuOnly: true,
-    placement: "shards the model over its agent's GPUs with FSDP",
+    placement: "shards the model over its agent's GPUs (or parallelism.data CPU ranks) with FSDP",
     modelOptions: ['data', 'strategy', 'offload'],
   },
   create: (config, log) => new VerlAdapter({ python: config.python, device: config.engineDevice, log, models: config.models, settings: config.engineSettings }),
-  // FSDP shards a model over every GPU of its agent: a preset's data size, when given, is their count.
+  // FSDP shards a model over every GPU of its agent: a preset's data size, when given, is their count
+  // (on a `cpu` agent it is the number of CPU ranks, verlLaunch).
   presetProblems: (m, agents) => {
     const data = m.parallelism.data;
     if (data === undefined) return [];

@@ -44,7 +44,7 @@ from tinker_engine.state import (MOMENTS, OPTIMIZER_META, OPTIMIZER_TENSORS, STA
 from tinker_engine.tensors import tensor_to_json, wire
 from tinker_engine.train import AdamParams, max_batch_tokens, parse_forward_backward
 
-from . import translate, veomni
+from . import compat, cpu, translate, veomni
 from .settings import current as settings
 
 log = logging.getLogger("tinker_engine_verl")
@@ -232,7 +232,8 @@ class VerlEngine:
             engine_config = FSDPEngineConfig(
                 strategy=s.strategy, forward_only=False, use_dynamic_bsz=True,
                 max_token_len_per_gpu=max_batch_tokens(), use_remove_padding=False, use_torch_compile=False,
-                param_offload=s.offload, optimizer_offload=s.offload)
+                param_offload=s.offload, optimizer_offload=s.offload,
+                mixed_precision=cpu.FP32 if cpu.on_cpu() else None)
             adam = initial_adam()
             optimizer_config = FSDPOptimizerConfig(
                 lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), weight_decay=adam.weight_decay,
@@ -243,6 +244,9 @@ class VerlEngine:
                                     checkpoint_config=CheckpointConfig())
 
     def create_model(self, args: dict[str, Any]) -> dict[str, Any]:
+        if cpu.on_cpu():
+            cpu.install()  # before verl builds anything: its platform must be the CPU one
+        compat.apply()
         from verl.workers.engine_workers_tinker import TinkerTrainingWorker
 
         model_id = get_str(args, "model_id")
