@@ -1,0 +1,136 @@
+"""Packed micro-batches (packing.py) against padded ones: every loss of the registry, 1-D and (N, K)
+targets, the same logprobs, loss sums and accumulated gradients up to float32 summation order.
+
+Why only summation order may differ: a packed row and a padded batch run the same per-token
+computations (embeddings, norms, MLPs and projections are per token; rotary embeddings read the
+same position ids, restarting per datum); attention sees exactly the same keys per query (SDPA's
+block-diagonal mask multiplies every other datum's scores by exactly 0 after the max subtraction,
+adding exact zeros). What changes is the blocking of the reductions: the matmuls run over a (1, T)
+row instead of (B, L) rows, SDPA's key blocks start at other positions (the online softmax rescales
+at other points), and the LoRA gradients sum over T tokens instead of B x L rows (pads add exact
+zeros). Each is a float32 reduction of the same terms in another order, bounded by
+``helpers.ORDER_SLACK`` (256 u of the tensor's largest magnitude; the chain here is 2 layers deep
+with reductions of at most 128 terms, ~n u each, observed well below). A datum seeing another's
+tokens, a position id not restarting, or a datum dropped moves logprobs by O(0.1) or more
+(``test_packed_row_without_restarts_differs`` shows the mask and the restarts matter).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from helpers import assert_close_up_to_summation_order, create, datum, fb, grads, out_logprobs, perturb
+from tinker_engine.engine import Engine
+from tinker_engine.losses import LOSSES
+from tinker_engine.packing import packed_groups, padded_groups
+from tinker_engine.settings import overridden
+from tinker_engine.train import Datum
+
+LENGTHS = (7, 12, 4, 9, 3)
+# 20 tokens: packed groups [7, 12] [4, 9, 3]; padded groups [7] [12] [4, 9] [3] (count x longest <= 20).
+BUDGET = 20
+
+
+def _value(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """A valid value of loss input ``name`` (every name a loss of the catalogue takes)."""
+    if name in ("logprobs", "stability_logprobs"):
+        return -torch.rand(shape, generator=gen) * 2.0 - 0.1
+    if name == "advantages":
+        return torch.randn(shape, generator=gen)
+    if name in ("weights",):
+        return torch.rand(shape, generator=gen)
+    if name in ("sequence_ratio_mask", "stability_mask"):
+        return torch.ones(shape)
+    if name in ("clip_low_threshold",):
+        return torch.full(shape, 0.6)
+    if name in ("clip_high_threshold",):
+        return torch.full(shape, 1.5)
+    raise AssertionError(f"test_packing has no value for loss input '{name}': add one")
+
+
+def _data(loss: str, vocab: int, k: int | None, seed: int) -> list[dict[str, Any]]:
+    spec = LOSSES[loss]
+    gen = torch.Generator().manual_seed(seed)
+    data = []
+    for n in LENGTHS:
+        shape = (n,) if k is None else (n, k)
+        tokens = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        targets = torch.randint(0, vocab, shape, generator=gen)
+        inputs = {name: _value(name, shape, gen) for name in spec.required_inputs + spec.optional_inputs}
+        data.append(datum(tokens, targets, **inputs))
+    return data
+
+
+def _config(loss: str) -> dict[str, float]:
+    """A value for every config key the loss requires (no default): 0.5 is within every bound."""
+    return {key: 0.5 for key, default in LOSSES[loss].config.items() if default is None}
+
+
+CASES = [(name, None) for name in LOSSES] + [(name, 3) for name, spec in LOSSES.items() if spec.allows_topk]
+
+
+@pytest.mark.parametrize(("loss", "k"), CASES, ids=[f"{n}-{'1d' if k is None else f'k{k}'}" for n, k in CASES])
+def test_packed_equals_padded(engine: Engine, loss: str, k: int | None) -> None:
+    vocab = engine.registry.base("tiny").vocab_size
+    results = {}
+    for layout in ("padded", "packed"):
+        create(engine, layout, rank=4, seed=7)
+        perturb(engine, layout, seed=8, scale=0.1)
+        with overridden(layout=layout, max_batch_tokens=BUDGET):
+            results[layout] = fb(engine, layout, loss, _data(loss, vocab, k, seed=3), _config(loss))
+    padded, packed = results["padded"], results["packed"]
+    for i, n in enumerate(LENGTHS):
+        want = out_logprobs(padded, i)
+        assert want.shape == ((n,) if k is None else (n, k))
+        assert_close_up_to_summation_order(out_logprobs(packed, i), want, f"datum {i} logprobs")
+    loss_scale = torch.tensor(padded["metrics"]["loss:sum"])
+    assert_close_up_to_summation_order(torch.tensor(packed["metrics"]["loss:sum"]), loss_scale, "loss:sum")
+    nonzero = 0
+    for (name, want), got in zip(grads(engine, "padded").items(), grads(engine, "packed").values()):
+        assert want is not None and got is not None, name
+        assert_close_up_to_summation_order(got, want, f"grad {name}")
+        nonzero += int(bool(want.abs().max() > 0))
+    assert nonzero > 0, "some gradient must be nonzero for the comparison to mean anything"
+
+
+def test_packed_row_without_restarts_differs(engine: Engine) -> None:
+    """The comparison above can fail: the same packed row with position ids running on (one long
+    sequence, every datum seeing those before it) gives the later datums other logprobs."""
+    create(engine, "m", seed=7)
+    base = engine.registry.base("tiny")
+    model = engine.registry.model("m")
+    base.activate(model.adapter)
+    vocab = base.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    a, b = torch.randint(0, vocab, (6,), generator=gen), torch.randint(0, vocab, (5,), generator=gen)
+    row = torch.cat([a, b]).unsqueeze(0)
+    restart = torch.cat([torch.arange(6), torch.arange(5)]).unsqueeze(0)
+    with torch.no_grad():
+        alone = base.hf(input_ids=b.unsqueeze(0), use_cache=False).logits[0]
+        packed = base.hf(input_ids=row, position_ids=restart, use_cache=False).logits[0, 6:]
+        running = base.hf(input_ids=row, use_cache=False).logits[0, 6:]
+    assert_close_up_to_summation_order(packed, alone, "datum b packed")
+    assert float((running - alone).abs().max()) > 1e-2
+
+
+def _datums(lengths: list[int]) -> list[Datum]:
+    return [Datum(i, torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64), {}) for i, n in enumerate(lengths)]
+
+
+def test_micro_batches_by_tokens() -> None:
+    lengths = [7, 12, 4, 9, 3, 30, 1]
+    packed = [[d.tokens.shape[0] for d in g] for g in packed_groups(_datums(lengths), 20)]
+    assert packed == [[7, 12], [4, 9, 3], [30], [1]]  # a datum over the budget: alone
+    padded = [[d.tokens.shape[0] for d in g] for g in padded_groups(_datums(lengths), 20)]
+    assert padded == [[7], [12], [4, 9], [3], [30], [1]]
+    # Every datum once, in order.
+    assert [d.index for g in packed_groups(_datums(lengths), 20) for d in g] == list(range(len(lengths)))
+
+
+def test_packed_is_the_default_layout() -> None:
+    from tinker_engine.settings import EngineSettings
+
+    assert EngineSettings().layout == "packed"
