@@ -9,6 +9,7 @@ from the pack, the same sums blocked differently)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -72,24 +73,28 @@ def _vocab(engine: Engine) -> int:
 # How the group's micro-batches are laid out (packing.py): padded (what a group runs on the CPU, where
 # SDPA's masked attention does not isolate packed datums), packed (what it runs where flash-attn's
 # variable-length kernel does: forced here, so that the token segments of a packed row and of the
-# output layer's chunks, chunked_logprobs.py, are checked on the CPU), each with the engine's layouts
-# for the solo runs as configured. A 4-token output-layer chunk cuts the members' segments.
+# output layer's chunks, chunked_logprobs.py, are checked on the CPU); the solo runs in the same
+# layout. A 4-token output-layer chunk cuts the members' segments.
 GROUP_LAYOUTS = ["padded", "packed", "packed-small-head-chunks"]
 
 
 @pytest.fixture(params=GROUP_LAYOUTS)
-def group_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setattr(cobatch, "isolates_datums", lambda base: request.param != "padded")
+def group_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    packed = request.param != "padded"
+    monkeypatch.setattr(cobatch, "isolates_datums", lambda base: packed)
     if request.param == "packed-small-head-chunks":
         monkeypatch.setattr(chunked_logprobs, "HEAD_CHUNK_TOKENS", 4)
-    return str(request.param)
+    with overridden(layout="packed" if packed else "padded"):
+        yield str(request.param)
 
 
 def test_group_layout_follows_attention_isolation(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     base = engine.registry.base("tiny")
-    assert cobatch.group_layout(base).name == "padded"  # the CPU: SDPA with a block-diagonal mask
-    monkeypatch.setattr(cobatch, "isolates_datums", lambda b: True)
-    assert cobatch.group_layout(base).name == "packed"
+    assert cobatch.group_layout(base).name == "padded"  # the CPU, auto: SDPA would need a block-diagonal mask
+    with overridden(layout="packed"):
+        assert cobatch.group_layout(base).name == "padded"  # packed, but the attention does not isolate datums
+        monkeypatch.setattr(cobatch, "isolates_datums", lambda b: True)
+        assert cobatch.group_layout(base).name == "packed"
     with overridden(layout="padded"):
         assert cobatch.group_layout(base).name == "padded"
 
@@ -145,9 +150,8 @@ def test_a_group_of_one_is_forward_backward_bit_for_bit(engine: Engine, group_la
         _build(engine, suffix)
     solo_req = _requests(engine, "-solo", vocab)[1]
     group_req = _requests(engine, "-grp", vocab)[1]
-    with overridden(layout="padded" if group_layout == "padded" else "packed"):
-        solo = fb(engine, solo_req["model_id"], solo_req["loss_fn"], solo_req["data"])
-        (grouped,) = _group(engine, [group_req])
+    solo = fb(engine, solo_req["model_id"], solo_req["loss_fn"], solo_req["data"])
+    (grouped,) = _group(engine, [group_req])
     assert grouped["metrics"] == solo["metrics"]
     for i in range(2):
         assert torch.equal(out_logprobs(grouped, i), out_logprobs(solo, i))

@@ -130,7 +130,14 @@ def test_micro_batches_by_tokens() -> None:
     assert [d.index for g in packed_groups(_datums(lengths), 20) for d in g] == list(range(len(lengths)))
 
 
-def test_packed_is_the_default_layout() -> None:
+def test_auto_packs_where_attention_is_variable_length(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tinker_engine import packing
     from tinker_engine.settings import EngineSettings
 
-    assert EngineSettings().layout == "packed"
+    base = engine.registry.base("tiny")
+    assert EngineSettings().layout == "auto"
+    assert not packing.isolates_datums(base)  # the CPU: no flash-attn
+    assert packing.resolve("auto", base).name == "padded"
+    assert packing.resolve("packed", base).name == "packed"
+    monkeypatch.setattr(packing, "isolates_datums", lambda b: True)
+    assert packing.resolve("auto", base).name == "packed"

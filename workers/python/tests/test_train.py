@@ -111,14 +111,16 @@ def test_gradient_accumulation_equals_one_batch(engine: Engine) -> None:
     assert grads(engine, "split") == {n: None for n in gs}
 
 
-def test_micro_batching_matches_one_batch(engine: Engine) -> None:
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_micro_batching_matches_one_batch(engine: Engine, layout: str) -> None:
     vocab = engine.registry.base("tiny").vocab_size
     data = _data(vocab, seed=9, lengths=(6, 11, 3, 8))
     for m in ("big", "small"):
         create(engine, m, seed=2)
         perturb(engine, m, seed=4)
-    big = fb(engine, "big", "cross_entropy", data)
-    with overridden(max_batch_tokens=12):  # forces one datum per micro-batch
+    with overridden(layout=layout):
+        big = fb(engine, "big", "cross_entropy", data)
+    with overridden(layout=layout, max_batch_tokens=10):  # one datum per micro-batch, either layout
         small = fb(engine, "small", "cross_entropy", data)
     assert big["metrics"]["loss:sum"] == pytest.approx(small["metrics"]["loss:sum"], rel=1e-6)
     for (n, a), b in zip(grads(engine, "big").items(), grads(engine, "small").values()):

@@ -138,7 +138,7 @@ def group_layout(base: BaseModel) -> Layout:
     computes nothing across datums (packing.isolates_datums: flash-attn's variable-length kernel);
     elsewhere (SDPA's block-diagonal mask) a member's non-finite loss would reach its neighbours'
     gradients through the masked scores, so the group is padded, one datum per row."""
-    engine_layout = layout()
+    engine_layout = layout(base)
     if engine_layout.name == "packed" and not isolates_datums(base):
         return LAYOUTS["padded"]
     return engine_layout

@@ -1,4 +1,4 @@
-"""How a forward_backward's datums become micro-batches on the device: packed (the default) or padded.
+"""How a forward_backward's datums become micro-batches on the device: packed or padded.
 
 - ``packed``: consecutive datums whose tokens together stay within the micro-batch budget
   (``TB_ENGINE_MAX_BATCH_TOKENS``, real tokens) are concatenated into one row of shape (1, T).
@@ -18,7 +18,8 @@ slot, cobatch.py runs each adapter over its members' slots.
 The attention kernel: with ``packed`` on a CUDA device where flash-attn is installed and the weights
 are 16-bit, the forward runs with transformers' ``flash_attention_2`` (the variable-length kernel,
 O(T) memory); elsewhere with the model's own implementation (SDPA with the block-diagonal mask: exact,
-but its mask and score blocks grow with T^2, which TB_ENGINE_MAX_BATCH_TOKENS bounds).
+but its mask and scores grow with T^2, which TB_ENGINE_MAX_BATCH_TOKENS bounds). ``TB_ENGINE_LAYOUT``
+``auto`` (the default, ``resolve``) packs only in the first case.
 """
 
 from __future__ import annotations
@@ -179,6 +180,16 @@ def isolates_datums(base: BaseModel) -> bool:
     gradients NaN (0 x inf). Co-batching packs only where datums are isolated, so that one member's
     non-finite loss fails that member alone (cobatch.py)."""
     return base.hf.config._attn_implementation in FLASH_IMPLEMENTATIONS or flash_available(base)
+
+
+def resolve(name: str, base: BaseModel) -> Layout:
+    """The layout of setting ``name`` (``TB_ENGINE_LAYOUT``) on ``base``: ``auto`` is packed where the
+    attention kernel is variable-length (``isolates_datums``), else padded. With a masked dense kernel
+    a packed row computes every pair of its T tokens (T^2 scores for the sum of its datums' n^2):
+    on the CPU bench (bench/packing.py) 0.62x the padded tokens/s at 2.4x the memory."""
+    if name == "auto":
+        return LAYOUTS["packed" if isolates_datums(base) else "padded"]
+    return LAYOUTS[name]
 
 
 @contextmanager

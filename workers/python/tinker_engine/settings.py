@@ -113,7 +113,7 @@ def describe(cls: type) -> dict[str, dict[str, Any]]:
 
 DTYPES = ("float32", "bfloat16", "float16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-LAYOUTS = ("packed", "padded")
+LAYOUTS = ("auto", "packed", "padded")
 
 
 @dataclass(frozen=True)
@@ -135,8 +135,9 @@ class EngineSettings:
     #: packed, padded ones when padded; verl's ``max_token_len_per_gpu``).
     max_batch_tokens: int = variable("TB_ENGINE_MAX_BATCH_TOKENS", positive_int, 16384)
     #: ``TB_ENGINE_LAYOUT``: how a training micro-batch is laid out (packing.py): ``packed`` (its datums
-    #: concatenated into one row, attention kept within each datum, no padding computed) or ``padded``.
-    layout: str = variable("TB_ENGINE_LAYOUT", choice(*LAYOUTS), "packed", LAYOUTS)
+    #: concatenated into one row, attention kept within each datum, no padding computed), ``padded``, or
+    #: ``auto``: packed where the attention kernel is variable-length (flash-attn on CUDA), else padded.
+    layout: str = variable("TB_ENGINE_LAYOUT", choice(*LAYOUTS), "auto", LAYOUTS)
     #: ``TB_ENGINE_CHECK_RESULTS`` (internal; the tests set it): every result is checked against its op's schema.
     check_results: bool = variable("TB_ENGINE_CHECK_RESULTS", flag, False)
     #: ``TB_LOSS_CATALOGUE`` (internal): another copy of queues/contract/losses.json; unset: the project's.

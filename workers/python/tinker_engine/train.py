@@ -22,7 +22,7 @@ from .errors import UserError
 from .logprobs import target_logprobs
 from .losses import LossSpec, get_loss
 from .models import BaseModel, Registry
-from .packing import LAYOUTS, Layout, Staged, attention_for, stage_all
+from .packing import Layout, Staged, attention_for, resolve, stage_all
 from .params import check_token_tensor, get_bool, get_obj, get_str, is_int
 from .protocol import defaults
 from .rollback import StepUndo, check_grad_max_abs, check_losses, check_norm, grad_max_abs, step_max_abs
@@ -109,14 +109,14 @@ def _datum_tokens(raw: Any, where: str) -> torch.Tensor:
     return torch.tensor(raw, dtype=torch.int64)
 
 
-def layout() -> Layout:
-    """How micro-batches are formed and staged (packing.py): ``TB_ENGINE_LAYOUT``."""
-    return LAYOUTS[settings().layout]
+def layout(base: BaseModel) -> Layout:
+    """How micro-batches are formed and staged on ``base`` (packing.py): ``TB_ENGINE_LAYOUT``."""
+    return resolve(settings().layout, base)
 
 
 def stage(datums: list[Datum], base: BaseModel, how: Layout | None = None) -> list[Staged]:
     """Every micro-batch of ``datums`` in layout ``how`` (default: the engine's), staged on ``base``'s device."""
-    return stage_all(datums, how or layout(), max_batch_tokens(), base.device)
+    return stage_all(datums, how or layout(base), max_batch_tokens(), base.device)
 
 
 def _run_batch(base: BaseModel, staged: Staged, loss: LossSpec, config: dict[str, float],
