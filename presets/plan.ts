@@ -84,6 +84,7 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
             ...(m.parallelism.expert > 1 ? { expertParallel: true } : {}),
             // The fields only some engines use (presets/schema.ts refuses them on the others).
             ...(engineOf(m.engine).capabilities.modelOptions.includes('strategy') ? { strategy: m.parallelism.strategy } : {}),
+            ...(engineOf(m.engine).capabilities.modelOptions.includes('data') && m.parallelism.data !== undefined ? { dataParallel: m.parallelism.data } : {}),
             ...(engineOf(m.engine).capabilities.modelOptions.includes('offload') ? { offload: m.offload } : {}),
             roles: [],
           };
@@ -162,7 +163,8 @@ export function planProblems(p: Plan, generated: (modelPath: string) => boolean 
   for (const a of p.agents) {
     const device = a.engineDevice ?? a.device;
     const { capabilities } = engineOf(a.engine);
-    if (capabilities.gpuOnly && deviceGpus(device).length === 0)
+    // A verl agent on `cpu` runs CPU ranks when its models set parallelism.data (workers/adapters/verl.ts).
+    if (capabilities.gpuOnly && deviceGpus(device).length === 0 && !a.models.some((m) => m.dataParallel !== undefined))
       out.push(`agent ${a.agentId}: engine '${a.engine}' runs on GPUs; its device is '${device}' (use cuda, cuda:N or cuda:N,M,…)`);
     if (!capabilities.trains) {
       const trainable = a.models.filter((m) => m.trainable);

@@ -285,6 +285,8 @@ export type BaseModelSpec = {
   tensorParallel?: number | undefined;
   /** vLLM engine: expert parallelism over the tensor-parallel GPUs (the preset's `parallelism.expert` > 1; `--enable-expert-parallel`). */
   expertParallel?: boolean | undefined;
+  /** verl engine: the preset's `parallelism.data`, the ranks FSDP shards the model over (on a `cpu` agent, the CPU ranks torchrun starts). */
+  dataParallel?: number | undefined;
   /** verl engine: the preset's `parallelism.strategy` (fsdp2 when unset). */
   strategy?: string | undefined;
   /** verl engine: the preset's `offload` (parameters and optimizer state in CPU memory between steps). */
