@@ -6,23 +6,26 @@
 1. The torch engine in this process (tinker_engine.engine.Engine, float32 on the CPU, bf16 on CUDA),
    LoRA rank 32 (4 on the tiny model) on every target, ``forward_backward`` with cross_entropy over
    16 datums whose lengths are uniform over 64-2048 tokens (divided by --scale: 4 on the tiny model),
-   once per layout (TB_ENGINE_LAYOUT: padded, packed). Tokens/s counts real tokens only.
+   per layout (TB_ENGINE_LAYOUT: padded, packed) and output layer (TB_ENGINE_HEAD_CHUNK_TOKENS: the
+   default chunks, or whole: the logits kept, nothing recomputed). Tokens/s counts real tokens only.
 2. The output layer alone: target logprobs and their backward for --head-tokens tokens over Qwen3's
    151,936-entry vocabulary, the full logits (logprobs.target_logprobs) vs chunked
    (chunked_logprobs.head_target_logprobs; chunks of 256 tokens on the CPU, the engine's 1024 on CUDA).
 
-Each measurement runs in its own process, so its peak memory is its own: on CUDA,
-``max_memory_allocated``; on the CPU the process's peak resident set (ru_maxrss) minus its resident
-set just before the measured work (the model and the inputs already loaded).
+Each measurement runs in its own process. Peak memory is what the measured work allocates beyond what
+was allocated before it (``PeakMemory``): on CUDA ``max_memory_allocated``, on the CPU the resident
+set polled every 0.5 ms (a peak shorter than that can be missed).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import resource
 import subprocess
 import sys
+import threading
 import tempfile
 import time
 from pathlib import Path
@@ -42,10 +45,45 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def _peak_since(device: torch.device, rss0: int) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
+class PeakMemory:
+    """The most memory allocated inside the block beyond what was allocated at its start: on CUDA the
+    allocator's peak; on the CPU the resident set, read every 0.5 ms by a thread (torch's kernels
+    release the GIL), freed memory handed back to the system (malloc_trim) before the start is read."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak = 0
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+            return self
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
+        self._start = self._high = _rss_bytes()
+        self._stop = threading.Event()
+
+        def poll() -> None:
+            while not self._stop.is_set():
+                self._high = max(self._high, _rss_bytes())
+                time.sleep(0.0005)
+
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._start
+            return
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self._high, _rss_bytes()) - self._start
 
 
 def _sync(device: torch.device) -> None:
@@ -58,7 +96,7 @@ def lengths(n: int, lo: int, hi: int, scale: int, seed: int) -> list[int]:
     return [max(1, int(x) // scale) for x in torch.randint(lo, hi + 1, (n,), generator=gen)]
 
 
-def engine_case(args: argparse.Namespace, layout: str) -> dict[str, Any]:
+def engine_case(args: argparse.Namespace, layout: str, head: str) -> dict[str, Any]:
     from tinker_engine.device import Placement
     from tinker_engine.engine import Engine
     from tinker_engine.settings import overridden
@@ -78,24 +116,29 @@ def engine_case(args: argparse.Namespace, layout: str) -> dict[str, Any]:
         toks = torch.randint(0, vocab, (n + 1,), generator=gen)
         data.append({"tokens": toks[:-1].tolist(), "loss_fn_inputs": {"target_tokens": tensor_to_json(toks[1:])}})
     req = {"model_id": "m", "loss_fn": "cross_entropy", "loss_fn_config": {}, "forward_only": False, "data": data}
-    with overridden(layout=layout, **({"max_batch_tokens": args.max_batch_tokens} if args.max_batch_tokens else {})):
+    changes: dict[str, Any] = {"layout": layout}
+    if args.max_batch_tokens:
+        changes["max_batch_tokens"] = args.max_batch_tokens
+    if head == "whole":
+        changes["head_chunk_tokens"] = 1 << 30
+    with overridden(**changes):
         for _ in range(args.warmup):
             eng.call("forward_backward", req)
         _sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        rss0 = _rss_bytes()
         times, losses = [], []
-        for _ in range(args.reps):
-            t = time.perf_counter()
-            r = eng.call("forward_backward", req)
-            _sync(device)
-            times.append(time.perf_counter() - t)
-            losses.append(r["metrics"]["loss:sum"])
-        peak = _peak_since(device, rss0)
+        with PeakMemory(device) as mem:
+            for _ in range(args.reps):
+                t = time.perf_counter()
+                r = eng.call("forward_backward", req)
+                _sync(device)
+                times.append(time.perf_counter() - t)
+                losses.append(r["metrics"]["loss:sum"])
+        peak = mem.peak
     times.sort()
     median = times[len(times) // 2]
-    return {"case": f"engine {layout}", "real_tokens": sum(lens), "tokens_per_s": sum(lens) / median,
+    return {"case": f"engine {layout}, head {head}", "real_tokens": sum(lens), "tokens_per_s": sum(lens) / median,
             "ms": 1000 * median, "peak_mib": peak / 2**20, "loss": losses[-1], "lengths": lens}
 
 
@@ -103,8 +146,9 @@ def head_case(args: argparse.Namespace, how: str) -> dict[str, Any]:
     from tinker_engine import chunked_logprobs
     from tinker_engine.logprobs import target_logprobs
 
-    if args.head_chunk:
-        chunked_logprobs.HEAD_CHUNK_TOKENS = args.head_chunk
+    from tinker_engine.settings import current, overridden
+
+    chunk = args.head_chunk or current().head_chunk_tokens
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(0)
@@ -116,25 +160,25 @@ def head_case(args: argparse.Namespace, how: str) -> dict[str, Any]:
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    rss0 = _rss_bytes()
     t = time.perf_counter()
-    if how == "full":
-        lp = target_logprobs(head(hidden), targets)
-    else:
-        lp = chunked_logprobs.head_target_logprobs(hidden, head, targets)
-    lp.sum().backward()
-    _sync(device)
+    with PeakMemory(device) as mem:
+        if how == "full":
+            lp = target_logprobs(head(hidden), targets)
+        else:
+            with overridden(head_chunk_tokens=chunk):
+                lp = chunked_logprobs.head_target_logprobs(hidden, head, targets)
+        lp.sum().backward()
+        _sync(device)
     ms = 1000 * (time.perf_counter() - t)
-    peak = _peak_since(device, rss0) - base
+    peak = mem.peak
     return {"case": f"head {how}", "tokens": args.head_tokens, "hidden": args.head_hidden, "vocab": VOCAB,
-            "chunk": chunked_logprobs.HEAD_CHUNK_TOKENS if how == "chunked" else None, "ms": ms, "peak_mib": peak / 2**20,
+            "chunk": chunk if how == "chunked" else None, "ms": ms, "peak_mib": peak / 2**20,
             "logprob_sum": float(lp.detach().float().sum())}
 
 
 def run_one(args: argparse.Namespace) -> None:
-    kind, how = args.one.split(":")
-    out = engine_case(args, how) if kind == "engine" else head_case(args, how)
+    kind, *how = args.one.split(":")
+    out = engine_case(args, *how) if kind == "engine" else head_case(args, *how)
     print("RESULT " + json.dumps(out))
 
 
@@ -191,15 +235,17 @@ def main() -> int:
             write_model(args.model, Path(args.path), torch.device(args.device), torch.bfloat16)
     print(f"torch {torch.__version__}, device {args.device}, model {args.model} ({args.path}), LoRA rank {args.rank}, "
           f"{args.datums} datums, lengths uniform 64-2048 / {args.scale}")
-    results = [child(args, one) for one in ("engine:padded", "engine:packed", "head:full", "head:chunked")]
-    eng = results[:2]
+    cases = ("engine:padded:whole", "engine:padded:chunked", "engine:packed:chunked", "engine:packed:whole", "head:full", "head:chunked")
+    results = [child(args, one) for one in cases]
+    eng = results[:4]
     print(f"lengths: {eng[0]['lengths']} ({eng[0]['real_tokens']} real tokens)")
     for r in eng:
-        print(f"{r['case']:16s} {r['tokens_per_s']:10.0f} tokens/s  {r['ms']:9.1f} ms/forward_backward  "
+        print(f"{r['case']:32s} {r['tokens_per_s']:10.0f} tokens/s  {r['ms']:9.1f} ms/forward_backward  "
               f"peak {r['peak_mib']:8.1f} MiB  loss:sum {r['loss']:.4f}")
-    print(f"packed / padded: {eng[1]['tokens_per_s'] / eng[0]['tokens_per_s']:.2f}x tokens/s, "
-          f"{eng[1]['peak_mib'] / max(eng[0]['peak_mib'], 1e-9):.2f}x peak memory")
-    for r in results[2:]:
+    print(f"packed, head chunked / padded, head whole (the engine before issue 35): "
+          f"{eng[2]['tokens_per_s'] / eng[0]['tokens_per_s']:.2f}x tokens/s, "
+          f"{eng[2]['peak_mib'] / max(eng[0]['peak_mib'], 1e-9):.2f}x peak memory")
+    for r in results[4:]:
         print(f"{r['case']:16s} {r['tokens']} tokens x {r['vocab']} vocab (hidden {r['hidden']}, chunk {r['chunk']}): "
               f"{r['ms']:9.1f} ms  peak {r['peak_mib']:8.1f} MiB  sum {r['logprob_sum']:.3f}")
     if tmp is not None:

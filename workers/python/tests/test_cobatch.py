@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tinker_engine import chunked_logprobs, cobatch
+from tinker_engine import cobatch
 from tinker_engine.cobatch import forward_backward_group
 from tinker_engine.engine import Engine
 from tinker_engine.errors import UserError
@@ -82,9 +82,8 @@ GROUP_LAYOUTS = ["padded", "packed", "packed-small-head-chunks"]
 def group_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     packed = request.param != "padded"
     monkeypatch.setattr(cobatch, "isolates_datums", lambda base: packed)
-    if request.param == "packed-small-head-chunks":
-        monkeypatch.setattr(chunked_logprobs, "HEAD_CHUNK_TOKENS", 4)
-    with overridden(layout="packed" if packed else "padded"):
+    chunk = 4 if request.param == "packed-small-head-chunks" else 1024
+    with overridden(layout="packed" if packed else "padded", head_chunk_tokens=chunk):
         yield str(request.param)
 
 

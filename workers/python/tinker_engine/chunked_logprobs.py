@@ -6,7 +6,11 @@ goes through the head (the model's output layer, with its LoRA when the adapter 
 float32 log-softmax, and only its gathered logprobs are kept. For the backward, each chunk is
 recomputed (``torch.utils.checkpoint``), so the backward too holds one chunk's logits, their
 gradient and one float32 softmax at a time. The price is one more head matmul per token (the
-recomputation); a single chunk is not checkpointed (its logits are within the bound anyway).
+recomputation) and one more pass over each chunk's logits; a single chunk is not checkpointed (its
+logits are within the bound anyway), so ``TB_ENGINE_HEAD_CHUNK_TOKENS`` at or above the micro-batch
+budget keeps the whole logits and recomputes nothing. The recomputation cannot be avoided by
+precomputing softmax-weighted sums in the forward while the output layer has a trainable LoRA: its
+gradient needs the (vocab x tokens) logit gradient, which depends on the loss's upstream gradient.
 
 Every loss of losses.py reads only the gathered logprobs (1-D targets, or the K entries of (N, K)
 top-K targets), so no loss needs the full-vocabulary logprobs and there is no unchunked fallback
@@ -25,9 +29,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .logprobs import target_logprobs
-
-#: Tokens per chunk: 1024 x 151,936 vocabulary is 0.3 GiB of bf16 logits (0.6 GiB of float32 softmax).
-HEAD_CHUNK_TOKENS = 1024
+from .settings import current as settings
 
 Head = Callable[[torch.Tensor], torch.Tensor]
 
@@ -54,8 +56,9 @@ def head_target_logprobs(hidden: torch.Tensor, head: Head, targets: torch.Tensor
                          chunk: int | None = None, offset: int = 0) -> torch.Tensor:
     """log p(targets) (float32, shaped like ``targets``: (N,) or (N, K)) for ``hidden`` (N, H), whose
     first token is token ``offset`` of the micro-batch; ``chunk`` tokens at a time (default
-    ``HEAD_CHUNK_TOKENS``)."""
-    chunk = HEAD_CHUNK_TOKENS if chunk is None else chunk
+    ``TB_ENGINE_HEAD_CHUNK_TOKENS``: 1024 tokens x 151,936 vocabulary is 0.3 GiB of bf16 logits and
+    0.6 GiB of float32 softmax)."""
+    chunk = settings().head_chunk_tokens if chunk is None else chunk
     if chunk < 1:
         raise ValueError(f"chunk must be at least 1, got {chunk}")
     n = hidden.shape[0]

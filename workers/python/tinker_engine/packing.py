@@ -24,6 +24,7 @@ but its mask and scores grow with T^2, which TB_ENGINE_MAX_BATCH_TOKENS bounds).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -167,10 +168,15 @@ def stage_all(datums: list[Datum], layout: Layout, budget: int, device: torch.de
     return [layout.stage(batch, device) for batch in layout.groups(datums, budget)]
 
 
+@functools.cache
+def _flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
 def flash_available(base: BaseModel) -> bool:
     """Whether the packed row can run on flash-attn's variable-length kernel here."""
     return (base.device.type == "cuda" and base.placement.dtype in (torch.bfloat16, torch.float16)
-            and importlib.util.find_spec("flash_attn") is not None)
+            and _flash_attn_installed())
 
 
 def isolates_datums(base: BaseModel) -> bool:

@@ -138,6 +138,11 @@ class EngineSettings:
     #: concatenated into one row, attention kept within each datum, no padding computed), ``padded``, or
     #: ``auto``: packed where the attention kernel is variable-length (flash-attn on CUDA), else padded.
     layout: str = variable("TB_ENGINE_LAYOUT", choice(*LAYOUTS), "auto", LAYOUTS)
+    #: ``TB_ENGINE_HEAD_CHUNK_TOKENS``: tokens per chunk of the output layer (chunked_logprobs.py): a
+    #: micro-batch's logits exist one chunk at a time, each chunk recomputed in the backward (one more
+    #: output-layer matmul per token); at or above TB_ENGINE_MAX_BATCH_TOKENS the logits are kept whole
+    #: and nothing is recomputed.
+    head_chunk_tokens: int = variable("TB_ENGINE_HEAD_CHUNK_TOKENS", positive_int, 1024)
     #: ``TB_ENGINE_CHECK_RESULTS`` (internal; the tests set it): every result is checked against its op's schema.
     check_results: bool = variable("TB_ENGINE_CHECK_RESULTS", flag, False)
     #: ``TB_LOSS_CATALOGUE`` (internal): another copy of queues/contract/losses.json; unset: the project's.
