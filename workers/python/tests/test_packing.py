@@ -141,3 +141,49 @@ def test_auto_packs_where_attention_is_variable_length(engine: Engine, monkeypat
     assert packing.resolve("packed", base).name == "packed"
     monkeypatch.setattr(packing, "isolates_datums", lambda b: True)
     assert packing.resolve("auto", base).name == "packed"
+
+
+def test_packed_staging(engine: Engine) -> None:
+    """A packed row: the datums' tokens in order, position ids restarting, slots, flat targets, and
+    the variable-length kernel's arguments as transformers derives them from the position ids."""
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    from tinker_engine.packing import stage_packed, stage_padded
+
+    lengths = [3, 5, 2]
+    datums = [Datum(i, torch.arange(n) + 10 * i, torch.arange(n) + 100 * i, {}) for i, n in enumerate(lengths)]
+    staged = stage_packed(datums, torch.device("cpu"))
+    assert staged.packed and staged.ids.shape == (1, 10)
+    assert staged.ids[0].tolist() == [0, 1, 2, 10, 11, 12, 13, 14, 20, 21]
+    assert staged.position_ids[0].tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1]
+    assert staged.slots == [(0, 3), (3, 8), (8, 10)]
+    assert staged.targets.tolist() == [0, 1, 2, 100, 101, 102, 103, 104, 200, 201]
+    (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(staged.position_ids)
+    assert torch.equal(staged.varlen["cu_seq_lens_q"], cu_q) and torch.equal(staged.varlen["cu_seq_lens_k"], cu_k)
+    assert staged.varlen["max_length_q"] == int(max_q) == staged.varlen["max_length_k"] == int(max_k)
+    padded = stage_padded(datums, torch.device("cpu"))
+    assert not padded.packed and padded.ids.shape == (3, 5) and padded.slots == [(0, 5), (5, 10), (10, 15)]
+    assert padded.targets[5:10].tolist() == [100, 101, 102, 103, 104] and padded.targets[3:5].tolist() == [0, 0]
+
+
+def test_attention_for_the_packed_row(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SDPA here: no extra arguments (the mask comes from the position ids). Where flash-attn runs
+    (not on this machine: the switch is recorded, not run), the forward gets the variable-length
+    arguments under flash_attention_2 and the model's own implementation is back afterwards."""
+    from tinker_engine import packing
+
+    base = engine.registry.base("tiny")
+    datums = [Datum(i, torch.arange(n), torch.arange(n), {}) for i, n in enumerate([3, 4])]
+    staged = packing.stage_packed(datums, torch.device("cpu"))
+    with packing.attention_for(base, staged) as extra:
+        assert extra == {}
+    with packing.attention_for(base, packing.stage_padded(datums, torch.device("cpu"))) as extra:
+        assert extra == {}
+    own = base.hf.config._attn_implementation
+    calls: list[str] = []
+    monkeypatch.setattr(packing, "flash_available", lambda b: True)
+    monkeypatch.setattr(base.hf, "set_attn_implementation", calls.append)
+    with packing.attention_for(base, staged) as extra:
+        assert extra is staged.varlen
+        assert calls == ["flash_attention_2"]
+    assert calls == ["flash_attention_2", own]
