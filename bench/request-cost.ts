@@ -1,6 +1,6 @@
 import { spawn, type ChildProcess } from 'node:child_process';
 import { randomUUID } from 'node:crypto';
-import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import http from 'node:http';
 import os from 'node:os';
 import path from 'node:path';
@@ -26,11 +26,12 @@ import { children } from './proc.js';
  *     every 20 ms meanwhile (p50, p99, max).
  *
  * BENCH_NODE_ARGS adds node flags to the API and the agent (e.g. `--cpu-prof --cpu-prof-dir=/tmp/prof`);
- * they stop with SIGTERM, so their profiles are written.
+ * they stop with SIGTERM, so their profiles are written. BENCH_STACK_LOG=<file> keeps the stack's log
+ * (with TB_LOG_LEVEL / TB_ENGINE_LOG_LEVEL to choose what it holds).
  */
 const here = path.dirname(fileURLToPath(import.meta.url));
 
-type Stack = { base: string; api: ChildProcess; agent: ChildProcess; prefix: string; storage: string; log: () => string };
+type Stack = { base: string; api: ChildProcess; agent: ChildProcess; prefix: string; storage: string; log: (chars?: number) => string };
 
 function node(script: string, env: NodeJS.ProcessEnv, logs: string[]): ChildProcess {
   const extra = (process.env.BENCH_NODE_ARGS ?? '').split(' ').filter(Boolean);
@@ -74,10 +75,11 @@ async function startStack(): Promise<Stack> {
     if (Date.now() > deadline) throw new Error(`stack not ready:\n${logs.join('')}`);
     await new Promise((r) => setTimeout(r, 250));
   }
-  return { base, api, agent, prefix, storage, log: () => logs.join('').slice(-4000) };
+  return { base, api, agent, prefix, storage, log: (chars = 4000) => logs.join('').slice(-chars) };
 }
 
 async function stopStack(s: Stack): Promise<void> {
+  if (process.env.BENCH_STACK_LOG) writeFileSync(process.env.BENCH_STACK_LOG, s.log(Infinity));
   const exited = (c: ChildProcess) => (c.exitCode !== null ? Promise.resolve() : new Promise((r) => c.once('exit', r)));
   s.api.kill('SIGTERM');
   s.agent.kill('SIGTERM');

@@ -3,11 +3,15 @@ import type { SampleJob, SampleResult } from '../queues/contract/schemas.js';
 /**
  * Gathers the sample jobs an agent holds for one base model into batches for one engine call.
  *
- * - A job that arrives when nothing else is gathering and no job waits in the model's queue goes
- *   out at once (no added latency).
+ * - A job that arrives when nothing else is gathering, no batch of this gatherer is in the engine
+ *   and no job waits in the model's queue goes out at once (no added latency).
  * - Otherwise the batch stays open while jobs keep arriving: it closes `windowMs` after the last
  *   arrival, `maxWaitMs` after the first, or as soon as the next job would push it past
- *   `tokenBudget` (prompt + max_tokens, times num_samples, summed).
+ *   `tokenBudget` (prompt + max_tokens, times num_samples, summed). While a batch is in the engine
+ *   the jobs of a burst that arrive one by one (as a client's concurrent requests do) join it
+ *   together, in one engine call, not one call each: every call costs the agent and the engine a
+ *   frame, a prefill pass and a merge into the running batch (bench/request-cost.ts). The queue is
+ *   not asked then (a Redis round trip that would not change the answer).
  * - Each job settles with its own result or its own error.
  */
 export type GatherOptions = {
@@ -32,6 +36,8 @@ export class SampleGatherer {
   private firstAt = 0;
   private timer: NodeJS.Timeout | undefined;
   private deciding = false;
+  /** Batches sent to the engine whose results have not come back. */
+  private running = 0;
 
   constructor(private readonly opts: GatherOptions) {}
 
@@ -50,9 +56,10 @@ export class SampleGatherer {
     });
   }
 
-  /** First job of a batch: go now unless others wait in the queue. */
+  /** First job of a batch: go now unless a batch is in the engine or others wait in the queue. */
   private async decide(): Promise<void> {
     if (this.opts.windowMs <= 0) return this.flush();
+    if (this.running > 0) return this.arm();
     this.deciding = true;
     let waiting = 0;
     try {
@@ -80,7 +87,9 @@ export class SampleGatherer {
     this.open = [];
     this.openTokens = 0;
     if (!batch.length) return;
-    this.opts.run(batch.map((e) => e.job)).then(
+    this.running++;
+    const ran = this.opts.run(batch.map((e) => e.job)).finally(() => this.running--);
+    ran.then(
       (results) => {
         batch.forEach((e, i) => {
           const r = results[i];

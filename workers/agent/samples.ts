@@ -105,25 +105,43 @@ export class SampleWorkers {
     });
   }
 
+  /** Sample ends recorded by BullMQ in this turn of the event loop, sent together (`ended`). */
+  private endsToSend: { job: Job<SampleJob, SampleResult>; end: SampleEnd; channel: string; message: string }[] = [];
+
   /**
    * A sample job's end, once BullMQ recorded it: its metrics, its entry in its sampling session's
    * log (queues/runtime/session-futures.ts, for the SDK's retrieve_futures poller) and its completion
    * signal (with the result or failure when small, so the waiting retrieve_future answers without
-   * reading it) in one transaction, one round trip.
+   * reading it). The ends of one engine batch are recorded by BullMQ together; those that come in
+   * one turn of the event loop go in one transaction, one round trip (`sendEnds`).
    */
   private ended(job: Job<SampleJob, SampleResult>, end: SampleEnd): void {
-    const { redis, names, config, log } = this.o;
-    const status: JobStatus = end.state === 'done' ? 'ok' : end.category === 'user' ? 'user_error' : 'server_error';
-    const tokens = end.state === 'done' ? tokensOf(job.data, end.result) : undefined;
-    const finishedAt = job.finishedOn ?? Date.now();
-    const m = redis.multi();
-    addJobs(m, names, [{ op: job.name, status, enqueuedAt: job.timestamp, startedAt: job.processedOn ?? finishedAt, finishedAt, ...(tokens ? { tokens } : {}) }]);
-    addSampleEnd(m, names, { id: job.id!, queue: job.queueName, sampling_session_id: job.data.sampling_session_id, seq_id: job.data.seq_id }, end, config.retentionS);
-    const [channel, message] = sampleEndSignal(names, job.id!, config.agentId, end);
-    m.publish(channel, message);
-    m.exec().catch((e) => log.debug('sample end not signalled', { jobId: job.id, error: String(e) }));
+    const [channel, message] = sampleEndSignal(this.o.names, job.id!, this.o.config.agentId, end);
+    if (this.endsToSend.push({ job, end, channel, message }) === 1) setImmediate(() => this.sendEnds());
     // BullMQ has recorded the end: waiters in this process (an API beside the agent) answer now.
     signalLocally(channel, message);
+  }
+
+  private sendEnds(): void {
+    const { redis, names, config, log } = this.o;
+    const ends = this.endsToSend;
+    this.endsToSend = [];
+    const m = redis.multi();
+    addJobs(
+      m,
+      names,
+      ends.map(({ job, end }) => {
+        const tokens = end.state === 'done' ? tokensOf(job.data, end.result) : undefined;
+        const finishedAt = job.finishedOn ?? Date.now();
+        const status: JobStatus = end.state === 'done' ? 'ok' : end.category === 'user' ? 'user_error' : 'server_error';
+        return { op: job.name, status, enqueuedAt: job.timestamp, startedAt: job.processedOn ?? finishedAt, finishedAt, ...(tokens ? { tokens } : {}) };
+      }),
+    );
+    for (const { job, end, channel, message } of ends) {
+      addSampleEnd(m, names, { id: job.id!, queue: job.queueName, sampling_session_id: job.data.sampling_session_id, seq_id: job.data.seq_id }, end, config.retentionS);
+      m.publish(channel, message);
+    }
+    m.exec().catch((e) => log.debug('sample ends not signalled', { jobIds: ends.map((e) => e.job.id), error: String(e) }));
   }
 
   /** A sample has no effect on any model: a failure (a timeout included) is a plain server error the client may retry. */
