@@ -74,15 +74,15 @@ def _vocab(engine: Engine) -> int:
 # SDPA's masked attention does not isolate packed datums), packed (what it runs where flash-attn's
 # variable-length kernel does: forced here, so that the token segments of a packed row and of the
 # output layer's chunks, chunked_logprobs.py, are checked on the CPU); the solo runs in the same
-# layout. A 4-token output-layer chunk cuts the members' segments.
-GROUP_LAYOUTS = ["padded", "packed", "packed-small-head-chunks"]
+# layout. A 4-token output-layer chunk cuts the members' segments (and a padded row's slots).
+GROUP_LAYOUTS = ["padded", "padded-small-head-chunks", "packed", "packed-small-head-chunks"]
 
 
 @pytest.fixture(params=GROUP_LAYOUTS)
 def group_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    packed = request.param != "padded"
+    packed = request.param.startswith("packed")
     monkeypatch.setattr(cobatch, "isolates_datums", lambda base: packed)
-    chunk = 4 if request.param == "packed-small-head-chunks" else 1024
+    chunk = 4 if request.param.endswith("small-head-chunks") else 1024
     with overridden(layout="packed" if packed else "padded", head_chunk_tokens=chunk):
         yield str(request.param)
 
