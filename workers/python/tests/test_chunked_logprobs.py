@@ -96,3 +96,32 @@ def test_chunk_must_be_positive(engine: Engine) -> None:
     head, hidden, _, vocab = _setup(engine)
     with pytest.raises(ValueError, match="chunk"):
         head_target_logprobs(hidden, head, torch.zeros(N, dtype=torch.int64), chunk=0)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_forward_backward_with_small_chunks_equals_whole_logits(engine: Engine, layout: str) -> None:
+    """The engine's forward_backward with 3-token output-layer chunks (recomputed in the backward)
+    against whole logits (one chunk, nothing recomputed): 1-D and (N, K) targets, weights."""
+    from helpers import datum, fb, grads, out_logprobs
+    from tinker_engine.settings import overridden
+
+    vocab = engine.registry.base("tiny").vocab_size
+    gen = torch.Generator().manual_seed(8)
+    data = []
+    for n, k in ((7, None), (11, 2), (4, None)):
+        shape = (n,) if k is None else (n, k)
+        data.append(datum(torch.randint(0, vocab, (n,), generator=gen).tolist(), torch.randint(0, vocab, shape, generator=gen),
+                          weights=torch.rand(shape, generator=gen)))
+    results = {}
+    for name, chunk in (("whole", 1 << 30), ("small", 3)):
+        create(engine, name, rank=4, seed=2)
+        perturb(engine, name, seed=3, scale=0.1)
+        with overridden(layout=layout, head_chunk_tokens=chunk):
+            results[name] = fb(engine, name, "cross_entropy", data)
+    for i in range(len(data)):
+        assert_close_up_to_summation_order(out_logprobs(results["small"], i), out_logprobs(results["whole"], i), f"datum {i}")
+    assert_close_up_to_summation_order(torch.tensor(results["small"]["metrics"]["loss:sum"]),
+                                       torch.tensor(results["whole"]["metrics"]["loss:sum"]), "loss:sum")
+    for (n, want), got in zip(grads(engine, "whole").items(), grads(engine, "small").values()):
+        assert want is not None and got is not None and float(want.abs().max()) > 0, n
+        assert_close_up_to_summation_order(got, want, n)
