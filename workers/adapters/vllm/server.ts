@@ -1,5 +1,6 @@
 import { spawn, type ChildProcess } from 'node:child_process';
 import { createServer } from 'node:net';
+import os from 'node:os';
 import type { BaseModelSpec } from '../../../queues/infra/config.js';
 import type { Logger } from '../../../queues/infra/logger.js';
 import { EngineError } from '../../engine.js';
@@ -61,12 +62,26 @@ export function vllmServeCommand(spec: BaseModelSpec, o: ServeOptions): { args: 
   if (cpu) {
     env.VLLM_TARGET_DEVICE = 'cpu';
     env.VLLM_CPU_KVCACHE_SPACE = process.env.VLLM_CPU_KVCACHE_SPACE ?? '1';
+    const tp = spec.tensorParallel ?? 1;
+    if (tp > 1) env.VLLM_CPU_OMP_THREADS_BIND = process.env.VLLM_CPU_OMP_THREADS_BIND ?? cpuRankBinding(tp, os.availableParallelism());
   }
   const gpus = /^cuda:([\d,]+)$/.exec(o.device ?? '');
   if (gpus) env.CUDA_VISIBLE_DEVICES = gpus[1]!;
   return { args, env };
 }
 
+/**
+ * vllm-cpu's tensor-parallel ranks each need their own cores: it binds one rank per NUMA node and
+ * refuses more ranks than nodes ("Not enough allowed NUMA nodes to bind threads of 2 local
+ * CPUWorkers") unless `VLLM_CPU_OMP_THREADS_BIND` lists each rank's cores, `|` between ranks.
+ * The cores are split evenly, in order: 4 cores over 2 ranks is `0-1|2-3`. More ranks than cores
+ * is refused here, with the count, rather than by vLLM after it loads.
+ */
+export function cpuRankBinding(ranks: number, cores: number): string {
+  if (ranks > cores) throw new EngineError('user', `vLLM on the CPU with tensor parallelism ${ranks} needs a core per rank; this machine has ${cores}`);
+  const per = Math.floor(cores / ranks);
+  return Array.from({ length: ranks }, (_, r) => (per === 1 ? `${r}` : `${r * per}-${r * per + per - 1}`)).join('|');
+}
 
 export async function freePort(host: string): Promise<number> {
   return new Promise((resolve, reject) => {
