@@ -262,6 +262,10 @@ class VerlEngine:
         s = settings()
         with (veomni.lora_build(lora, base.path, s.grad_ckpt) if s.strategy == "veomni" else contextlib.nullcontext()):
             worker.reset()
+        if cpu.on_cpu():
+            # verl's forward autocasts to the engine's _autocast_dtype (bf16 unless its FSDP build set
+            # another; its VeOmni engine never does): CPU ranks compute in float32.
+            worker.engine._autocast_dtype = torch.float32
         model = VerlModel(model_id=model_id, base=base, lora=lora, worker=worker)
         with model.engine.train_mode(zero_grad_on_exit=False):
             params = model.lora_params()

@@ -19,11 +19,14 @@ one), else ``cuda``. How each was found: docs/engines/verl.md, "VeOmni".
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
 from tinker_engine.models import LoraSpec
 from tinker_engine.train import AdamParams
+
+from . import cpu
 
 # The LoRA of the model being created (create_model runs one at a time on every rank).
 _building: dict[str, Any] = {}
@@ -50,9 +53,15 @@ def _install() -> None:
         return get_peft_model(module, _building["lora"].peft_config(_building["path"]))
 
     def parallelize_peft(module: Any, **kwargs: Any) -> Any:
+        if cpu.on_cpu() and kwargs.get("mixed_precision") is not None:
+            # verl builds float32 weights only with mixed precision on, whose FSDP policy computes
+            # in bf16: on CPU ranks the parameters stay float32 (cpu.py's precision).
+            kwargs["mixed_precision"] = dataclasses.replace(kwargs["mixed_precision"], param_dtype="float32")
         return parallelize(module, **({**kwargs, "is_peft_model": True} if _building else kwargs))
 
     impl.build_foundation_model, impl.build_parallelize_model = build_with_lora, parallelize_peft
+    if cpu.on_cpu():  # VeOmni's memory log asks the CUDA allocator, which a CPU rank does not have
+        impl.log_gpu_memory_usage = lambda *a, **k: None
     _installed = True
 
 
@@ -74,7 +83,10 @@ def engine_config(world_size: int, offload: bool, max_tokens: int, attn: str) ->
         strategy="veomni", forward_only=False, use_dynamic_bsz=True, max_token_len_per_gpu=max_tokens,
         use_remove_padding=False, use_torch_compile=False,
         attn_implementation=attn, moe_implementation="eager",
-        mixed_precision=True, init_device="meta" if world_size > 1 else "cuda", enable_full_shard=True,
+        # mixed_precision on: float32 weights (verl loads bf16 ones without it); on CPU ranks the
+        # compute stays float32 too (parallelize_peft above). One CPU rank builds on the CPU.
+        mixed_precision=True, enable_full_shard=True,
+        init_device="meta" if world_size > 1 else ("cpu" if cpu.on_cpu() else "cuda"),
         param_offload=offload, optimizer_offload=offload)
 
 
