@@ -81,6 +81,8 @@ export class SampleWorkers {
   /** Takes no more jobs; those running finish. */
   async close(): Promise<void> {
     await Promise.all(this.workers.map((w) => w.close()));
+    // The ends recorded last go now, before the agent closes its connection.
+    if (this.endsToSend.length) this.sendEnds();
   }
 
   /** Closes the gatherers' queue handles (after close). */
@@ -125,6 +127,7 @@ export class SampleWorkers {
   private sendEnds(): void {
     const { redis, names, config, log } = this.o;
     const ends = this.endsToSend;
+    if (!ends.length) return;
     this.endsToSend = [];
     const m = redis.multi();
     addJobs(
