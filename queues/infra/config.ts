@@ -49,6 +49,8 @@ export const ENGINE_LOG_LEVELS = ['DEBUG', 'INFO', 'WARNING', 'ERROR'] as const;
 /** The attention implementations the verl engine may build its models with (transformers' names). */
 export const VERL_ATTENTIONS = ['sdpa', 'eager', 'flash_attention_2', 'flash_attention_3', 'flex_attention'] as const;
 
+/** The torch engine's training layouts (`TB_ENGINE_LAYOUT`; tinker_engine/settings.py LAYOUTS). */
+export const ENGINE_LAYOUTS = ['auto', 'packed', 'padded'] as const;
 /** An engine flag: `true`/`1` or `false`/`0` (the agent passes `1`/`0`). */
 const engineFlag = z.enum(['true', 'false', '1', '0']).transform((v) => v === 'true' || v === '1');
 /** An engine count: decimal digits only, at least 1 (the engines read no sign, space or exponent). */
@@ -79,8 +81,12 @@ const EngineEnv = z.object({
   TB_ENGINE_SAMPLE_TOKENS: engineCount.default(262_144),
   /** Torch engine: sampler versions (LoRA adapters) kept loaded per base model. @defaultValue 4 */
   TB_ENGINE_SAMPLER_CACHE: engineCount.default(4),
-  /** Torch and verl engines: the most padded tokens of one training micro-batch (verl's `max_token_len_per_gpu`). @defaultValue 16384 */
+  /** Torch and verl engines: the most tokens of one training micro-batch (torch: real tokens when packed, padded ones when padded; verl's `max_token_len_per_gpu`). @defaultValue 16384 */
   TB_ENGINE_MAX_BATCH_TOKENS: engineCount.default(16_384),
+  /** Torch engine: training micro-batches `packed` (one row, attention within each datum, no padding computed), `padded`, or `auto` (packed where the attention kernel is variable-length: flash-attn on CUDA). @defaultValue `auto` */
+  TB_ENGINE_LAYOUT: z.enum(ENGINE_LAYOUTS).default('auto'),
+  /** Torch engine: tokens per chunk of the output layer in training (the logits one chunk at a time, each recomputed in the backward; at or above TB_ENGINE_MAX_BATCH_TOKENS kept whole, the default). @defaultValue 16384 */
+  TB_ENGINE_HEAD_CHUNK_TOKENS: engineCount.default(16_384),
   /** verl engine: gradient checkpointing (`true`/`1`, `false`/`0`). @defaultValue true */
   TB_VERL_GRAD_CKPT: engineFlag.default(true),
   /** verl engine: the models' attention implementation (`sdpa`, `eager`, `flash_attention_2`, `flash_attention_3`, `flex_attention`; the flash ones need the flash-attn package). @defaultValue `sdpa` */

@@ -141,8 +141,9 @@ class EngineSettings:
     #: ``TB_ENGINE_HEAD_CHUNK_TOKENS``: tokens per chunk of the output layer (chunked_logprobs.py): a
     #: micro-batch's logits exist one chunk at a time, each chunk recomputed in the backward (one more
     #: output-layer matmul per token); at or above TB_ENGINE_MAX_BATCH_TOKENS the logits are kept whole
-    #: and nothing is recomputed.
-    head_chunk_tokens: int = variable("TB_ENGINE_HEAD_CHUNK_TOKENS", positive_int, 1024)
+    #: and nothing is recomputed. The default keeps them whole, the path measured on the GPU, until
+    #: bench/gpu/packing.sh shows what chunks cost there (docs/benchmarks.md).
+    head_chunk_tokens: int = variable("TB_ENGINE_HEAD_CHUNK_TOKENS", positive_int, 16384)
     #: ``TB_ENGINE_CHECK_RESULTS`` (internal; the tests set it): every result is checked against its op's schema.
     check_results: bool = variable("TB_ENGINE_CHECK_RESULTS", flag, False)
     #: ``TB_LOSS_CATALOGUE`` (internal): another copy of queues/contract/losses.json; unset: the project's.
