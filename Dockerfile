@@ -3,6 +3,13 @@
 # build time (models/tiny-qwen3, for the CPU variant). Needs BuildKit (Docker 23+, or DOCKER_BUILDKIT=1
 # on Docker 20.10); scripts/docker-build.sh builds it, also on machines without Docker Hub.
 #
+# ENGINES picks the Python engine stack (one stage each below; the rest of the image is shared):
+#   torch  (default)  torch + transformers + PEFT from workers/python/requirements.txt
+#   gpu               also vLLM and verl, at the versions that ran on the GPU device
+#                     (docker/requirements-gpu.txt, locked by docker/constraints-gpu.txt), with the
+#                     CUDA runtime from torch's nvidia-* wheels: --build-arg ENGINES=gpu, tinker-broker:gpu,
+#                     built by scripts/docker-build-gpu.sh.
+#
 # torch: by default the wheel from PyPI (the CUDA build, for GPU agents). For a CPU-only image pass
 #   --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # or put a torch wheel for cp311 (e.g. torch-2.13.0+cpu-cp311-...whl) into docker/wheels/: a wheel
@@ -11,8 +18,12 @@
 # A machine that reaches the registries through a TLS-intercepting proxy passes its CA bundle as a
 # build secret (used by npm and pip during the build, not stored in the image):
 #   docker build --secret id=ca_bundle,src=/etc/ssl/certs/ca-certificates.crt .
-FROM node:20-bookworm-slim
+ARG ENGINES=torch
 
+FROM node:20-bookworm-slim AS node
+
+# Used by engines-torch; declared here too, where it always was, so the build cache of the layers below
+# (keyed on the build arguments in scope) stays valid for images built before the engine stages.
 ARG TORCH_INDEX_URL=
 
 RUN apt-get update \
@@ -27,6 +38,9 @@ RUN --mount=type=secret,id=ca_bundle \
  && npm ci --omit=dev --no-audit --no-fund \
  && npm cache clean --force
 
+# torch + transformers + PEFT (ENGINES=torch, the default).
+FROM node AS engines-torch
+ARG TORCH_INDEX_URL=
 COPY workers/python/requirements.txt workers/python/requirements.txt
 RUN --mount=type=secret,id=ca_bundle --mount=type=bind,source=docker/wheels,target=/wheels \
     if [ -f /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi \
@@ -39,6 +53,19 @@ RUN --mount=type=secret,id=ca_bundle --mount=type=bind,source=docker/wheels,targ
  && /app/.venv/bin/pip install --no-cache-dir -r workers/python/requirements.txt \
  && /app/.venv/bin/python -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 
+# vLLM + verl + torch (CUDA 13.0). verl 0.9.1 caps transformers below 5.11 and the engine needs 5.17+,
+# so verl goes in without its dependencies (requirements-gpu-nodeps.txt; they are in requirements-gpu.txt), as on the device.
+FROM node AS engines-gpu
+COPY docker/requirements-gpu.txt docker/requirements-gpu-nodeps.txt docker/constraints-gpu.txt docker/
+RUN --mount=type=secret,id=ca_bundle \
+    if [ -f /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi \
+ && python3 -m venv /app/.venv \
+ && /app/.venv/bin/pip install --no-cache-dir -r docker/requirements-gpu.txt -c docker/constraints-gpu.txt \
+ && /app/.venv/bin/pip install --no-cache-dir --no-deps -r docker/requirements-gpu-nodeps.txt
+ENV TB_VLLM_BIN=/app/.venv/bin/vllm
+
+# The image: the chosen engine stack, the broker's sources, the tiny model.
+FROM engines-${ENGINES}
 COPY tsconfig.json ./
 COPY scripts scripts
 COPY presets presets
