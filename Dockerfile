@@ -10,7 +10,7 @@
 #                     CUDA runtime from torch's nvidia-* wheels: --build-arg ENGINES=gpu, tinker-broker:gpu,
 #                     built by scripts/docker-build-gpu.sh.
 #
-# torch: by default the wheel from PyPI (the CUDA build, for GPU agents). For a CPU-only image pass
+# ENGINES=torch, torch: by default the wheel from PyPI (the CUDA build). For a CPU-only image pass
 #   --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # or put a torch wheel for cp311 (e.g. torch-2.13.0+cpu-cp311-...whl) into docker/wheels/: a wheel
 # there wins over both indexes. It is mounted for the install step only, never copied into the image.
