@@ -233,11 +233,12 @@ describe('the seed presets run on the CPU (start --cpu-standin), driven by their
 
     it('3 steps of distill_on_policy: teacher_kl every step, the teacher and the rollouts did work', async () => {
       const run = await s().cookbook('distill_on_policy', { COOKBOOK_MODEL: 'Qwen/Qwen3-1.7B', COOKBOOK_TEACHER: 'Qwen/Qwen3-30B-A3B' });
-      for (const row of steps(run, 3)) {
-        // The teacher stand-in has other weights than the student's: a positive KL.
-        expect(num(row, 'teacher_kl')).to.be.above(0);
-        expect(Math.abs(num(row, 'optim/kl_sample_train_v1'))).to.be.below(1e-4);
-      }
+      const rows = steps(run, 3);
+      for (const row of rows) expect(Math.abs(num(row, 'optim/kl_sample_train_v1'))).to.be.below(1e-4);
+      // teacher_kl is the sampled tokens' mean of log p_student - log p_teacher, an estimate of the KL
+      // that may fall on either side of 0 over a few tokens. A teacher with the student's own weights
+      // gives ~1e-8 (test/e2e/cookbook.test.ts); the stand-in teacher has other weights.
+      expect(Math.max(...rows.map((r) => Math.abs(num(r, 'teacher_kl'))))).to.be.above(1e-3);
       expect(s().count('teacher', 'sample')).to.be.at.least(3 * 8); // 4 groups of 2 sequences scored per step
       expect(['gpu1', 'gpu2', 'gpu3'].map((a) => s().count(a, 'sample')).reduce((a, b) => a + b, 0)).to.be.at.least(3 * 4);
       expect(s().count('gpu0', 'sample')).to.equal(0);
@@ -254,14 +255,13 @@ describe('the seed presets run on the CPU (start --cpu-standin), driven by their
         COOKBOOK_TEACHER: 'Qwen/Qwen3-32B',
         COOKBOOK_TEACHER2: 'Qwen/Qwen3-235B-A22B',
       });
-      for (const row of steps(run, 3)) {
-        expect(num(row, 'teacher_kl/dataset_0')).to.be.above(0);
-        expect(num(row, 'teacher_kl/dataset_1')).to.be.above(0);
-        expect(Math.abs(num(row, 'optim/kl_sample_train_v1'))).to.be.below(1e-4);
-      }
-      // Two groups of 2 sequences per dataset and step, each scored by its dataset's teacher.
-      expect(s().count('n0-teacher-32b', 'sample')).to.be.at.least(3 * 4);
-      expect(s().count('n1-teacher-235b', 'sample')).to.be.at.least(3 * 4);
+      const rows = steps(run, 3);
+      for (const row of rows) expect(Math.abs(num(row, 'optim/kl_sample_train_v1'))).to.be.below(1e-4);
+      // One estimate per teacher, each of another model than the student (see single_teacher).
+      for (const key of ['teacher_kl/dataset_0', 'teacher_kl/dataset_1']) expect(Math.max(...rows.map((r) => Math.abs(num(r, key)))), key).to.be.above(1e-3);
+      // Each dataset's teacher scored its sequences every step (7-17 jobs each over 3 steps, measured: the SDK batches them).
+      expect(s().count('n0-teacher-32b', 'sample')).to.be.at.least(3);
+      expect(s().count('n1-teacher-235b', 'sample')).to.be.at.least(3);
       expect(['n0-rollout-a', 'n0-rollout-b', 'n0-rollout-c'].map((a) => s().count(a, 'sample')).reduce((a, b) => a + b, 0)).to.be.at.least(3 * 4);
       expect(s().count('n0-actor', 'sample')).to.equal(0);
       expect(s().count('n0-actor', 'optim_step')).to.be.at.least(3);
