@@ -55,6 +55,8 @@ if [ "${TB_TEST_SETUP:-1}" != 0 ]; then
   bash scripts/setup.sh || setup_failed "scripts/setup.sh failed"
   # vLLM for the CPU (about 2 minutes the first time): test/e2e/vllm.test.ts drives it for real.
   bash scripts/setup-vllm.sh || setup_failed "scripts/setup-vllm.sh failed"
+  # verl and VeOmni for the CPU ranks (about 30 s, var/verlsite and var/veomnisite): test/e2e/verl-ranks.test.ts.
+  bash scripts/setup-verl.sh --veomni || setup_failed "scripts/setup-verl.sh failed"
 fi
 
 export TB_LOG_LEVEL="${TB_LOG_LEVEL:-warn}"

@@ -27,6 +27,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VERL_LOGGING_LEVEL", "WARN")
+# verl's platform: its CUDA one, which tinker_engine_verl/cpu.py replaces by a CPU one on CPU ranks.
+os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
 
 
 def _free_port() -> int:

@@ -17,7 +17,6 @@ compared with one rank's to float32 reduction-order tolerance.
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
@@ -61,7 +60,7 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
+    # VERL_ENGINE_DEVICE=cuda (set by __main__ before verl is imported) makes verl pick its CUDA platform, replaced here.
     from verl.plugin.platform import platform_manager
     from verl.plugin.platform.platform_cuda import PlatformCUDA
 
