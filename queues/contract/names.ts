@@ -42,6 +42,19 @@ export class Names {
     return `sample-${shortHash(baseModel, 12)}-${engine}`;
   }
 
+  /**
+   * GPU turns (workers/gpu-turns.ts) of the agents sharing one GPU (`gpu`: `<node>/<index>`): the
+   * holder's agent id, TTL the turn lease (a few seconds, renewed while held), so a dead holder's turn
+   * ends by itself.
+   */
+  gpuTurnHolder(gpu: string): string {
+    return `${this.prefix}:gpu-turn:${gpu}:holder`;
+  }
+  /** The agents waiting for that GPU (sorted set, score: when each last asked), TTL the lease, refreshed by each ask. */
+  gpuTurnWants(gpu: string): string {
+    return `${this.prefix}:gpu-turn:${gpu}:wants`;
+  }
+
   // Registries.
   /** Agent id → record (hash). No TTL: an entry leaves when the reaper reaps its agent (it stopped or died). */
   agents(): string {
