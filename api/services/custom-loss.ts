@@ -32,10 +32,6 @@ export async function createCustomLoss(ctx: ApiContext, req: Request, body: z.ou
   await requireSession(ctx, req, body.session_id);
   const spec: CustomLossSpec = { name: body.name, inputs: body.inputs, graph: body.graph };
   checkCustomLoss(spec);
-  // The forward_backward body's decoder reads every loss input as (N,) or (N, K) with N the datum's tokens.
-  const scalar = spec.inputs.find((i) => i.rank === 0);
-  if (scalar)
-    throw invalid(`custom loss '${spec.name}': input '${scalar.name}' has rank 0; this server takes rank 1 ([T]) and 2 ([T, K]) inputs only (send a per-datum scalar as a [T] input)`);
   const lossId = customLossId(body.session_id, body.custom_loss_seq_id);
   const tenant = tenantOf(req);
   const put = await registry(ctx).put(
@@ -68,9 +64,6 @@ export async function customLossForJob(
     throw invalid(`loss_fn '${CUSTOM_LOSS_OPS.loss_fn}' takes loss_fn_config {loss_id} (from create_custom_loss), got keys [${keys.join(', ')}]`);
   const rec = await registry(ctx).get(lossId, tenantOf(req), ctx.config.retentionS);
   if (!rec) throw new BrokerError('NOT_FOUND', `unknown custom loss '${lossId.slice(0, 200)}': create it with create_custom_loss in this session`);
-  const kept = data.map((d, i) => {
-    const names = customLossInputs(rec.spec, d.loss_fn_inputs, `data[${i}]`);
-    return { ...d, loss_fn_inputs: Object.fromEntries(names.map((n) => [n, d.loss_fn_inputs[n]!])) };
-  });
+  const kept = data.map((d, i) => ({ ...d, loss_fn_inputs: customLossInputs(rec.spec, d.loss_fn_inputs, `data[${i}]`) }));
   return { spec: rec.spec, data: kept };
 }

@@ -1,6 +1,7 @@
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import protobuf from 'protobufjs';
+import { CUSTOM_LOSS_FN, CUSTOM_LOSS_OPS } from '../../queues/contract/custom-loss.js';
 import { invalid } from '../../queues/contract/errors.js';
 import type { Datum, ForwardBackwardResult, SampleResult, Tensor } from '../../queues/contract/schemas.js';
 
@@ -59,6 +60,14 @@ export type DecodeLimits = {
   vocabSize: number;
   /** Widest 2-D loss input (N, K) accepted, e.g. top-K distillation targets. */
   maxK: number;
+  /**
+   * Most rank-0 (scalar) loss inputs in one request, over all its datums. Only custom losses take
+   * them (a per-datum value such as a sequence's advantage); each is one element, so this bounds
+   * their total size too.
+   * @defaultValue `max_scalar_inputs` of queues/contract/custom-loss.json for `loss_fn` custom, 0 for
+   * every other loss (their inputs are per token).
+   */
+  scalarInputs?: number;
 };
 
 /** The element count of `bytes` of `dtype`, checked to be whole, without reading them. */
@@ -69,7 +78,10 @@ function countOf(buf: Buffer, dtype: number, what: string): number {
   return buf.length / size;
 }
 
-function decodeTensor(t: PbObject, what: string, rows: number, limits: DecodeLimits): Tensor {
+/** The bounds a request's loss inputs are decoded under: the model's, its loss_fn (for messages), and its rank-0 inputs so far against their cap. */
+type InputRules = DecodeLimits & { lossFn: string; scalars: { seen: number; cap: number } };
+
+function decodeTensor(t: PbObject, what: string, rows: number, limits: InputRules): Tensor {
   const dtype = Number(t.dtype ?? 0);
   const wireDtype: Tensor['dtype'] = dtype === DTYPE.INT64 || dtype === DTYPE.INT32 ? 'int64' : 'float32';
   const shape = ((t.shape as number[] | undefined) ?? []).map(Number);
@@ -107,6 +119,21 @@ function decodeTensor(t: PbObject, what: string, rows: number, limits: DecodeLim
   }
   const dense = (t.dense as Buffer | undefined) ?? Buffer.alloc(0);
   const n = countOf(dense, dtype, what);
+  // Protobuf cannot tell an absent shape from an empty one, so the SDK's rank-0 tensor (shape [])
+  // arrives as one element with no shape, like an unshaped 1-D list. With as many elements as the
+  // datum has tokens it is read as (N,); one element otherwise is a scalar. (A one-token datum's one
+  // element stays (1,); a custom loss that declares the input rank 0 takes it as a scalar.)
+  if (shape.length === 0 && n === 1 && rows !== 1) {
+    const { scalars } = limits;
+    if (scalars.cap === 0)
+      throw invalid(
+        `${what} is a rank-0 (scalar) tensor; loss_fn '${limits.lossFn.slice(0, 64)}' takes (N,) or (N, K) inputs with N = the datum's ${rows} tokens (only custom losses take scalars)`,
+      );
+    if (scalars.seen >= scalars.cap)
+      throw invalid(`${what}: more than ${scalars.cap} rank-0 (scalar) loss inputs in one forward_backward request; send fewer datums per request`);
+    scalars.seen++;
+    return { dtype: wireDtype, shape: [], data: readArray(dense, dtype, what) };
+  }
   const finalShape = shape.length ? shape : [n];
   checkShape(finalShape);
   const count = finalShape.reduce((a, b) => a * b, 1);
@@ -154,8 +181,11 @@ export function decodeForwardBackwardRequest(body: Buffer): DecodedForwardBackwa
     throw invalid(`forward_backward body is not a valid ForwardBackwardRequest: this route takes the Tinker SDK's protobuf body (Content-Type: ${PROTOBUF_CONTENT_TYPE})`);
   }
   const o = toObj(ForwardBackwardRequestT, msg);
-  const data = (limits: DecodeLimits) =>
-    (o.data as PbObject[]).map((d, i): Datum => {
+  const lossFn = String(o.loss_fn);
+  const data = (limits: DecodeLimits) => {
+    const cap = limits.scalarInputs ?? (lossFn === CUSTOM_LOSS_FN ? CUSTOM_LOSS_OPS.max_scalar_inputs : 0);
+    const rules: InputRules = { ...limits, lossFn, scalars: { seen: 0, cap } };
+    return (o.data as PbObject[]).map((d, i): Datum => {
       const chunks = d.model_input as PbObject[];
       let n = 0;
       for (const chunk of chunks) {
@@ -169,10 +199,11 @@ export function decodeForwardBackwardRequest(body: Buffer): DecodedForwardBackwa
         for (const t of readArray((chunk.encoded_text as PbObject).tokens as Buffer, DTYPE.INT32, `data[${i}].model_input`)) tokens.push(t);
       const inputs: Record<string, Tensor> = {};
       for (const [k, v] of Object.entries(d.loss_fn_inputs as Record<string, PbObject>)) {
-        inputs[k] = decodeTensor(v, `data[${i}].loss_fn_inputs.${k}`, n, limits);
+        inputs[k] = decodeTensor(v, `data[${i}].loss_fn_inputs.${k}`, n, rules);
       }
       return { tokens, loss_fn_inputs: inputs };
     });
+  };
   const provenance = (o.data as PbObject[]).map((d, i): DatumProvenance => {
     const mi = (d.model_input_spans as PbObject[] | undefined) ?? [];
     const li = (d.loss_fn_input_spans as PbObject[] | undefined) ?? [];
@@ -188,7 +219,7 @@ export function decodeForwardBackwardRequest(body: Buffer): DecodedForwardBackwa
   return {
     model_id: String(o.model_id),
     seq_id: Number(o.seq_id),
-    loss_fn: String(o.loss_fn),
+    loss_fn: lossFn,
     loss_fn_config: config,
     forward_only: Boolean(o.forward_only),
     data,

@@ -16,6 +16,7 @@ const Ops = z
     loss_fn: z.string(),
     max_nodes: z.number().int(),
     max_inputs: z.number().int(),
+    max_scalar_inputs: z.number().int(),
     max_name_chars: z.number().int(),
     max_string_chars: z.number().int(),
     max_list_items: z.number().int(),
@@ -209,18 +210,28 @@ function checkArg(v: unknown, defined: Set<string>, counter: { leaves: number },
 /**
  * The datums of a forward_backward against a custom loss's declared inputs: each has target_tokens
  * of logprobs' rank and every declared input at its rank; the inputs the loss does not read are
- * dropped (the SDK sends a datum's loss_fn_inputs unchanged). Returns the inputs each datum keeps.
+ * dropped (the SDK sends a datum's loss_fn_inputs unchanged). Returns the inputs the datum keeps.
+ *
+ * A rank-0 input arrives without a shape (protobuf cannot send an empty one), which the decoder
+ * (api/wire/proto.ts) reads as a scalar, except in a one-token datum, where one element reads as
+ * (1,): a declared rank-0 input takes that one element as the scalar it is.
  */
-export function customLossInputs(spec: CustomLossSpec, inputs: Record<string, { shape: number[] }>, where: string): string[] {
+export function customLossInputs<T extends { shape: number[] }>(spec: CustomLossSpec, inputs: Record<string, T>, where: string): Record<string, T> {
   const [logprobs, ...rest] = spec.inputs;
   const target = inputs.target_tokens;
   if (!target) throw invalid(`${where}: loss_fn_inputs.target_tokens is required`);
   if (target.shape.length !== logprobs!.rank)
     throw invalid(`${where}: target_tokens has rank ${target.shape.length}, but custom loss '${spec.name}' declared logprobs with rank ${logprobs!.rank}`);
+  const kept: Record<string, T> = { target_tokens: target };
   for (const i of rest) {
     const t = inputs[i.name];
     if (!t) throw invalid(`${where}: custom loss '${spec.name}' reads loss_fn_inputs.${i.name}, which the datum lacks`);
+    if (i.rank === 0 && t.shape.length === 1 && t.shape[0] === 1) {
+      kept[i.name] = { ...t, shape: [] };
+      continue;
+    }
     if (t.shape.length !== i.rank) throw invalid(`${where}: loss_fn_inputs.${i.name} has rank ${t.shape.length}, but custom loss '${spec.name}' declared it with rank ${i.rank}`);
+    kept[i.name] = t;
   }
-  return ['target_tokens', ...rest.map((i) => i.name)];
+  return kept;
 }

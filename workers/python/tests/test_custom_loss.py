@@ -15,6 +15,7 @@ from helpers import adam, create, datum, fb, grads, params, perturb
 from tinker_engine import custom_loss as cl
 from tinker_engine.engine import Engine
 from tinker_engine.errors import UserError
+from tinker_engine.tensors import tensor_to_json
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -33,6 +34,13 @@ def ppo_like(logprobs, old, adv):
 def topk_loss(logprobs, dist):
     loss = -(dist * logprobs).sum() + torch.logsumexp(logprobs, dim=-1).mean()
     return loss, {"custom/first:mean": logprobs[:, 0].sum()}
+
+
+def per_sequence(logprobs, old, adv, group):
+    """A loss with rank-0 inputs: a per-datum advantage (float32) and group size (int64)."""
+    ratio = torch.exp(logprobs - old)
+    loss = -(ratio * adv).sum() / group + 0.01 * (logprobs ** 2).mean()
+    return loss, {"custom/adv:mean": adv * 1.0, "custom/group:sum": group.float() + ratio.sum() * 0}
 
 
 def handle_of(fn: Any, ranks: dict[str, int]):
@@ -57,6 +65,7 @@ def test_every_allowlisted_name_resolves() -> None:
 @pytest.mark.parametrize("fn,ranks,shapes", [
     (ppo_like, {"logprobs": 1, "old": 1, "adv": 1}, [(7,), (7,), (7,)]),
     (topk_loss, {"logprobs": 2, "dist": 2}, [(5, 3), (5, 3)]),
+    (per_sequence, {"logprobs": 1, "old": 1, "adv": 0, "group": 0}, [(7,), (7,), (), ()]),
 ])
 def test_rebuilt_graph_equals_the_traced_one(fn: Any, ranks: dict[str, int], shapes: list[tuple[int, ...]]) -> None:
     handle = handle_of(fn, ranks)
@@ -276,3 +285,59 @@ def test_topk_custom_loss_runs_on_rank_2_logprobs(engine: Engine) -> None:
     expected, metrics = handle.graph(lp, torch.tensor(d["loss_fn_inputs"]["dist"]["data"]).reshape(6, 3))
     assert r["metrics"]["loss:sum"] == pytest.approx(float(expected), rel=1e-6)
     assert r["metrics"]["custom/first:mean"] == pytest.approx(float(metrics["custom/first:mean"]), rel=1e-6)
+
+
+def _scalar_data(vocab: int, seed: int, lengths: tuple[int, ...] = (9, 1, 6)) -> list[dict[str, Any]]:
+    """Datums with rank-0 inputs as the API sends them (shape []), a one-token datum among them."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for j, n in enumerate(lengths):
+        tokens = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        d = datum(tokens, torch.tensor(tokens[1:] + [0]), old=-3.0 - torch.rand(n, generator=gen))
+        d["loss_fn_inputs"]["adv"] = tensor_to_json(torch.randn((), generator=gen))
+        d["loss_fn_inputs"]["group"] = tensor_to_json(torch.tensor(j + 2, dtype=torch.int64))
+        out.append(d)
+    return out
+
+
+def test_rank_0_inputs_reach_the_graph_as_0_d_tensors_and_equal_the_client_side_run(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    vocab = engine.registry.base("tiny").vocab_size
+    handle = handle_of(per_sequence, {"logprobs": 1, "old": 1, "adv": 0, "group": 0})
+    seen: list[list[tuple[int, ...]]] = []
+    real_run = cl.run
+
+    def spy(loss: cl.CustomLoss, values: list[torch.Tensor]) -> Any:
+        seen.append([tuple(v.shape) for v in values])
+        return real_run(loss, values)
+
+    for m in ("server", "client"):
+        create(engine, m, seed=2)
+        perturb(engine, m, seed=4)
+    data = _scalar_data(vocab, seed=6)
+    # The real run, recording the shapes the graph is given.
+    monkeypatch.setattr(cl, "run", spy)
+    server = engine.call("forward_backward", {"model_id": "server", "loss_fn": "custom", "loss_fn_config": {"loss_id": "x"},
+                                              "forward_only": False, "data": data, "custom_loss": spec_of(handle)})
+    monkeypatch.undo()
+    # Each datum's scalars are 0-d in the graph, whatever the datum's length (the client's to_torch() of shape []).
+    assert seen == [[(9,), (9,), (), ()], [(1,), (1,), (), ()], [(6,), (6,), (), ()]]
+    client = _client_side(engine, "client", handle, data)
+    assert set(server["metrics"]) == set(client["metrics"]) >= {"loss:sum", "custom/adv:mean", "custom/group:sum"}
+    for k, v in client["metrics"].items():
+        assert server["metrics"][k] == pytest.approx(v, rel=1e-6, abs=1e-6), k
+    assert server["metrics"]["custom/group:sum"] == 2 + 3 + 4
+    for (n, a), b in zip(grads(engine, "server").items(), grads(engine, "client").values()):
+        assert a is not None and b is not None
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), n
+
+
+def test_a_rank_0_input_of_more_than_one_element_is_refused(engine: Engine) -> None:
+    vocab = engine.registry.base("tiny").vocab_size
+    handle = handle_of(per_sequence, {"logprobs": 1, "old": 1, "adv": 0, "group": 0})
+    create(engine, "m", seed=2)
+    data = _scalar_data(vocab, seed=6)
+    data[2]["loss_fn_inputs"]["adv"] = tensor_to_json(torch.zeros(6))
+    with pytest.raises(UserError, match="datum 2: adv is declared rank 0 \\(a scalar\\) but has 6 elements"):
+        engine.call("forward_backward", {"model_id": "m", "loss_fn": "custom", "loss_fn_config": {"loss_id": "x"},
+                                         "forward_only": False, "data": data, "custom_loss": spec_of(handle)})

@@ -11,7 +11,8 @@ nodes not defined before) is a ``UserError`` naming the node. At run time every 
 bounded (``max_elements``), checked before the call where the size is in the arguments.
 
 ``forward_backward`` has the semantics of the SDK's ``run_loss_handle``: the graph runs once per datum on
-``(logprobs, *inputs)`` (the datum's target logprobs, then each declared ``loss_fn_inputs`` key), its
+``(logprobs, *inputs)`` (the datum's target logprobs, then each declared ``loss_fn_inputs`` key: one of
+rank 1 or 2 has the datum's rows, one of rank 0 is a 0-d tensor, as the SDK's ``to_torch()`` makes it), its
 scalar losses are summed over the datums, metrics ``custom/<name>:sum`` are summed and ``:mean`` ones
 averaged over the request's datums. The gradient flows from the summed loss through the logprobs into
 the adapter, as the client-side path's surrogate ``weights = -dC/dlogprobs`` would send it.
