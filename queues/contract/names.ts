@@ -55,6 +55,16 @@ export class Names {
     return `${this.prefix}:gpu-turn:${gpu}:wants`;
   }
 
+  /**
+   * How many jobs of one sample queue each live agent holds (a hash, agent id → `{active, concurrency, at}`,
+   * workers/agent/sample-share.ts): each agent rewrites its field as its jobs start and end and every
+   * half second, and removes it when it stops; a field older than 2 s is a dead agent's and is removed
+   * by the next agent that reads it. TTL 10 s, restarted by every write: it leaves with the last agent.
+   */
+  sampleShare(queue: string): string {
+    return `${this.prefix}:sample-share:${queue}`;
+  }
+
   // Registries.
   /** Agent id → record (hash). No TTL: an entry leaves when the reaper reaps its agent (it stopped or died). */
   agents(): string {

@@ -16,12 +16,15 @@ import { EngineError } from '../engine.js';
 import { SampleGatherer } from '../sample-gather.js';
 import type { EngineSupervisor } from './engine.js';
 import { opFailure, tokensOf } from './ops.js';
+import { SampleShare } from './sample-share.js';
 
 /**
  * The sample workers of one agent: a BullMQ Worker per base model it serves, on that model's sample
  * queue of its engine kind (the API routes each job), running jobs concurrently; with an engine that
- * samples in batches, a gatherer per model that sends the jobs held as one batch. A sample has no
- * effect on any model: a failure is a plain error the client may retry.
+ * samples in batches, a gatherer per model that sends the jobs held as one batch. Agents serving the
+ * same queue share its jobs by load (sample-share.ts): each takes at most its fair share of the work,
+ * and each worker is named by its agent id (BullMQ records it on every job it takes, `processedBy`).
+ * A sample has no effect on any model: a failure is a plain error the client may retry.
  */
 
 export type SampleWorkersOptions = {
@@ -41,6 +44,8 @@ export class SampleWorkers {
   /** Per served base model: its sample gatherer (engines that sample in batches: the jobs held are sent as one batch). */
   private readonly gatherers = new Map<string, SampleGatherer>();
   private readonly queues: Queue[] = [];
+  /** Per sample queue: this agent's share of its jobs (sample-share.ts). */
+  private readonly shares = new Map<string, SampleShare>();
 
   constructor(private readonly o: SampleWorkersOptions) {}
 
@@ -55,8 +60,10 @@ export class SampleWorkers {
       ...(capabilities.samples ? served : []).map((m) => {
         const w = new Worker<SampleJob, SampleResult>(names.sampleQueue(m.name, adapter.kind), (job) => this.run(job), {
           ...common,
+          name: config.agentId,
           concurrency: config.sampleConcurrency,
         });
+        this.shares.set(w.name, new SampleShare({ redis: this.o.redis, key: names.sampleShare(w.name), agentId: config.agentId, concurrency: config.sampleConcurrency, worker: w, log }));
         // Once BullMQ has recorded the job's end: its metrics and its completion signal.
         w.on('completed', (job, result) => this.ended(job, { state: 'done', result }));
         w.on('failed', (job, err) => {
@@ -76,10 +83,13 @@ export class SampleWorkers {
       });
       await w.waitUntilReady();
     }
+    await Promise.all([...this.shares.values()].map((s) => s.start()));
   }
 
   /** Takes no more jobs; those running finish. */
   async close(): Promise<void> {
+    // The other agents take the waiting jobs from now on.
+    await Promise.all([...this.shares.values()].map((s) => s.close()));
     await Promise.all(this.workers.map((w) => w.close()));
     // The ends recorded last go now, before the agent closes its connection.
     if (this.endsToSend.length) this.sendEnds();
@@ -94,12 +104,14 @@ export class SampleWorkers {
     const { names, adapter, redis, config, engine } = this.o;
     const queue = new Queue(names.sampleQueue(base, adapter.kind), { connection: redis, prefix: names.bull });
     this.queues.push(queue);
+    const share = this.shares.get(queue.name);
     const windowMs = config.sampleGatherMs ?? 10;
     return new SampleGatherer({
       windowMs,
       maxWaitMs: windowMs * 5,
       tokenBudget: config.sampleBatchTokens ?? 131072,
-      waiting: () => queue.getWaitingCount(),
+      // Only the waiting jobs this agent may still take under its share.
+      waiting: async () => Math.min(await queue.getWaitingCount(), share ? share.room() : Infinity),
       run: async (jobs) => {
         await engine.ensure();
         return engine.timed('sample', adapter.sampleBatch!(jobs));
@@ -151,6 +163,8 @@ export class SampleWorkers {
   private async run(job: Job<SampleJob, SampleResult>): Promise<SampleResult> {
     const { engine, adapter, redis, names, log } = this.o;
     const start = Date.now();
+    const share = this.shares.get(job.queueName);
+    share?.started();
     try {
       await engine.ensure();
       const data = SampleJob.parse(job.data);
@@ -162,6 +176,8 @@ export class SampleWorkers {
       return r;
     } catch (err) {
       throw new UnrecoverableError(encodeJobFailure(opFailure(job.name, err)));
+    } finally {
+      share?.ended();
     }
   }
 
