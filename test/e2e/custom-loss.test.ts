@@ -8,7 +8,9 @@ import { E2E_KEY, E2EServer } from './server.js';
  * runs one traced loss on the server (create_custom_loss, then forward_backward with loss_fn custom)
  * and, on a twin model, on the client (the SDK's own forward + surrogate path); both must report the
  * same loss and metrics and stay equal after two AdamW steps. Hostile graphs posted over HTTP are
- * refused naming the node; another API key can neither run nor see a tenant's loss.
+ * refused naming the node; another API key can neither run nor see a tenant's loss. A second loss takes
+ * rank-0 (scalar) inputs, equal on both paths too; a scalar for a built-in loss and a request past the
+ * scalar cap are 400s.
  */
 const OTHER_KEY = 'tml-e2e-other';
 
@@ -21,6 +23,10 @@ type Out = {
   after_logprob_diff: number;
   missing_input_error: string;
   other_tenant_error: string;
+  scalar_loss_id: string;
+  scalar_step: Step;
+  plain_scalar_error: string;
+  past_cap_error: string;
 };
 
 /**
@@ -77,6 +83,33 @@ describe('server-side custom losses through the SDK', function () {
     // The first step moved the weights: the second step's loss differs from the first's.
     expect(out.steps[1]!.server['loss:sum']).to.not.equal(out.steps[0]!.server['loss:sum']);
     expect(out.after_logprob_diff).to.be.below(1e-4);
+  });
+
+  it('a loss with rank-0 (scalar) inputs runs on the server as on the client, a one-token datum included', () => {
+    expect(out.scalar_loss_id).to.match(/:loss:1$/);
+    const s = out.scalar_step;
+    const ctx = JSON.stringify(s);
+    const { 'surrogate_loss:sum': _surrogate, ...client } = s.client;
+    expect(Object.keys(s.server).sort(), ctx).to.deep.equal(Object.keys(client).sort());
+    expect(Object.keys(s.server), ctx).to.include.members(['loss:sum', 'custom/adv:mean', 'custom/group:sum']);
+    for (const k of Object.keys(client)) expect(close(s.server[k]!, client[k]!), `${k}: ${ctx}`).to.equal(true);
+    // group is 2, 3 and 4 over the three datums: the int64 scalars arrived whole.
+    expect(s.server['custom/group:sum'], ctx).to.equal(9);
+    expect(s.logprob_diff, ctx).to.be.below(1e-4);
+    expect(close(s.grad_norm[0], s.grad_norm[1]), ctx).to.equal(true);
+    expect(s.grad_norm[0], ctx).to.be.above(0);
+  });
+
+  it('a scalar where a built-in loss needs a per-token tensor is a 400', () => {
+    expect(out.plain_scalar_error).to.include('BadRequestError');
+    expect(out.plain_scalar_error).to.include(
+      "data[0].loss_fn_inputs.advantages is a rank-0 (scalar) tensor; loss_fn 'importance_sampling' takes (N,) or (N, K) inputs",
+    );
+  });
+
+  it('a request past the cap on scalar inputs is a 400', () => {
+    expect(out.past_cap_error).to.include('BadRequestError');
+    expect(out.past_cap_error).to.include('more than 16384 rank-0 (scalar) loss inputs in one forward_backward request');
   });
 
   it('a datum without an input the loss reads is refused, naming it', () => {
