@@ -113,10 +113,11 @@ describe('rank-0 (scalar) custom loss inputs on the forward_backward wire', func
     expect(refusal(() => customLossInputs(SPEC({ old: 0 }), data[0]!.loss_fn_inputs, 'data[0]'))).to.include('loss_fn_inputs.old has rank 1');
   });
 
-  it('every other loss refuses a scalar input: its inputs are per token', () => {
-    expect(refusal(() => decodeForwardBackwardRequest(bodies.plain!).data(LIMITS))).to.equal(
-      "data[0].loss_fn_inputs.advantages is a rank-0 (scalar) tensor; loss_fn 'importance_sampling' takes (N,) or (N, K) inputs with N = the datum's 3 tokens (only custom losses take scalars)",
-    );
+  it('every other loss refuses a scalar input, whatever the limit says: its inputs are per token', () => {
+    const message =
+      "data[0].loss_fn_inputs.advantages is a rank-0 (scalar) tensor; loss_fn 'importance_sampling' takes (N,) or (N, K) inputs with N = the datum's 3 tokens (only custom losses take scalars)";
+    expect(refusal(() => decodeForwardBackwardRequest(bodies.plain!).data(LIMITS))).to.equal(message);
+    expect(refusal(() => decodeForwardBackwardRequest(bodies.plain!).data({ ...LIMITS, scalarInputs: 100 }))).to.equal(message);
   });
 
   it(`at most max_scalar_inputs scalars in one request: the SDK's chunk of 1024 datums x ${perDatum} fits, one datum more is a 400`, () => {

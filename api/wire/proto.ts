@@ -61,11 +61,10 @@ export type DecodeLimits = {
   /** Widest 2-D loss input (N, K) accepted, e.g. top-K distillation targets. */
   maxK: number;
   /**
-   * Most rank-0 (scalar) loss inputs in one request, over all its datums. Only custom losses take
-   * them (a per-datum value such as a sequence's advantage); each is one element, so this bounds
-   * their total size too.
-   * @defaultValue `max_scalar_inputs` of queues/contract/custom-loss.json for `loss_fn` custom, 0 for
-   * every other loss (their inputs are per token).
+   * Most rank-0 (scalar) loss inputs in one custom-loss request, over all its datums (a per-datum
+   * value such as a sequence's advantage); each is one element, so this bounds their total size
+   * too. Every other loss takes none, whatever this says: its inputs are per token.
+   * @defaultValue `max_scalar_inputs` of queues/contract/custom-loss.json
    */
   scalarInputs?: number;
 };
@@ -183,7 +182,7 @@ export function decodeForwardBackwardRequest(body: Buffer): DecodedForwardBackwa
   const o = toObj(ForwardBackwardRequestT, msg);
   const lossFn = String(o.loss_fn);
   const data = (limits: DecodeLimits) => {
-    const cap = limits.scalarInputs ?? (lossFn === CUSTOM_LOSS_FN ? CUSTOM_LOSS_OPS.max_scalar_inputs : 0);
+    const cap = lossFn === CUSTOM_LOSS_FN ? (limits.scalarInputs ?? CUSTOM_LOSS_OPS.max_scalar_inputs) : 0;
     const rules: InputRules = { ...limits, lossFn, scalars: { seen: 0, cap } };
     return (o.data as PbObject[]).map((d, i): Datum => {
       const chunks = d.model_input as PbObject[];
