@@ -18,7 +18,10 @@ export type GatherOptions = {
   windowMs: number;
   maxWaitMs: number;
   tokenBudget: number;
-  /** Jobs waiting in the queue, not yet taken by this agent (a hint; errors count as 0). */
+  /**
+   * Jobs waiting in the queue that this agent may still take: not beyond its share of the queue
+   * (workers/agent/sample-share.ts), since the others are for other agents (a hint; errors count as 0).
+   */
   waiting: () => Promise<number>;
   /** One engine call for the batch: one result or one error per job, in order. */
   run: (jobs: SampleJob[]) => Promise<(SampleResult | Error)[]>;
