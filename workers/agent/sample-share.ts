@@ -51,6 +51,8 @@ export const SHARE_TIMINGS: ShareTimings = { slack: 2, beatMs: 500, staleMs: 2_0
 
 /** The share key's TTL, in fields' lifetimes: the key leaves with the last agent that wrote it. */
 const KEY_TTL_STALES = 5;
+/** How long a closing share waits for its field's removal. */
+const CLOSE_WAIT_MS = 1_000;
 
 /**
  * The concurrency an agent may use on a queue: its concurrency-weighted share of every job the live
@@ -133,13 +135,19 @@ export class SampleShare {
     return Math.max(0, this.cap - this.active);
   }
 
-  /** Stops reading and writing, and removes this agent's field (the others' caps grow at their next read). */
+  /**
+   * Stops reading and writing, and removes this agent's field: the others' caps grow at their next
+   * read. The removal goes after any write in flight (one connection keeps the order). It is waited
+   * for at most `CLOSE_WAIT_MS`: with Redis unreachable the field is left to go stale.
+   */
   async close(): Promise<void> {
     this.closed = true;
     clearInterval(this.beat);
     clearTimeout(this.poll);
-    await this.running;
-    await this.o.redis.hdel(this.o.key, this.o.agentId).catch((e) => this.o.log.debug('sample share not removed', { key: this.o.key, error: String(e) }));
+    const removed = this.o.redis.hdel(this.o.key, this.o.agentId).catch((e) => this.o.log.debug('sample share not removed', { key: this.o.key, error: String(e) }));
+    let timer: NodeJS.Timeout | undefined;
+    await Promise.race([removed, new Promise((r) => (timer = setTimeout(r, CLOSE_WAIT_MS)))]);
+    clearTimeout(timer);
   }
 
   /** One read-and-write soon (those asked for in one turn of the event loop go as one). */
@@ -213,7 +221,10 @@ export class SampleShare {
     if (cap !== worker.concurrency) worker.concurrency = cap;
     if (raised) wake(worker);
     clearTimeout(this.poll);
-    if (this.active >= cap && cap < this.o.concurrency) this.poll = setTimeout(() => this.schedule(), this.t.pollMs);
+    if (this.active >= cap && cap < this.o.concurrency) {
+      this.poll = setTimeout(() => this.schedule(), this.t.pollMs);
+      this.poll.unref();
+    }
   }
 }
 
