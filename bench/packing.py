@@ -182,7 +182,9 @@ def run_one(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(out))
 
 
-def child(args: argparse.Namespace, one: str) -> dict[str, Any]:
+def child(args: argparse.Namespace, one: str) -> dict[str, Any] | None:
+    """One case in a process of its own (its peak memory alone); None when it failed (printed: an
+    out-of-memory at this size is a result too), and the other cases still run."""
     argv = [sys.executable, __file__, "--one", one, "--path", args.path, "--device", args.device,
             "--scale", str(args.scale), "--rank", str(args.rank), "--datums", str(args.datums),
             "--reps", str(args.reps), "--warmup", str(args.warmup), "--head-tokens", str(args.head_tokens),
@@ -190,7 +192,9 @@ def child(args: argparse.Namespace, one: str) -> dict[str, Any]:
     run = subprocess.run(argv, capture_output=True, text=True)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     if run.returncode != 0 or not lines:
-        raise SystemExit(f"{one} failed (exit {run.returncode}):\n{run.stderr[-4000:]}")
+        oom = [line for line in run.stderr.splitlines() if "OutOfMemoryError" in line]
+        print(f"{one} failed (exit {run.returncode}): {oom[-1] if oom else run.stderr[-3000:]}", flush=True)
+        return None
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -238,14 +242,23 @@ def main() -> int:
     cases = ("engine:padded:whole", "engine:padded:chunked", "engine:packed:chunked", "engine:packed:whole", "head:full", "head:chunked")
     results = [child(args, one) for one in cases]
     eng = results[:4]
-    print(f"lengths: {eng[0]['lengths']} ({eng[0]['real_tokens']} real tokens)")
-    for r in eng:
+    first = next((r for r in eng if r), None)
+    if first:
+        print(f"lengths: {first['lengths']} ({first['real_tokens']} real tokens)")
+    for one, r in zip(cases, eng):
+        if r is None:
+            print(f"{one:32s} failed (above)")
+            continue
         print(f"{r['case']:32s} {r['tokens_per_s']:10.0f} tokens/s  {r['ms']:9.1f} ms/forward_backward  "
               f"peak {r['peak_mib']:8.1f} MiB  loss:sum {r['loss']:.4f}")
-    print(f"packed, head chunked / padded, head whole (the engine before issue 35): "
-          f"{eng[2]['tokens_per_s'] / eng[0]['tokens_per_s']:.2f}x tokens/s, "
-          f"{eng[2]['peak_mib'] / max(eng[0]['peak_mib'], 1e-9):.2f}x peak memory")
+    for a, b, what in ((2, 0, "packed, head chunked / padded, head whole (the engine before issue 35)"),
+                       (1, 0, "padded, head chunked / padded, head whole")):
+        if eng[a] and eng[b]:
+            print(f"{what}: {eng[a]['tokens_per_s'] / eng[b]['tokens_per_s']:.2f}x tokens/s, "
+                  f"{eng[a]['peak_mib'] / max(eng[b]['peak_mib'], 1e-9):.2f}x peak memory")
     for r in results[4:]:
+        if r is None:
+            continue
         print(f"{r['case']:16s} {r['tokens']} tokens x {r['vocab']} vocab (hidden {r['hidden']}, chunk {r['chunk']}): "
               f"{r['ms']:9.1f} ms  peak {r['peak_mib']:8.1f} MiB  sum {r['logprob_sum']:.3f}")
     if tmp is not None:
