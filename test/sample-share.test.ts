@@ -120,6 +120,18 @@ describe('sample share: BullMQ workers on real Redis', function () {
     expect(a.worker.concurrency).to.equal(CONCURRENCY);
   });
 
+  it('an agent alone ignores and removes a field older than the stale time (by Redis’s clock), or one it cannot read', async () => {
+    const r = conn();
+    const [sec] = await r.time();
+    const key = names.sampleShare(queueName);
+    await r.hset(key, 'ghost', JSON.stringify({ active: 30, concurrency: 64, at: Number(sec) * 1000 - SHARE_TIMINGS.staleMs - 1_000 }), 'garbled', 'x');
+    const a = await agent('a');
+    await waitFor('the unreadable and stale fields removed', async () => JSON.stringify(await r.hkeys(key)) === '["a"]', 5_000, 10);
+    await burst(32, 'ghost');
+    await waitFor('all 32 held by a', async () => heldBy('a') === 32);
+    expect(a.worker.concurrency).to.equal(CONCURRENCY);
+  });
+
   it('two idle agents split a burst of 32 by load, not by race, and BullMQ records who ran each job', async () => {
     const a = await agent('a');
     const b = await agent('b');

@@ -93,8 +93,6 @@ export type SampleShareOptions = {
 export class SampleShare {
   /** Jobs of this queue this agent holds (their processor is running). */
   private active = 0;
-  /** Jobs waiting in the queue at the last read. */
-  private waiting = 0;
   private cap: number;
   /** Redis's clock minus this host's, ms (from the TIME of the last read). */
   private offsetMs = 0;
@@ -111,8 +109,10 @@ export class SampleShare {
     this.cap = o.concurrency;
   }
 
-  /** Publishes this agent's field and reads the others' once, then every `beatMs`. */
+  /** Reads Redis's clock, publishes this agent's field and reads the others' once, then every `beatMs`. */
   async start(): Promise<void> {
+    const sent = Date.now();
+    this.offsetMs = redisMs(await this.o.redis.time()) - Math.round((sent + Date.now()) / 2);
     await this.sync();
     this.beat = setInterval(() => this.schedule(), this.t.beatMs);
     this.beat.unref();
@@ -195,11 +195,10 @@ export class SampleShare {
       .exec();
     if (!replies) return;
     for (const [err] of replies) if (err) throw err;
-    const [sec, usec] = replies[2]![1] as [string, string];
-    const now = Number(sec) * 1000 + Math.floor(Number(usec) / 1000);
+    const now = redisMs(replies[2]![1] as [string, string]);
     this.offsetMs = now - Math.round((sent + Date.now()) / 2);
     const fields = replies[3]![1] as Record<string, string>;
-    this.waiting = replies[4]![1] as number;
+    const waiting = replies[4]![1] as number;
     const others: ShareEntry[] = [];
     const stale: string[] = [];
     for (const [id, raw] of Object.entries(fields)) {
@@ -210,7 +209,7 @@ export class SampleShare {
     }
     if (stale.length) void redis.hdel(key, ...stale).catch(() => undefined);
     if (this.closed) return;
-    this.apply(shareCap({ active: this.active, concurrency }, others, this.waiting, this.t.slack));
+    this.apply(shareCap({ active: this.active, concurrency }, others, waiting, this.t.slack));
   }
 
   /** Sets the worker's concurrency to `cap`; while the agent is at a cap below its concurrency, reads again in `pollMs`. */
@@ -226,6 +225,11 @@ export class SampleShare {
       this.poll.unref();
     }
   }
+}
+
+/** Redis's TIME answer (seconds, microseconds) in ms. */
+function redisMs([sec, usec]: readonly (string | number)[]): number {
+  return Number(sec) * 1000 + Math.floor(Number(usec) / 1000);
 }
 
 /**
