@@ -204,3 +204,84 @@ def test_group_refusals(engine: Engine) -> None:
     assert "error" not in results[0]
     assert "appears twice" in results[1]["error"]["message"]
     assert "unknown model_id" in _group(engine, [_request("nope", "cross_entropy", [])])[0]["error"]["message"]
+
+
+def _count_one_by_one(engine: Engine, model_ids: list[str]) -> dict[str, int]:
+    """Per LoRA layer name, how many times one of ``model_ids``' adapters ran on its own there (its
+    ``lora_A`` module called, as the one-at-a-time path does; the grouped product reads the weights)."""
+    base = engine.registry.base("tiny")
+    assert base.peft is not None
+    adapters = {engine.registry.model(m).adapter for m in model_ids}
+    counts: dict[str, int] = {}
+
+    def hook(name: str) -> Any:
+        def count(*_: Any) -> None:
+            counts[name] = counts.get(name, 0) + 1
+        return count
+
+    for name, module in base.peft.named_modules():
+        if isinstance(module, cobatch.LoraLinear):
+            for adapter in adapters & set(module.lora_A.keys()):
+                module.lora_A[adapter].register_forward_hook(hook(name))
+    return counts
+
+
+def _equal_rank_members(engine: Engine, suffix: str, vocab: int) -> list[dict[str, Any]]:
+    gen = torch.Generator().manual_seed(9)
+    reqs = []
+    for k, lengths in enumerate([(6,), (4, 8), (11,), (3, 5, 2)]):
+        create(engine, f"e{k}{suffix}", seed=20 + k, rank=4)
+        perturb(engine, f"e{k}{suffix}", seed=20 + k)
+        data = [datum(torch.randint(0, vocab, (n,), generator=gen).tolist(), torch.randint(0, vocab, (n,), generator=gen))
+                for n in lengths]
+        reqs.append(_request(f"e{k}{suffix}", "cross_entropy", data, forward_only=k == 2))
+    return reqs
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_members_run_as_one_grouped_product_per_layer(engine: Engine, grouped: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Four members of one rank (one forward-only), unequal lengths: each equals its solo run, and no
+    # adapter ran on its own in any layer (every layer holds all four); with the grouped product off
+    # every adapter runs on its own in every layer, with the same results.
+    monkeypatch.setattr(cobatch, "GROUPED", grouped)
+    vocab = _vocab(engine)
+    solo_reqs, group_reqs = _equal_rank_members(engine, "-solo", vocab), _equal_rank_members(engine, "-grp", vocab)
+    solo = [fb(engine, r["model_id"], r["loss_fn"], r["data"], forward_only=r["forward_only"]) for r in solo_reqs]
+    counts = _count_one_by_one(engine, [r["model_id"] for r in group_reqs])
+    grouped_results = _group(engine, group_reqs)
+    layers = sum(1 for m in engine.registry.base("tiny").peft.modules() if isinstance(m, cobatch.LoraLinear))
+    if grouped:
+        assert counts == {}
+    else:
+        assert len(counts) == layers and set(counts.values()) == {len(group_reqs)}
+    for s, g, s_req, g_req in zip(solo, grouped_results, solo_reqs, group_reqs):
+        assert "error" not in g, g
+        for i in range(len(s["loss_fn_outputs"])):
+            assert_close_up_to_summation_order(out_logprobs(g, i), out_logprobs(s, i), f"{g_req['model_id']} datum {i}")
+        assert_close_up_to_summation_order(torch.tensor(g["metrics"]["loss:sum"]), torch.tensor(s["metrics"]["loss:sum"]))
+        for (name, want), got in zip(grads(engine, s_req["model_id"]).items(), grads(engine, g_req["model_id"]).values()):
+            if g_req["forward_only"]:
+                assert want is None and got is None, name
+            else:
+                assert want is not None and got is not None, name
+                assert_close_up_to_summation_order(got, want, f"{g_req['model_id']} grad {name}")
+
+
+def test_a_layer_with_dropout_runs_its_adapters_one_at_a_time(engine: Engine) -> None:
+    # A dropout module on one member's q_proj of the first decoder layer (in eval mode: a no-op on the
+    # values) takes that layer, and only it, off the grouped product; the results stay each solo run's.
+    vocab = _vocab(engine)
+    solo_reqs, group_reqs = _equal_rank_members(engine, "-solo", vocab), _equal_rank_members(engine, "-grp", vocab)
+    solo = [fb(engine, r["model_id"], r["loss_fn"], r["data"], forward_only=r["forward_only"]) for r in solo_reqs]
+    base = engine.registry.base("tiny")
+    assert base.peft is not None
+    name, layer = next((n, m) for n, m in base.peft.named_modules() if isinstance(m, cobatch.LoraLinear) and n.endswith("q_proj"))
+    layer.lora_dropout[engine.registry.model("e1-grp").adapter] = torch.nn.Dropout(0.1).eval()
+    counts = _count_one_by_one(engine, [r["model_id"] for r in group_reqs])
+    results = _group(engine, group_reqs)
+    assert counts == {name: len(group_reqs)}
+    for s, g in zip(solo, results):
+        assert_close_up_to_summation_order(torch.tensor(g["metrics"]["loss:sum"]), torch.tensor(s["metrics"]["loss:sum"]))
+    for want, got in zip(grads(engine, "e1-solo").values(), grads(engine, "e1-grp").values()):
+        assert want is not None and got is not None
+        assert_close_up_to_summation_order(got, want, "e1 grad")

@@ -6,7 +6,8 @@ config, its forward-only flag). Their datums are grouped together into micro-bat
 are (packing.py: packed into one row where the attention kernel isolates datums, else padded:
 ``group_layout``), one member's after another; each datum's tokens go
 through its own model's LoRA adapter (``_token_segments``: the base's linear layers run once over
-every token, each adapter over its members' tokens).
+every token, and the adapters of a layer's members as one grouped product over their tokens,
+grouped_lora.py).
 Ranks, target modules and loss functions may differ between the members.
 
 Why each member gets what it would get alone:
@@ -18,7 +19,8 @@ Why each member gets what it would get alone:
   appear only in its own rows, so their gradient is the gradient of its own loss, accumulated into
   its own flat buffer (flat.py), as forward_backward accumulates it;
 - what differs is float32 rounding only: the base's matrix products run over more tokens (another
-  blocking of the same sums) and an adapter's over its tokens sliced from the micro-batch. tests/test_cobatch.py
+  blocking of the same sums) and an adapter's over its tokens gathered from the micro-batch, batched
+  with the other members' (bmm instead of mm, ranks zero-padded: exact zeros). tests/test_cobatch.py
   bounds the difference.
 
 A member whose request is invalid (a UserError while parsing: bad datum, unknown model) or whose
@@ -39,6 +41,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.lora.layer import LoraLayer
 
 from .errors import UserError
+from .grouped_lora import Plan, add_grouped_, groupable, make_plan
 from .models import BaseModel, Registry, TrainingModel
 from .rollback import check_grad_max_abs, check_losses, grad_max_abs
 from .tensors import wire
@@ -48,6 +51,10 @@ from .train import Datum, ForwardBackwardRequest, batch_logprobs, layout, parse_
 
 #: The most members one group takes (the agent groups fewer: TB_COBATCH_MAX).
 MAX_MEMBERS = 64
+
+#: Whether a layer's members run as one grouped LoRA product (grouped_lora.py) where it applies;
+#: False runs each adapter over its run of tokens. Benchmarks set it to measure the two in one process.
+GROUPED = True
 
 
 @dataclass
@@ -199,35 +206,45 @@ def _segments(names: list[str], slots: list[tuple[int, int]]) -> list[tuple[str,
 @contextmanager
 def _token_segments(base: BaseModel, segments: list[tuple[str, int, int]]) -> Iterator[None]:
     """Every LoRA linear layer of the base runs, for this pass, its base layer over all tokens and each
-    adapter over its run of tokens, a slice: no index list to copy to the device per layer, as PEFT's
-    per-row ``adapter_names`` path makes (a host-to-device copy and a gather per layer and adapter,
-    which cost more on a GPU than separate passes, docs/benchmarks.md). The same sums as PEFT's
-    LoRA forward: base(x) + lora_B(lora_A(dropout(x))) * scaling, per token.
+    adapter over its run of tokens: the members present in a layer as one grouped product
+    (grouped_lora.py: a fixed number of kernels per layer, whatever the number of members), or, where
+    one member is present or the grouped form does not apply (dropout, a PEFT variant), each adapter
+    over its run, a slice (``_one_by_one``). The same sums as PEFT's LoRA forward:
+    base(x) + lora_B(lora_A(dropout(x))) * scaling, per token.
 
     A layer's input is the micro-batch's tokens flattened (B x L or a packed row's T), or, for the
     output layer, a chunk of them starting at ``token_offset()`` (chunked_logprobs.py): each segment
-    is cut to the tokens the layer is given."""
+    is cut to the tokens the layer is given. The grouped product's index tensors are made once per
+    such cut and set of members (``plans``), not per layer: no host-to-device copy per layer (PEFT's
+    per-row ``adapter_names`` path makes one per layer and adapter, which costs more on a GPU than
+    separate passes, docs/benchmarks.md)."""
     assert base.peft is not None
     layers = [m for m in base.peft.modules() if isinstance(m, LoraLinear)]
     others = [type(m).__name__ for m in base.peft.modules() if isinstance(m, LoraLayer) and not isinstance(m, LoraLinear)]
     if others:  # the engine's adapters are on linear layers only (models.py LoraSpec)
         raise RuntimeError(f"co-batching runs LoRA on linear layers only, not on {sorted(set(others))}")
+    plans: dict[tuple[Any, ...], Plan] = {}
 
     def forward(self: LoraLinear, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         result = self.base_layer(x, *args, **kwargs)
-        dtype = result.dtype
         tokens = x.reshape(-1, x.shape[-1])
         out_tokens = result.view(-1, result.shape[-1])
         offset = token_offset()
         n = tokens.shape[0]
+        runs: list[tuple[str, int, int]] = []  # the segments on this layer, cut to its tokens
         for adapter, first, end in segments:
             lo, hi = max(first, offset) - offset, min(end, offset + n) - offset
-            if adapter not in self.lora_A or lo >= hi:
-                continue
-            lora_a = self.lora_A[adapter]
-            part = tokens[lo:hi].to(lora_a.weight.dtype)
-            out = self.lora_B[adapter](lora_a(self.lora_dropout[adapter](part))) * self.scaling[adapter]
-            out_tokens[lo:hi] += out.to(dtype)
+            if adapter in self.lora_A and lo < hi:
+                runs.append((adapter, lo, hi))
+        if GROUPED and len(runs) > 1 and groupable(self, [adapter for adapter, _, _ in runs]):
+            scalings = [float(self.scaling[adapter]) for adapter, _, _ in runs]
+            key = (tuple(runs), tuple(scalings))
+            plan = plans.get(key)
+            if plan is None:
+                plan = plans[key] = make_plan(runs, scalings, tokens.device, self.lora_A[runs[0][0]].weight.dtype)
+            add_grouped_(self, tokens, out_tokens, plan)
+        else:
+            _one_by_one(self, tokens, out_tokens, runs)
         return result
 
     for layer in layers:
@@ -237,3 +254,12 @@ def _token_segments(base: BaseModel, segments: list[tuple[str, int, int]]) -> It
     finally:
         for layer in layers:
             del layer.forward
+
+
+def _one_by_one(layer: LoraLinear, tokens: torch.Tensor, out: torch.Tensor, runs: list[tuple[str, int, int]]) -> None:
+    """``out[lo:hi] += lora_B(lora_A(dropout(tokens[lo:hi]))) * scaling``, one adapter's run at a time."""
+    for adapter, lo, hi in runs:
+        lora_a = layer.lora_A[adapter]
+        part = tokens[lo:hi].to(lora_a.weight.dtype)
+        delta = layer.lora_B[adapter](lora_a(layer.lora_dropout[adapter](part))) * layer.scaling[adapter]
+        out[lo:hi] += delta.to(out.dtype)
