@@ -1,6 +1,7 @@
 """Where a training step's time goes in the torch engine, in-process (no channel), on a CUDA machine.
 
-    python bench/gpu/profile_train.py --model 1.7b [--steps 3] [--sample]
+    python bench/gpu/profile_train.py --model 1.7b [--steps 3] [--batch 8] [--seq 1024] [--sample] [--ab N]
+    python bench/gpu/profile_train.py --model 1.7b --members 1,2,4,8 [--batch 2] [--seq 256] [--steps 10]
 
 Builds the same random-initialised Qwen3-shaped model as engine_vs_plain.py, creates the same
 LoRA (rank 32 on all linear layers and lm_head), and runs forward_backward + optim_step through
@@ -12,6 +13,12 @@ With ``--sample`` it also profiles sampling (after the training steps, as in eng
 ``sample_batch`` of 32 distinct 128-token prompts x 64 new tokens in-process against one batched
 HF ``generate`` of the same prompts on the same (PEFT-wrapped) model, with ms per decode step,
 the GPU's busy fraction and the ops with the most CPU self time.
+
+With ``--members N,...`` it measures co-batching instead (issue 34; bench/grouped_lora.py, the same on
+the CPU): per N, N models with the same LoRA, each --batch datums of --seq tokens, their N
+forward_backward ops one after another against one forward_backward_group of the N, with the
+grouped LoRA product and with each adapter on its own: median ms over --steps alternating rounds and
+cudaLaunchKernel per pass; then the ops with the most CPU self time in the largest group's pass.
 """
 
 from __future__ import annotations
@@ -46,20 +53,28 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["1.7b", "8b"], default="1.7b")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=8, help="datums per step (default 8)")
+    ap.add_argument("--seq", type=int, default=1024, help="tokens per datum (default 1024)")
     ap.add_argument("--sample", action="store_true", help="also profile sample_batch against generate")
     ap.add_argument("--ab", type=int, default=0, metavar="N",
                     help="then N alternating rounds, in this process on the same model: the plain PEFT step against "
                          "the engine's ops, and their parts (see ab_rounds)")
     ap.add_argument("--optim-parts", type=int, default=0, metavar="N",
                     help="then N rounds timing each part of the engine's optim_step (see optim_parts)")
+    ap.add_argument("--members", default="", metavar="N,...",
+                    help="co-batching instead: forward_backward_group of N models at --batch x --seq each, per N "
+                         "(see the docstring)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
-    w = dict(batch=8, seq=1024, rank=32, vocab=evp.MODELS[args.model]["vocab_size"])
+    w = dict(batch=args.batch, seq=args.seq, rank=32, vocab=evp.MODELS[args.model]["vocab_size"])
     with tempfile.TemporaryDirectory(prefix="tb-prof-") as tmp:
         path = Path(tmp) / "model"
         evp.write_model(args.model, path, torch.device("cuda"), torch.bfloat16)
         eng = Engine(Placement(device=torch.device("cuda"), dtype=torch.bfloat16))
         eng.call("load_base", {"name": "b", "path": str(path)})
+        if args.members:
+            profile_group(eng, [int(n) for n in args.members.split(",")], w["batch"], w["seq"], w["rank"], args.steps)
+            return 0
         eng.call("create_model", {"model_id": "m", "base_model": "b", "lora": {
             "rank": w["rank"], "seed": 0, "train_attn": True, "train_mlp": True, "train_unembed": True}})
         inputs, targets = evp.training_data(w["batch"], w["seq"], w["vocab"])
@@ -81,7 +96,7 @@ def main() -> int:
         times.clear()
         for _ in range(args.steps):
             step()
-        print(f"=== {args.model}: phases, ms (median of {args.steps}) ===")
+        print(f"=== {args.model}, {w['batch']} x {w['seq']} tokens: phases, ms (median of {args.steps}) ===")
         total = 0.0
         for k, v in times.items():
             m = sorted(v)[len(v) // 2]
@@ -107,6 +122,25 @@ def main() -> int:
         if args.sample:
             profile_sampling(eng, w["vocab"])
     return 0
+
+
+def profile_group(eng: Engine, members: list[int], datums: int, seq: int, rank: int, rounds: int) -> None:
+    """bench/grouped_lora.py's table on this model, then the largest group's pass under torch.profiler."""
+    sys.path.insert(0, str(HERE.parent))
+    import grouped_lora as gl
+    from torch.profiler import ProfilerActivity, profile
+
+    gl.measure(eng, "b", members, datums, seq, rank, rounds)
+    n = max(members)
+    grouped = gl.variants(eng, gl.requests(eng, "b", n, datums, seq, rank, eng.registry.base("b").vocab_size))["grouped"]
+    grouped()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        grouped()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in ka) / 1000
+    print(f"=== forward_backward_group of {n}, grouped LoRA: GPU kernels {busy:.1f} ms; ops with the most CPU self time ===")
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
 
 
 def parsed_data(wire: bytes) -> list:  # type: ignore[type-arg]
