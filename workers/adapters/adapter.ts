@@ -9,6 +9,7 @@ import type {
   SaveSamplerJob,
 } from '../../queues/contract/schemas.js';
 import type { BaseModelSpec, SampleFeature } from '../../queues/infra/config.js';
+import type { TurnStats } from '../gpu-turns.js';
 
 /**
  * What an agent needs from an engine: one method per Tinker operation. Each engine has one adapter
@@ -58,6 +59,15 @@ export interface EngineAdapter {
   kill?(): void;
   /** Process ids of the engine (for its memory in /metrics and `tinker-broker agents`); descendants are found from them. */
   enginePids?(): number[];
+  /**
+   * GPU turns (workers/gpu-turns.ts), for an engine sharing its GPU with another agent's: gives the
+   * GPU memory it can do without back before the other engine's phase (vLLM: sleep mode; torch: its
+   * allocator's cached blocks), and takes it again before its own. Absent: nothing to give back.
+   */
+  releaseGpu?(): Promise<void>;
+  reclaimGpu?(): Promise<void>;
+  /** The GPU turns taken and given, and their costs, when the adapter takes turns (workers/gpu-turns.ts). */
+  turns?(): TurnStats;
   /** Called when the engine died: every model it held is gone. */
   onExit(listener: (reason: string) => void): void;
 }

@@ -34,6 +34,12 @@ export type EngineCapabilities = {
   drains: boolean;
   /** Runs on GPUs only (a device cuda, cuda:N or cuda:N,M,…). */
   gpuOnly: boolean;
+  /**
+   * Shares a GPU with other agents' engines (a preset's `gpu_memory` and `take_turns`): it keeps to its
+   * share of the GPU and gives memory back when it hands a GPU turn over (EngineAdapter.releaseGpu).
+   * @defaultValue false
+   */
+  sharesGpu?: boolean;
   /** How it runs one model over its agent's devices, as a phrase (a preset that asks for another split is told). */
   placement: string;
   /** The preset model fields it uses (presets/schema.ts: `parallelism.*`, `offload`). */

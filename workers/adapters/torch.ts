@@ -168,6 +168,11 @@ export class TorchAdapter implements EngineAdapter {
     return this.engine.call('snapshot_state', { model_id: modelId, root, seq_id: seqId, keep });
   }
 
+  /** A GPU turn handed over (workers/gpu-turns.ts): the allocator's cached blocks go back to the device; the models stay. */
+  async releaseGpu(): Promise<void> {
+    await this.engine.call('memory', { release: true });
+  }
+
   async unloadModel(modelId: string): Promise<void> {
     await this.engine.call('unload_model', { model_id: modelId });
   }
@@ -187,10 +192,11 @@ export class TorchAdapter implements EngineAdapter {
   }
 }
 
-/** The torch engine process's environment: its settings, and the configured CPU threads (TB_ENGINE_THREADS) as its OMP_NUM_THREADS. */
+/** The torch engine process's environment: its settings, its share of the GPU (TB_GPU_MEMORY), and the configured CPU threads (TB_ENGINE_THREADS) as its OMP_NUM_THREADS. */
 function torchEnv(config: AgentConfig): NodeJS.ProcessEnv {
   return {
     ...engineSettingsEnv(config.engineSettings),
+    ...(config.gpuMemory === undefined ? {} : { TB_GPU_MEMORY: String(config.gpuMemory) }),
     ...(config.engineThreads === undefined ? {} : { OMP_NUM_THREADS: String(config.engineThreads) }),
   };
 }
@@ -208,6 +214,7 @@ export const TORCH_ENGINE = registerEngine({
     samplePriority: 1,
     drains: true,
     gpuOnly: false,
+    sharesGpu: true,
     placement: 'runs a model on one device',
     modelOptions: [],
   },

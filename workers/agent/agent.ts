@@ -17,6 +17,7 @@ import { rebuildCheckpoints } from '../rebuild.js';
 import { AgentSnapshots } from '../snapshots.js';
 import { Adoption } from './adoption.js';
 import { restoreDrained, saveDrained, type DrainStateOptions } from './drain.js';
+import { GpuTurns, takingTurns } from '../gpu-turns.js';
 import { EngineSupervisor } from './engine.js';
 import { Registration } from './registration.js';
 import { SampleWorkers } from './samples.js';
@@ -41,6 +42,8 @@ export class Agent {
   /** This process start; the liveness key and outcome claims carry it. */
   readonly incarnation = randomUUID();
   private readonly adapter: EngineAdapter;
+  /** GPU turns with the other agents on its GPU (config.gpuTurns, workers/gpu-turns.ts); the adapter runs its GPU work inside them. */
+  private readonly turns: GpuTurns | undefined;
   /** What the adapter's engine does (its registration, workers/adapters/registry.ts). */
   private readonly capabilities: EngineCapabilities;
   private redis!: Redis;
@@ -69,7 +72,11 @@ export class Agent {
   ) {
     this.names = new Names(config.prefix);
     this.log = rootLogger.child({ agentId: config.agentId });
-    this.adapter = adapter ?? Agent.adapterFor(config, this.log);
+    const own = adapter ?? Agent.adapterFor(config, this.log);
+    if (config.gpuTurns) {
+      this.turns = new GpuTurns({ names: this.names, gpu: config.gpuTurns.gpu, agentId: config.agentId, log: this.log, maxTurnMs: config.gpuTurns.maxTurnMs });
+      this.adapter = takingTurns(own, this.turns);
+    } else this.adapter = own;
     this.capabilities = engineOf(this.adapter.kind).capabilities;
     if (this.capabilities.sampleBatch && !this.adapter.sampleBatch) throw new Error(`engine '${this.adapter.kind}' registers sampleBatch, but its adapter has no sampleBatch method`);
   }
@@ -92,6 +99,7 @@ export class Agent {
     // Reconnect within a second of Redis coming back, well inside the reaper's grace.
     const redis = (this.redis = connect(config.redisUrl, 'blocking', { retryStrategy: (n) => Math.min(n * 50, 1_000) }));
     redis.on('error', (err) => this.redisError('agent', err));
+    this.turns?.attach(redis);
     redis.on('ready', () => {
       if (!this.redisDown) return;
       this.redisDown = false;

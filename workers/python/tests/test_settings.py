@@ -27,9 +27,10 @@ def test_defaults_when_unset_or_empty() -> None:
 def test_values_are_parsed() -> None:
     s = load(EngineSettings, {"TB_ENGINE_DEVICE": "cuda:1", "TB_ENGINE_DTYPE": "bfloat16", "TB_ENGINE_LOG_LEVEL": "warning",
                               "TB_ENGINE_SAMPLE_TOKENS": "1000", "TB_ENGINE_SAMPLER_CACHE": "2",
-                              "TB_ENGINE_MAX_BATCH_TOKENS": "12", "TB_ENGINE_CHECK_RESULTS": "1"})
+                              "TB_ENGINE_MAX_BATCH_TOKENS": "12", "TB_ENGINE_CHECK_RESULTS": "1", "TB_GPU_MEMORY": "0.35"})
     assert s == EngineSettings(device="cuda:1", dtype="bfloat16", log_level="WARNING", sample_tokens=1000,
-                               sampler_cache=2, max_batch_tokens=12, check_results=True)
+                               sampler_cache=2, max_batch_tokens=12, check_results=True, memory_fraction=0.35)
+    assert load(EngineSettings, {"TB_GPU_MEMORY": "1"}).memory_fraction == 1.0
     v = load(VerlSettings, {"TB_VERL_STRATEGY": "veomni", "TB_VERL_OFFLOAD": "1", "TB_VERL_GRAD_CKPT": "false",
                             "TB_VERL_ATTN": "eager", "TB_VERL_RECORD": "/tmp/x", "TB_VERL_RECORD_MAX_TOKENS": "64"})
     assert v == VerlSettings(strategy="veomni", offload=True, grad_ckpt=False, attn="eager", record="/tmp/x",
@@ -45,6 +46,10 @@ def test_values_are_parsed() -> None:
     (EngineSettings, "TB_ENGINE_DTYPE", "fp8", "one of float32, bfloat16, float16"),
     (EngineSettings, "TB_ENGINE_LOG_LEVEL", "loud", "one of DEBUG, INFO, WARNING, ERROR"),
     (EngineSettings, "TB_ENGINE_CHECK_RESULTS", "yes", "1, 0, true or false"),
+    (EngineSettings, "TB_GPU_MEMORY", "0", "a number above 0 and at most 1"),
+    (EngineSettings, "TB_GPU_MEMORY", "1.5", "a number above 0 and at most 1"),
+    (EngineSettings, "TB_GPU_MEMORY", "nan", "a number above 0 and at most 1"),
+    (EngineSettings, "TB_GPU_MEMORY", "-0.5", "a number above 0 and at most 1"),
     (EngineSettings, "TB_LOSS_CATALOGUE", "/nonexistent/losses.json", "a file that exists"),
     (VerlSettings, "TB_VERL_STRATEGY", "megatron", "one of fsdp2, fsdp, veomni"),
     (VerlSettings, "TB_VERL_OFFLOAD", "on", "1, 0, true or false"),

@@ -76,6 +76,9 @@ def test_memory_op_answers_as_the_torch_engine(engine: Any, verl: tuple[VerlEngi
     ours, theirs = ve.call("memory", {"reset_peak": True}), engine.call("memory", {"reset_peak": True})
     assert sorted(ours) == sorted(theirs) == ["allocated_bytes", "device", "max_allocated_bytes", "reserved_bytes"]
     assert ours["device"] == theirs["device"] == "cpu"
+    # A GPU turn handed over (release): the cached blocks go back; on the CPU there are none, the models stay.
+    released = engine.call("memory", {"release": True})
+    assert released == {"device": "cpu", "allocated_bytes": 0, "reserved_bytes": 0, "max_allocated_bytes": 0}
 
 
 def test_seeded_init_and_sampler_adapter_equal_the_torch_engine(engine: Any, verl: tuple[VerlEngine, VerlModel],

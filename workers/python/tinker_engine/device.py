@@ -42,5 +42,8 @@ def placement_from_env(settings: EngineSettings | None = None) -> Placement:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
+    if device.type == "cuda" and s.memory_fraction is not None:
+        # Agents sharing the GPU (a preset's gpu_memory): this process's allocator stops at its share.
+        torch.cuda.set_per_process_memory_fraction(s.memory_fraction, device)
     dtype_name = s.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     return Placement(device=device, dtype=DTYPES[dtype_name])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import traceback
@@ -35,10 +36,17 @@ SteppedOp = Callable[[dict[str, Any]], Steps]
 
 
 
-def device_memory(device: torch.device, name: str, reset_peak: bool) -> dict[str, Any]:
-    """The ``memory`` op: device memory in bytes (CUDA; zeros on the CPU); ``reset_peak`` restarts the peak count."""
+def device_memory(device: torch.device, name: str, reset_peak: bool, release: bool = False) -> dict[str, Any]:
+    """The ``memory`` op: device memory in bytes (CUDA; zeros on the CPU); ``reset_peak`` restarts the peak
+    count; ``release`` first gives the allocator's cached blocks back to the device (a GPU turn handed over
+    to another engine on the GPU: what the models and their optimizer state hold stays)."""
+    if release:
+        gc.collect()
     if device.type != "cuda":
         return {"device": name, "allocated_bytes": 0, "reserved_bytes": 0, "max_allocated_bytes": 0}
+    if release:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
     result = {"device": name, "allocated_bytes": torch.cuda.memory_allocated(device),
               "reserved_bytes": torch.cuda.memory_reserved(device),
               "max_allocated_bytes": torch.cuda.max_memory_allocated(device)}
@@ -131,7 +139,8 @@ class Engine:
         return {"model_id": model.model_id, "lora_rank": model.lora.rank}
 
     def memory(self, args: dict[str, Any]) -> dict[str, Any]:
-        return device_memory(self.placement.device, self.placement.device_name, bool(args.get("reset_peak")))
+        return device_memory(self.placement.device, self.placement.device_name, bool(args.get("reset_peak")),
+                             bool(args.get("release")))
 
     def unload_model(self, args: dict[str, Any]) -> dict[str, Any]:
         model_id = get_str(args, "model_id")

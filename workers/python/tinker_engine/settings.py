@@ -56,6 +56,17 @@ def positive_int(raw: str) -> int:
     return int(raw)
 
 
+def fraction(raw: str) -> float:
+    """A decimal number in (0, 1] (the agent writes it as JavaScript prints a number)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not re.fullmatch(r"[0-9]*\.?[0-9]+(e-?[0-9]+)?", raw) or not 0 < value <= 1:
+        raise ValueError("a number above 0 and at most 1")
+    return value
+
+
 def flag(raw: str) -> bool:
     """``1``/``true`` or ``0``/``false`` (the agent writes ``1``/``0``)."""
     if raw not in ("1", "true", "0", "false"):
@@ -144,6 +155,9 @@ class EngineSettings:
     #: and nothing is recomputed. The default keeps them whole, the path measured on the GPU, until
     #: bench/gpu/packing.sh shows what chunks cost there (docs/benchmarks.md).
     head_chunk_tokens: int = variable("TB_ENGINE_HEAD_CHUNK_TOKENS", positive_int, 16384)
+    #: ``TB_GPU_MEMORY`` (the agent's): the share of the GPU this engine may use, 0 < x <= 1 (a preset's
+    #: ``gpu_memory``, when agents share a GPU): the CUDA allocator is capped there (device.py); unset: no cap.
+    memory_fraction: float | None = variable("TB_GPU_MEMORY", fraction, None)
     #: ``TB_ENGINE_CHECK_RESULTS`` (internal; the tests set it): every result is checked against its op's schema.
     check_results: bool = variable("TB_ENGINE_CHECK_RESULTS", flag, False)
     #: ``TB_LOSS_CATALOGUE`` (internal): another copy of queues/contract/losses.json; unset: the project's.

@@ -197,7 +197,7 @@ class VerlEngine:
     def memory(self, args: dict[str, Any]) -> dict[str, Any]:
         """The torch engine's ``memory`` op for this rank's GPU (rank 0's figures reach the channel)."""
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        return device_memory(device, str(device), bool(args.get("reset_peak")))
+        return device_memory(device, str(device), bool(args.get("reset_peak")), bool(args.get("release")))
 
     def sample(self, args: dict[str, Any]) -> dict[str, Any]:
         raise UserError("the verl engine trains only: sample through a vLLM or torch agent serving this base model")
