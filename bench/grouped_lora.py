@@ -9,8 +9,9 @@ target (rank --rank), each with --datums datums of --seq tokens and cross_entrop
 for --rounds rounds (median ms): the N forward_backward ops one after another (``solo``), one
 forward_backward_group of the N with each adapter over its tokens on its own (``one by one``,
 cobatch.GROUPED off) and with the grouped product (``grouped``). ``ops`` counts the leaf aten ops of
-one pass (an op that calls no other aten op: on a GPU, about one kernel launch each; on CUDA the
-cudaLaunchKernel calls themselves) from torch.profiler, once per variant.
+one pass (an op that calls no other aten op, a multi-tensor ``_foreach_`` op as one: on a GPU, about
+one kernel launch each; on CUDA the cudaLaunchKernel calls themselves) from torch.profiler, once per
+variant.
 """
 
 from __future__ import annotations
@@ -78,8 +79,20 @@ def launches(fn: Callable[[], None], cuda: bool) -> int:
             torch.cuda.synchronize()
     if cuda:
         return sum(e.count for e in prof.key_averages() if "LaunchKernel" in e.key)
-    return sum(1 for e in prof.events() if e.name.startswith("aten::")
-               and not any(c.name.startswith("aten::") for c in e.cpu_children))
+    return sum(1 for e in prof.events() if _leaf(e))
+
+
+def _leaf(e: Any) -> bool:
+    """An aten op that calls no other aten op; a multi-tensor ``_foreach_`` op counts as one (the CPU
+    runs it per tensor, CUDA in a launch or a few)."""
+    if not e.name.startswith("aten::"):
+        return False
+    parent = e.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::_foreach_"):
+            return False
+        parent = parent.cpu_parent
+    return e.name.startswith("aten::_foreach_") or not any(c.name.startswith("aten::") for c in e.cpu_children)
 
 
 def measure(eng: Engine, base: str, members: list[int], datums: int, seq: int, rank: int, rounds: int) -> None:

@@ -53,12 +53,15 @@ def test_plan_covers_each_members_tokens_once() -> None:
         make_plan([("a", 2, 2)], [1.0], torch.device("cpu"), torch.float32)
 
 
+@pytest.mark.parametrize("start", ["no grad", "accumulated"])
 @pytest.mark.parametrize("runs", [
     [("a", 0, 5), ("b", 5, 9), ("c", 9, 21)],  # unequal runs: pieces of the mean length
     [("a", 0, 7), ("c", 10, 17)],  # equal runs, a gap of tokens without LoRA, two of the ranks
     [("b", 0, 6), ("a", 6, 12), ("c", 12, 18)],  # equal runs
 ])
-def test_grouped_equals_one_adapter_at_a_time(engine: Engine, runs: list[tuple[str, int, int]]) -> None:
+def test_grouped_equals_one_adapter_at_a_time(engine: Engine, runs: list[tuple[str, int, int]], start: str) -> None:
+    # Parameters without a .grad take autograd's accumulation through the stacked weights; with one (the
+    # engine's flat buffers) the grouped backward adds into it itself (grouped_lora._Product).
     layer, adapters = _layer(engine)
     runs = [(adapters[name], lo, hi) for name, lo, hi in runs]
     assert groupable(layer, [name for name, _, _ in runs])
@@ -70,9 +73,9 @@ def test_grouped_equals_one_adapter_at_a_time(engine: Engine, runs: list[tuple[s
     outcomes = []
     for grouped in (False, True):
         for name in RANKS:
-            for p in engine.registry.model(name).parameters():
-                p.grad = None
+            for k, p in enumerate(engine.registry.model(name).parameters()):
                 p.requires_grad_(adapters[name] != frozen)
+                p.grad = torch.full_like(p, 0.01 * k) if start == "accumulated" and p.requires_grad else None
         tokens = x.clone().requires_grad_(True)
         out = layer.base_layer(tokens)
         if grouped:
@@ -83,6 +86,10 @@ def test_grouped_equals_one_adapter_at_a_time(engine: Engine, runs: list[tuple[s
         (out * upstream).sum().backward()
         assert tokens.grad is not None
         weights = {name: (layer.lora_A[name].weight.grad, layer.lora_B[name].weight.grad) for name in adapters.values()}
+        if start == "accumulated":  # the parameters of other layers keep what they had
+            a_param = engine.registry.model("a").params
+            assert all(p.grad is not None and bool((p.grad == 0.01 * k).all()) for k, (n, p) in enumerate(a_param)
+                       if ".q_proj." not in n or ".layers.0." not in n)
         outcomes.append((out.detach(), tokens.grad, weights))
     (want_out, want_dx, want_w), (got_out, got_dx, got_w) = outcomes
     assert_close_up_to_summation_order(got_out, want_out, "output")
@@ -90,7 +97,7 @@ def test_grouped_equals_one_adapter_at_a_time(engine: Engine, runs: list[tuple[s
     present = {name for name, _, _ in runs}
     for name in adapters.values():
         for want, got, which in zip(want_w[name], got_w[name], "AB"):
-            if name == frozen or name not in present:
+            if name == frozen or (name not in present and start == "no grad"):
                 assert want is None and got is None, (name, which)
             else:
                 assert want is not None and got is not None, (name, which)

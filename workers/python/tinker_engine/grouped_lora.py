@@ -31,6 +31,7 @@ runs that layer's adapters one at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,13 +45,14 @@ class Plan:
     ``adapters``: the members present, in token order; ``pieces``: per block row group (piece), the
     index into ``adapters`` of its member; ``rows``: (P * Lc,) token index of each block row (a
     padding row repeats its piece's last token); ``scale``: (P, Lc, 1), the piece's member's scaling
-    on its tokens, 0 on padding rows."""
+    on its tokens, 0 on padding rows; ``owners``: ``pieces`` on the device."""
 
     adapters: tuple[str, ...]
     pieces: tuple[int, ...]
     length: int
     rows: torch.Tensor
     scale: torch.Tensor
+    owners: torch.Tensor
 
 
 def make_plan(runs: list[tuple[str, int, int]], scalings: list[float], device: torch.device,
@@ -77,6 +79,7 @@ def make_plan(runs: list[tuple[str, int, int]], scalings: list[float], device: t
         length=length,
         rows=torch.cat(rows).to(device),
         scale=torch.stack(scale).to(device=device, dtype=dtype).unsqueeze(-1),
+        owners=torch.tensor(pieces, device=device),
     )
 
 
@@ -103,11 +106,71 @@ def add_grouped_(layer: LoraLinear, tokens: torch.Tensor, out: torch.Tensor, pla
     layer's input, ``out`` (T, out) its base output, updated in place."""
     a = [layer.lora_A[name].weight for name in plan.adapters]  # (r, in) each
     b = [layer.lora_B[name].weight for name in plan.adapters]  # (out, r) each
+    x = tokens.index_select(0, plan.rows).to(a[0].dtype).view(len(plan.pieces), plan.length, -1)
+    trained = [w.requires_grad for w in a] + [w.requires_grad for w in b]
+    if torch.is_grad_enabled() and any(trained) and all(w.grad is not None for w in a + b if w.requires_grad):
+        y = _Product.apply(x, next(w for w in a + b if w.requires_grad), plan, a, b)
+    else:
+        y = _product(x, _stack_a(plan, a), _stack_b(plan, b), plan.scale)
+    out.index_add_(0, plan.rows, y.view(-1, y.shape[-1]).to(out.dtype))
+
+
+def _stack_a(plan: Plan, a: list[torch.Tensor]) -> torch.Tensor:
+    """(P, r, in): each piece's member's A, its rank zero-padded to the largest."""
     rank = max(w.shape[0] for w in a)
     a = [w if w.shape[0] == rank else F.pad(w, (0, 0, 0, rank - w.shape[0])) for w in a]
+    return torch.stack([a[k] for k in plan.pieces])
+
+
+def _stack_b(plan: Plan, b: list[torch.Tensor]) -> torch.Tensor:
+    """(P, out, r): each piece's member's B, its rank zero-padded to the largest."""
+    rank = max(w.shape[1] for w in b)
     b = [w if w.shape[1] == rank else F.pad(w, (0, rank - w.shape[1])) for w in b]
-    stacked_a = torch.stack([a[k] for k in plan.pieces])  # (P, r, in)
-    stacked_b = torch.stack([b[k] for k in plan.pieces])  # (P, out, r)
-    x = tokens.index_select(0, plan.rows).to(stacked_a.dtype).view(len(plan.pieces), plan.length, -1)
-    y = torch.bmm(torch.bmm(x, stacked_a.transpose(1, 2)), stacked_b.transpose(1, 2)) * plan.scale
-    out.index_add_(0, plan.rows, y.view(-1, y.shape[-1]).to(out.dtype))
+    return torch.stack([b[k] for k in plan.pieces])
+
+
+def _product(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(torch.bmm(x, a.transpose(1, 2)), b.transpose(1, 2)) * scale
+
+
+class _Product(torch.autograd.Function):
+    """``_product`` of the stacked weights, whose backward adds each member's weight gradients into
+    its parameters' ``.grad`` (the adapter's flat gradient buffer, flat.py) with two ``_foreach_add_``
+    (a launch or a few for all members) instead of autograd's accumulation, a launch per parameter.
+    That is what autograd would do with the stack: the gradient of a stacked weight is its member's
+    slice of the stack's gradient, summed over the member's pieces, its zero padding dropped; a member
+    whose parameters do not require grad gets none. ``anchor`` (a parameter that requires grad) is an
+    input only so that the output requires grad where ``x`` does not (the first layer's input); it
+    gets no gradient through here."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor, plan: Plan,  # type: ignore[override]
+                a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
+            stacked_a, stacked_b = _stack_a(plan, a), _stack_b(plan, b)
+            h = torch.bmm(x, stacked_a.transpose(1, 2))
+            y = torch.bmm(h, stacked_b.transpose(1, 2)) * plan.scale
+        ctx.save_for_backward(x, h, stacked_a, stacked_b)
+        ctx.plan, ctx.a, ctx.b = plan, a, b
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, h, stacked_a, stacked_b = ctx.saved_tensors
+        plan: Plan = ctx.plan
+        g = grad * plan.scale  # (P, Lc, out)
+        gh = torch.bmm(g, stacked_b)  # (P, Lc, r)
+        grad_b = torch.bmm(g.transpose(1, 2), h)  # (P, out, r)
+        grad_a = torch.bmm(gh.transpose(1, 2), x)  # (P, r, in)
+        if len(plan.pieces) > len(plan.adapters):  # a member's pieces: one sum per member
+            grad_a = grad_a.new_zeros((len(plan.adapters), *grad_a.shape[1:])).index_add_(0, plan.owners, grad_a)
+            grad_b = grad_b.new_zeros((len(plan.adapters), *grad_b.shape[1:])).index_add_(0, plan.owners, grad_b)
+        # Member k's A (r_k, in) and B (out, r_k): its slices of the gradients, the rank padding cut off.
+        ranks = [w.shape[0] for w in ctx.a]
+        for params, grads in ((ctx.a, [grad_a[k, :r] for k, r in enumerate(ranks)]),
+                              (ctx.b, [grad_b[k, :, :r] for k, r in enumerate(ranks)])):
+            pairs = [(p.grad, g) for p, g in zip(params, grads) if p.requires_grad]
+            if pairs:
+                torch._foreach_add_([p for p, _ in pairs], [g for _, g in pairs])
+        grad_x = torch.bmm(gh, stacked_a) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None, None, None
