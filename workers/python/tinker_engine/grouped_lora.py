@@ -150,14 +150,18 @@ class _Product(torch.autograd.Function):
             stacked_a, stacked_b = _stack_a(plan, a), _stack_b(plan, b)
             h = torch.bmm(x, stacked_a.transpose(1, 2))
             y = torch.bmm(h, stacked_b.transpose(1, 2)) * plan.scale
-        ctx.save_for_backward(x, h, stacked_a, stacked_b)
+        # The stacks are made again in the backward (two copies) rather than kept: kept for every layer,
+        # they would hold a copy of every member's whole adapter until the backward.
+        ctx.save_for_backward(x, h)
         ctx.plan, ctx.a, ctx.b = plan, a, b
         return y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        x, h, stacked_a, stacked_b = ctx.saved_tensors
+        x, h = ctx.saved_tensors
         plan: Plan = ctx.plan
+        with torch.no_grad():
+            stacked_a, stacked_b = _stack_a(plan, ctx.a), _stack_b(plan, ctx.b)
         g = grad * plan.scale  # (P, Lc, out)
         gh = torch.bmm(g, stacked_b)  # (P, Lc, r)
         grad_b = torch.bmm(g.transpose(1, 2), h)  # (P, out, r)
