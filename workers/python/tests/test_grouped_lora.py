@@ -13,7 +13,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 
 from tinker_engine.cobatch import _one_by_one
 from tinker_engine.engine import Engine
-from tinker_engine.grouped_lora import add_grouped_, groupable, make_plan
+from tinker_engine.grouped_lora import add_grouped_, make_plan, plain_weights
 
 from helpers import assert_close_up_to_summation_order, create, perturb
 
@@ -64,7 +64,8 @@ def test_grouped_equals_one_adapter_at_a_time(engine: Engine, runs: list[tuple[s
     # engine's flat buffers) the grouped backward adds into it itself (grouped_lora._Product).
     layer, adapters = _layer(engine)
     runs = [(adapters[name], lo, hi) for name, lo, hi in runs]
-    assert groupable(layer, [name for name, _, _ in runs])
+    weights = plain_weights(layer, [name for name, _, _ in runs])
+    assert weights is not None
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(21, layer.in_features, generator=gen)
     upstream = torch.randn(21, layer.out_features, generator=gen)
@@ -80,17 +81,17 @@ def test_grouped_equals_one_adapter_at_a_time(engine: Engine, runs: list[tuple[s
         out = layer.base_layer(tokens)
         if grouped:
             scalings = [float(layer.scaling[name]) for name, _, _ in runs]
-            add_grouped_(layer, tokens, out, make_plan(runs, scalings, x.device, torch.float32))
+            add_grouped_(weights, tokens, out, make_plan(runs, scalings, x.device, torch.float32))
         else:
             _one_by_one(layer, tokens, out, runs)
         (out * upstream).sum().backward()
         assert tokens.grad is not None
-        weights = {name: (layer.lora_A[name].weight.grad, layer.lora_B[name].weight.grad) for name in adapters.values()}
+        weight_grads = {name: (layer.lora_A[name].weight.grad, layer.lora_B[name].weight.grad) for name in adapters.values()}
         if start == "accumulated":  # the parameters of other layers keep what they had
             a_param = engine.registry.model("a").params
             assert all(p.grad is not None and bool((p.grad == 0.01 * k).all()) for k, (n, p) in enumerate(a_param)
                        if ".q_proj." not in n or ".layers.0." not in n)
-        outcomes.append((out.detach(), tokens.grad, weights))
+        outcomes.append((out.detach(), tokens.grad, weight_grads))
     (want_out, want_dx, want_w), (got_out, got_dx, got_w) = outcomes
     assert_close_up_to_summation_order(got_out, want_out, "output")
     assert_close_up_to_summation_order(got_dx, want_dx, "input gradient")
@@ -104,14 +105,15 @@ def test_grouped_equals_one_adapter_at_a_time(engine: Engine, runs: list[tuple[s
                 assert_close_up_to_summation_order(got, want, f"{name} lora_{which} gradient")
 
 
-def test_what_the_grouped_form_does_not_compute_is_not_groupable(engine: Engine) -> None:
+def test_what_the_grouped_form_does_not_compute_is_not_grouped(engine: Engine) -> None:
     layer, adapters = _layer(engine)
     names = list(adapters.values())
-    assert groupable(layer, names)
+    assert plain_weights(layer, names) is not None
     layer.lora_dropout[names[1]] = torch.nn.Dropout(0.1)
-    assert not groupable(layer, names)
-    assert groupable(layer, [names[0], names[2]])
+    assert plain_weights(layer, names) is None
+    assert plain_weights(layer, [names[0], names[2]]) is not None
     layer.lora_dropout[names[1]] = torch.nn.Dropout(0.0)
-    assert groupable(layer, names)
+    assert plain_weights(layer, names) is not None
     layer.lora_B[names[2]] = torch.nn.Linear(RANKS["c"], layer.out_features, bias=True)
-    assert not groupable(layer, names)
+    layer.lora_bias[names[2]] = True
+    assert plain_weights(layer, names) is None

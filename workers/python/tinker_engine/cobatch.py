@@ -41,7 +41,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.lora.layer import LoraLayer
 
 from .errors import UserError
-from .grouped_lora import Plan, add_grouped_, groupable, make_plan
+from .grouped_lora import Plan, add_grouped_, make_plan, plain_weights
 from .models import BaseModel, Registry, TrainingModel
 from .rollback import check_grad_max_abs, check_losses, grad_max_abs
 from .tensors import wire
@@ -219,8 +219,9 @@ def _token_segments(base: BaseModel, segments: list[tuple[str, int, int]]) -> It
     per-row ``adapter_names`` path makes one per layer and adapter, which costs more on a GPU than
     separate passes, docs/benchmarks.md)."""
     assert base.peft is not None
-    layers = [m for m in base.peft.modules() if isinstance(m, LoraLinear)]
-    others = [type(m).__name__ for m in base.peft.modules() if isinstance(m, LoraLayer) and not isinstance(m, LoraLinear)]
+    found = _lora_layers(base.peft)
+    layers = [m for m in found if isinstance(m, LoraLinear)]
+    others = [type(m).__name__ for m in found if not isinstance(m, LoraLinear)]
     if others:  # the engine's adapters are on linear layers only (models.py LoraSpec)
         raise RuntimeError(f"co-batching runs LoRA on linear layers only, not on {sorted(set(others))}")
     plans: dict[tuple[Any, ...], Plan] = {}
@@ -236,13 +237,15 @@ def _token_segments(base: BaseModel, segments: list[tuple[str, int, int]]) -> It
             lo, hi = max(first, offset) - offset, min(end, offset + n) - offset
             if adapter in self.lora_A and lo < hi:
                 runs.append((adapter, lo, hi))
-        if GROUPED and len(runs) > 1 and groupable(self, [adapter for adapter, _, _ in runs]):
-            scalings = [float(self.scaling[adapter]) for adapter, _, _ in runs]
-            key = (tuple(runs), tuple(scalings))
+        weights = plain_weights(self, [adapter for adapter, _, _ in runs]) if GROUPED and len(runs) > 1 else None
+        if weights is not None:
+            scaling = self.scaling
+            scalings = tuple(float(scaling[adapter]) for adapter, _, _ in runs)
+            key = (tuple(runs), scalings)
             plan = plans.get(key)
             if plan is None:
-                plan = plans[key] = make_plan(runs, scalings, tokens.device, self.lora_A[runs[0][0]].weight.dtype)
-            add_grouped_(self, tokens, out_tokens, plan)
+                plan = plans[key] = make_plan(runs, list(scalings), tokens.device, weights[0][0].dtype)
+            add_grouped_(weights, tokens, out_tokens, plan)
         else:
             _one_by_one(self, tokens, out_tokens, runs)
         return result
@@ -254,6 +257,14 @@ def _token_segments(base: BaseModel, segments: list[tuple[str, int, int]]) -> It
     finally:
         for layer in layers:
             del layer.forward
+
+
+def _lora_layers(module: torch.nn.Module) -> list[LoraLayer]:
+    """The LoRA layers under ``module``, not looking inside them: each holds a module per adapter, so
+    the whole tree, walked per micro-batch, grows with the adapters loaded (thousands of modules)."""
+    if isinstance(module, LoraLayer):
+        return [module]
+    return [layer for child in module.children() for layer in _lora_layers(child)]
 
 
 def _one_by_one(layer: LoraLinear, tokens: torch.Tensor, out: torch.Tensor, runs: list[tuple[str, int, int]]) -> None:

@@ -24,7 +24,7 @@ gets none. The sums are PEFT's ``lora_B(lora_A(x)) * scaling`` per token, blocke
 The index tensors (``Plan``) depend only on the token layout, the members present and their
 scalings, so one plan serves every layer with the same members in a micro-batch: a host-to-device
 copy per plan, never per layer. What the batched form does not compute — dropout, DoRA or another
-PEFT variant, a LoRA bias, a non-linear LoRA module — makes ``groupable`` say no, and the caller
+PEFT variant, a LoRA bias, a non-linear LoRA module — makes ``plain_weights`` say no, and the caller
 runs that layer's adapters one at a time.
 """
 
@@ -83,33 +83,41 @@ def make_plan(runs: list[tuple[str, int, int]], scalings: list[float], device: t
     )
 
 
-def groupable(layer: LoraLinear, adapters: list[str]) -> bool:
-    """Whether ``adapters``' LoRA on ``layer`` is the plain product the grouped form computes: linear A
-    and B without bias, no dropout, no PEFT variant (DoRA, ...), one dtype."""
-    dtypes = set()
+Weights = tuple[list[torch.Tensor], list[torch.Tensor]]
+
+
+def plain_weights(layer: LoraLinear, adapters: list[str]) -> Weights | None:
+    """``adapters``' A (r, in) and B (out, r) weights on ``layer`` when their LoRA is the plain product
+    the grouped form computes: linear A and B without bias, no dropout, no PEFT variant (DoRA, ...),
+    one dtype; else None. (Per layer and pass: module attribute reads are hoisted, they cost.)"""
+    lora_a, lora_b, dropouts = layer.lora_A, layer.lora_B, layer.lora_dropout
+    variants, dora, bias = getattr(layer, "lora_variant", {}), getattr(layer, "use_dora", {}), getattr(layer, "lora_bias", {})
+    a: list[torch.Tensor] = []
+    b: list[torch.Tensor] = []
     for name in adapters:
-        a, b, dropout = layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
-        if type(a) is not torch.nn.Linear or type(b) is not torch.nn.Linear or a.bias is not None or b.bias is not None:
-            return False
-        if not isinstance(dropout, torch.nn.Identity) and not (isinstance(dropout, torch.nn.Dropout) and dropout.p == 0):
-            return False
-        if name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name, False):
-            return False
-        dtypes.add(a.weight.dtype)
-        dtypes.add(b.weight.dtype)
-    return len(dtypes) == 1
+        module_a, module_b, dropout = lora_a[name], lora_b[name], dropouts[name]
+        if type(module_a) is not torch.nn.Linear or type(module_b) is not torch.nn.Linear:
+            return None
+        if type(dropout) is not torch.nn.Identity and not (type(dropout) is torch.nn.Dropout and dropout.p == 0):
+            return None
+        if name in variants or dora.get(name, False) or bias.get(name, False):
+            return None
+        a.append(module_a.weight)
+        b.append(module_b.weight)
+    if any(w.dtype != a[0].dtype for w in a + b):
+        return None
+    return a, b
 
 
-def add_grouped_(layer: LoraLinear, tokens: torch.Tensor, out: torch.Tensor, plan: Plan) -> None:
-    """``out[t] += lora_B(lora_A(tokens[t])) * scaling`` for every token t of every member in ``plan``,
-    each through its own adapter on ``layer``, as one batched product. ``tokens`` (T, in) is the
-    layer's input, ``out`` (T, out) its base output, updated in place."""
-    a = [layer.lora_A[name].weight for name in plan.adapters]  # (r, in) each
-    b = [layer.lora_B[name].weight for name in plan.adapters]  # (out, r) each
+def add_grouped_(weights: Weights, tokens: torch.Tensor, out: torch.Tensor, plan: Plan) -> None:
+    """``out[t] += B @ A @ tokens[t] * scaling`` for every token t of every member in ``plan``, each
+    with its own adapter's ``weights`` (``plain_weights``, in ``plan.adapters`` order), as one batched
+    product. ``tokens`` (T, in) is the layer's input, ``out`` (T, out) its base output, updated in place."""
+    a, b = weights
     x = tokens.index_select(0, plan.rows).to(a[0].dtype).view(len(plan.pieces), plan.length, -1)
-    trained = [w.requires_grad for w in a] + [w.requires_grad for w in b]
-    if torch.is_grad_enabled() and any(trained) and all(w.grad is not None for w in a + b if w.requires_grad):
-        y = _Product.apply(x, next(w for w in a + b if w.requires_grad), plan, a, b)
+    trained = [w for w in a + b if w.requires_grad]
+    if torch.is_grad_enabled() and trained and all(w.grad is not None for w in trained):
+        y = _Product.apply(x, trained[0], plan, a, b)
     else:
         y = _product(x, _stack_a(plan, a), _stack_b(plan, b), plan.scale)
     out.index_add_(0, plan.rows, y.view(-1, y.shape[-1]).to(out.dtype))
@@ -170,9 +178,12 @@ class _Product(torch.autograd.Function):
             grad_a = grad_a.new_zeros((len(plan.adapters), *grad_a.shape[1:])).index_add_(0, plan.owners, grad_a)
             grad_b = grad_b.new_zeros((len(plan.adapters), *grad_b.shape[1:])).index_add_(0, plan.owners, grad_b)
         # Member k's A (r_k, in) and B (out, r_k): its slices of the gradients, the rank padding cut off.
+        grads_a, grads_b = grad_a.unbind(0), grad_b.unbind(0)
         ranks = [w.shape[0] for w in ctx.a]
-        for params, grads in ((ctx.a, [grad_a[k, :r] for k, r in enumerate(ranks)]),
-                              (ctx.b, [grad_b[k, :, :r] for k, r in enumerate(ranks)])):
+        if min(ranks) < grad_a.shape[1]:
+            grads_a = tuple(g[:r] for g, r in zip(grads_a, ranks))
+            grads_b = tuple(g[:, :r] for g, r in zip(grads_b, ranks))
+        for params, grads in ((ctx.a, grads_a), (ctx.b, grads_b)):
             pairs = [(p.grad, g) for p, g in zip(params, grads) if p.requires_grad]
             if pairs:
                 torch._foreach_add_([p for p, _ in pairs], [g for _, g in pairs])
