@@ -43,7 +43,7 @@ from peft.tuners.lora.layer import LoraLayer
 from .errors import UserError
 from .grouped_lora import Plan, add_grouped_, make_plan, plain_weights
 from .models import BaseModel, Registry, TrainingModel
-from .rollback import check_grad_max_abs, check_losses, grad_max_abs
+from .rollback import check_grad_max_abs, check_losses
 from .tensors import wire
 from .chunked_logprobs import token_offset
 from .packing import LAYOUTS, Layout, Staged, isolates_datums
@@ -169,7 +169,9 @@ def _run_batch(base: BaseModel, staged: Staged, rows: list[_Member]) -> None:
         checks = [losses.detach().float(), sums.detach().float()]
         if live:
             torch.stack([sums[here.index(m)] for m in live]).sum().backward()
-            checks.append(torch.stack([grad_max_abs([m.model.flat.weight]).reshape(()) for m in live]).float())
+            # Each live member's gradient max-abs (rollback.grad_max_abs of its flat gradient), one
+            # multi-tensor kernel for all of them.
+            checks.append(torch.stack(torch._foreach_norm([m.model.flat.grad for m in live], float("inf"))).float())
         host = torch.cat([*checks, *(lp.detach().reshape(-1) for lp in lps)]).cpu()
     at = len(batch) + len(here) + (len(live) if live else 0)
     for m, d in zip(rows, batch):
