@@ -165,7 +165,7 @@ def _run_batch(base: BaseModel, staged: Staged, rows: list[_Member]) -> None:
         lps = batch_logprobs(base, staged)
         losses = torch.stack([m.req.loss.fn(lp, inputs, m.req.config) for m, lp, inputs in zip(rows, lps, staged.inputs)])
         # Each member's summed loss over its rows here (float32 on the device, as forward_backward sums a micro-batch).
-        sums = torch.stack([losses[[r for r, o in enumerate(rows) if o is m]].sum() for m in here])
+        sums = torch.stack([losses[_rows_of(m, rows)].sum() for m in here])
         checks = [losses.detach().float(), sums.detach().float()]
         if live:
             torch.stack([sums[here.index(m)] for m in live]).sum().backward()
@@ -190,6 +190,13 @@ def _run_batch(base: BaseModel, staged: Staged, rows: list[_Member]) -> None:
             m.error = str(e)
             continue
         m.total += float(host[len(batch) + k])
+
+
+def _rows_of(m: _Member, rows: list[_Member]) -> slice | list[int]:
+    """The micro-batch rows of ``m``'s datums: a slice where they are consecutive (as staged, see
+    ``_segments``: no index list to copy to the device), else their list."""
+    mine = [r for r, o in enumerate(rows) if o is m]
+    return slice(mine[0], mine[-1] + 1) if mine[-1] - mine[0] + 1 == len(mine) else mine
 
 
 def _segments(names: list[str], slots: list[tuple[int, int]]) -> list[tuple[str, int, int]]:
