@@ -149,7 +149,7 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
       engine: byName.get(a.models[0]!)!.engine,
       models: a.models,
       here: !opts.apiOnly && chosen.includes(a),
-      gpu: a.gpu_memory === undefined ? '-' : `${a.gpu_memory}${a.take_turns ? ', turns' : ''}`,
+      gpu: [a.gpu_memory, a.take_turns ? 'turns' : undefined].filter((x) => x !== undefined).join(', ') || '-',
     })),
     storage: { dir: storageDir, retentionS },
   };
