@@ -157,7 +157,7 @@ class _Product(torch.autograd.Function):
         with torch.no_grad():
             stacked_a, stacked_b = _stack_a(plan, a), _stack_b(plan, b)
             h = torch.bmm(x, stacked_a.transpose(1, 2))
-            y = torch.bmm(h, stacked_b.transpose(1, 2)) * plan.scale
+            y = torch.bmm(h, stacked_b.transpose(1, 2)).mul_(plan.scale)  # in place: the output layer's y is large
         # The stacks are made again in the backward (two copies) rather than kept: kept for every layer,
         # they would hold a copy of every member's whole adapter until the backward.
         ctx.save_for_backward(x, h)
