@@ -107,8 +107,12 @@ def test_group_equals_each_model_alone(engine: Engine, group_layout: str) -> Non
     solo_reqs = _requests(engine, "-solo", vocab)
     group_reqs = _requests(engine, "-grp", vocab)
     solo = [fb(engine, r["model_id"], r["loss_fn"], r["data"], r["loss_fn_config"]) for r in solo_reqs]
+    one_by_one = _count_one_by_one(engine, [r["model_id"] for r in group_reqs])
     grouped = _group(engine, group_reqs)
     assert len(grouped) == len(solo)
+    # Every decoder layer holds two members or more: they run as one grouped product. The output layer
+    # runs per datum here (a datum's (N, K) targets: train.batch_logprobs), one member at a time.
+    assert one_by_one and all(name.endswith("lm_head") for name in one_by_one), one_by_one
     for s, g, r in zip(solo, grouped, group_reqs):
         assert "error" not in g, g
         assert len(g["loss_fn_outputs"]) == len(s["loss_fn_outputs"])
