@@ -8,7 +8,8 @@ punica do, written for this engine):
 
 - the layer input's tokens are gathered into a (P, Lc, in) block, one index op: each member's run
   cut into pieces of at most Lc tokens (Lc the mean run length, so the padding stays below the
-  tokens themselves), a piece's padding rows pointing at its own member's last token;
+  tokens themselves), a piece's padding rows pointing at its own member's last token (so that
+  0 x inf on a padding row stays within the member whose activation is not finite);
 - the members' A (r, in) and B (out, r) are stacked, one per piece, ranks zero-padded to the largest
   (a zero column of A gives a zero column of A x, which meets a zero row of B: exact zeros);
 - two ``torch.bmm``, then one multiply by a (P, Lc, 1) tensor holding each piece's member's scaling
@@ -16,10 +17,13 @@ punica do, written for this engine):
 - the (P * Lc, out) products are added into the layer's (tokens, out) output at the gathered rows,
   one ``index_add_`` (a padding row adds its 0 to its own member's token).
 
-Stack, pad and the index ops are differentiable, so each member's LoRA parameters get the gradient of
-its own tokens' outputs, and a member whose parameters do not require grad (a forward-only member)
-gets none. The sums are PEFT's ``lora_B(lora_A(x)) * scaling`` per token, blocked differently
-(batched instead of one matrix product per member): equal up to float32 summation order.
+Each member's LoRA parameters get the gradient of its own tokens' outputs, and a member whose
+parameters do not require grad (a forward-only member) gets none: the gradient autograd would give
+through the stack and the padding, which the backward (``_Product``) adds into each member's ``.grad``
+itself, with one multi-tensor add for all members instead of an accumulation per parameter (where a
+parameter has no ``.grad`` yet, autograd does it through the stack). The sums are PEFT's
+``lora_B(lora_A(x)) * scaling`` per token, blocked differently (batched instead of one matrix product
+per member): equal up to float32 summation order.
 
 The index tensors (``Plan``) depend only on the token layout, the members present and their
 scalings, so one plan serves every layer with the same members in a micro-batch: a host-to-device
