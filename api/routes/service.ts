@@ -13,7 +13,7 @@ export const CAPABILITY_NOTES = [
   'gspo: GSPO-token as in Tinker\'s docs; default clip thresholds 1 - 3e-4 / 1 + 4e-4 (GSPO paper); without sequence_ratio_mask the ratio spans the tokens with a nonzero advantage',
   'cispo: default clip thresholds 0.0 / 4.0 (one-sided, as Tinker documents)',
   'optimizers: adamw only (dimuon refused)',
-  'custom losses (create_custom_loss) run on the server in one forward_backward (torch engine; verl refuses them): the traced graph is rebuilt from an allowlist of torch, math and operator functions (queues/contract/custom-loss.json), inputs of rank 1 and 2; metrics: loss:sum and the loss\'s custom/* metrics (no surrogate_loss:sum)',
+  'custom losses (create_custom_loss) run on the server in one forward_backward (torch engine; verl refuses them): the traced graph is rebuilt from an allowlist of torch, math and operator functions (queues/contract/custom-loss.json), inputs of rank 0 (per-datum scalar), 1 and 2; metrics: loss:sum and the loss\'s custom/* metrics (no surrogate_loss:sum)',
 ];
 export function serviceRoutes(ctx: ApiContext): Router {
   const r = Router();
