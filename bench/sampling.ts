@@ -16,6 +16,7 @@ import { children } from './proc.js';
  *   node --import tsx bench/sampling.ts ratio [n=32] [max_tokens=64] [prompt_len=16] [rounds=3]
  *     n concurrent one-sample requests with distinct prompts against one request for n samples
  *     (prompts of the same length, same max_tokens); prints both tokens/s and their ratio.
+ *     TB_ENGINE_DEVICE and TB_ENGINE_THREADS in the environment choose the engine's device and threads.
  *   node --import tsx bench/sampling.ts sdk [n=32] [max_tokens=64] [prompt_len=16] [rounds=5]
  *     the same comparison through the real tinker SDK against the start command (`npm start`'s
  *     script: API and agent in one process, apart from the bench's), bench/sdk_sampling_ratio.py.
@@ -25,7 +26,9 @@ logger.level = (process.env.BENCH_LOG_LEVEL as typeof logger.level | undefined) 
 type Stack = { s: TestStack; samplingSessionId: string };
 
 async function open(concurrency: number): Promise<Stack> {
-  const s = await startStack({ longPollMs: 25_000, env: { TB_SAMPLE_CONCURRENCY: String(Math.max(concurrency, 4)) } });
+  // The engine's device and threads from this process's environment (the GPU machine: cpu with 7 threads, then cuda:0).
+  const engine = Object.fromEntries(['TB_ENGINE_DEVICE', 'TB_ENGINE_THREADS'].filter((k) => process.env[k]).map((k) => [k, process.env[k]!]));
+  const s = await startStack({ longPollMs: 25_000, env: { TB_SAMPLE_CONCURRENCY: String(Math.max(concurrency, 4)), ...engine } });
   const session = (await call(s.baseUrl, 'POST', '/create_session', { tags: [] })).json.session_id;
   const sc = await call(s.baseUrl, 'POST', '/create_sampling_session', { session_id: session, sampling_session_seq_id: 0, base_model: TINY_MODEL_ALIAS });
   return { s, samplingSessionId: sc.json.sampling_session_id };

@@ -1,0 +1,39 @@
+#!/bin/bash
+# On the 16-core GPU machine, the figures the CPU here cannot give (2 cores):
+#   - issue 37 item 5: two agents serving one model against one agent (bench/scale-out.ts; tiny model,
+#     torch engine on the CPU, each agent's engine on 7 of the 16 cores);
+#   - issue 36: 32 concurrent one-sample requests against one 32-sample request (bench/sampling.ts
+#     ratio), the tiny model on the CPU, then on cuda:0;
+#   - issue 34 (when MEMBERS is set, e.g. 1,2,4,8): a co-batched pass of N members at the 1.7B shape,
+#     in-process (bench/gpu/profile_train.py --members).
+# Needs node, redis-server and the production node_modules: either on a warm machine after
+# bench/gpu/turns_check.sh or vllm_sdk_check.sh (/tmp/tb), or from var/carry-snapshot
+# (`bash bench/gpu/snapshot_cost.sh prepare`), carried:
+#   bash bench/gpu/sampling_scale.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+if [ -x /tmp/tb/bin/node ]; then
+  export PATH=/tmp/tb/bin:$PATH
+  [ -d node_modules ] || tar -C . -xJf /tmp/tb/parts/nm.tar.xz
+else
+  C=var/carry-snapshot; TB=/tmp/tbs; OUT=${OUT:-/tmp}
+  source bench/gpu/shape_lib.sh
+fi
+python3 -c "import socket; socket.create_connection(('127.0.0.1', 6379), 1)" 2>/dev/null \
+  || redis-server --port 6379 --save '' --appendonly no --daemonize yes --logfile /tmp/redis-scale.log
+sleep 1
+export TB_PYTHON=python3 TB_LOG_LEVEL=warn
+nproc
+stamp "bench/scale-out.ts 128 64 3 7"
+timeout ${SCALE_S:-200} node --import tsx bench/scale-out.ts 128 64 3 7
+stamp "bench/sampling.ts ratio 32 64 16 3 (tiny model, CPU engine, 7 threads)"
+TB_ENGINE_DEVICE=cpu TB_ENGINE_THREADS=7 timeout ${RATIO_S:-120} node --import tsx bench/sampling.ts ratio 32 64 16 3
+stamp "bench/sampling.ts ratio 32 64 16 3 (tiny model, cuda:0)"
+TB_ENGINE_DEVICE=cuda:0 timeout ${RATIO_S:-120} node --import tsx bench/sampling.ts ratio 32 64 16 3
+if [ -n "${MEMBERS:-}" ]; then
+  stamp "profile_train.py --members $MEMBERS (1.7B shape, 2 x 256 tokens per member)"
+  timeout ${MEMBERS_S:-150} python3 bench/gpu/profile_train.py --model 1.7b --batch 2 --seq 256 --steps 5 --members "$MEMBERS" 2>&1 | grep -v -i warn | head -60
+fi
+stamp "done"

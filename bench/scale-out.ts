@@ -1,0 +1,95 @@
+import { rmSync } from 'node:fs';
+import os from 'node:os';
+import { Redis } from 'ioredis';
+import { Names } from '../queues/contract/names.js';
+import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
+import { spawnAgent, stackEnv, startApi, stopAgent, waitFor, type AgentProc, type Api } from '../test/helpers/procs.js';
+import { call, deletePrefix, REDIS_URL } from '../test/helpers/stack.js';
+
+/**
+ * Scale-out of sampling (issue 37, item 5): the sampled tokens/s of bursts of one-sample requests
+ * against one agent, then against two agents serving the same model (the tiny model, torch engine
+ * on the CPU, each agent's engine on its own share of the cores: TB_ENGINE_THREADS), through the
+ * API over HTTP as the SDK sends them; the API in this process, the agents as `workers/main.ts`
+ * processes, real Redis under a prefix of its own. Prints tokens/s of each and their ratio, and how
+ * each burst split between the two agents.
+ *
+ *   node --import tsx bench/scale-out.ts [requests=128] [max_tokens=64] [rounds=3] [threads=cores/2 - 1]
+ *
+ * On the 16-core GPU machine: the target is 2 agents >= 1.8x one agent (docs/benchmarks.md).
+ */
+const [requests, maxTokens, rounds] = [128, 64, 3].map((d, i) => Number(process.argv[2 + i] ?? d)) as [number, number, number];
+const threads = Number(process.argv[5] ?? Math.max(1, Math.floor(os.availableParallelism() / 2) - 1));
+
+async function burst(api: Api): Promise<{ seconds: number; tokens: number; ids: string[] }> {
+  const session = (await call(api.baseUrl, 'POST', '/create_session', { tags: [] })).json.session_id as string;
+  const ss = (await call(api.baseUrl, 'POST', '/create_sampling_session', { session_id: session, sampling_session_seq_id: 0, base_model: TINY_MODEL_ALIAS })).json
+    .sampling_session_id as string;
+  const t0 = performance.now();
+  const ids = await Promise.all(
+    Array.from({ length: requests }, async (_, seq) => {
+      const r = await call(api.baseUrl, 'POST', '/asample', {
+        prompt: { chunks: [{ type: 'encoded_text', tokens: [5, 17, 42, 99, seq % 50] }] },
+        num_samples: 1,
+        sampling_params: { max_tokens: maxTokens, temperature: 1, seed: seq, stop: [] },
+        sampling_session_id: ss,
+        seq_id: seq,
+      });
+      if (r.status !== 200) throw new Error(`asample: ${r.status} ${JSON.stringify(r.json)}`);
+      return r.json.request_id as string;
+    }),
+  );
+  let tokens = 0;
+  await Promise.all(
+    ids.map(async (id) => {
+      for (;;) {
+        const r = await call(api.baseUrl, 'POST', '/retrieve_future', { request_id: id, allow_metadata_only: true });
+        if (r.json?.type === 'try_again') continue;
+        if (!r.json?.sequences) throw new Error(`request failed: ${JSON.stringify(r.json)}`);
+        tokens += r.json.sequences[0].tokens.length;
+        return;
+      }
+    }),
+  );
+  return { seconds: (performance.now() - t0) / 1000, tokens, ids };
+}
+
+async function measure(agentCount: number): Promise<number> {
+  const st = stackEnv(REDIS_URL);
+  const api = await startApi({ ...st.env, TB_LONG_POLL_MS: '25000' });
+  const redis = new Redis(REDIS_URL);
+  const agents: AgentProc[] = [];
+  try {
+    for (let i = 0; i < agentCount; i++) {
+      const id = `scale-${i}-${st.prefix}`;
+      agents.push(spawnAgent({ ...st.env, TB_AGENT_ID: id, TB_ENGINE_DEVICE: 'cpu', TB_ENGINE_THREADS: String(threads), TB_SAMPLE_CONCURRENCY: String(requests) }));
+      await waitFor(`agent ${id}`, async () => (await api.built.ctx.registry.agents.live()).some((r) => r.agent_id === id && r.models.length > 0), 300_000, 250);
+    }
+    if (agentCount > 1)
+      await waitFor('the agents to share the queue', async () => {
+        const keys = await redis.keys(`${new Names(st.prefix).sampleShare('')}*`);
+        return keys.length === 1 && (await redis.hlen(keys[0]!)) === agentCount;
+      }, 60_000, 250);
+    await burst(api); // warm-up: first decode steps, connections
+    const rates: number[] = [];
+    for (let r = 0; r < rounds; r++) {
+      const b = await burst(api);
+      rates.push(b.tokens / b.seconds);
+      console.log(`  ${agentCount} agent(s), round ${r + 1}: ${b.tokens} tokens in ${b.seconds.toFixed(2)} s = ${(b.tokens / b.seconds).toFixed(0)} tokens/s`);
+    }
+    rates.sort((a, b) => a - b);
+    return rates[Math.floor(rates.length / 2)]!;
+  } finally {
+    for (const a of agents) await stopAgent(a, 'SIGTERM');
+    await api.stop();
+    redis.disconnect();
+    await deletePrefix(st.prefix);
+    rmSync(st.storage, { recursive: true, force: true });
+  }
+}
+
+console.log(`scale-out: ${requests} one-sample requests x ${maxTokens} tokens per burst, ${rounds} rounds, ${threads} engine threads per agent, ${os.availableParallelism()} cores`);
+const one = await measure(1);
+const two = await measure(2);
+console.log(`median tokens/s: one agent ${one.toFixed(0)}, two agents ${two.toFixed(0)}: ${(two / one).toFixed(2)}x`);
+process.exit(0);
