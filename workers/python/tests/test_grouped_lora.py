@@ -13,7 +13,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 
 from tinker_engine.cobatch import _one_by_one
 from tinker_engine.engine import Engine
-from tinker_engine.grouped_lora import add_grouped_, make_plan, plain_weights
+from tinker_engine.grouped_lora import _stack_a, _stack_b, _stacks, add_grouped_, make_plan, plain_weights
 
 from helpers import assert_close_up_to_summation_order, create, perturb
 
@@ -117,3 +117,15 @@ def test_what_the_grouped_form_does_not_compute_is_not_grouped(engine: Engine) -
     layer.lora_B[names[2]] = torch.nn.Linear(RANKS["c"], layer.out_features, bias=True)
     layer.lora_bias[names[2]] = True
     assert plain_weights(layer, names) is None
+
+
+@pytest.mark.parametrize("ranks", [(2, 4, 8), (4, 4, 4)])
+def test_padded_stacks_outside_autograd_equal_the_differentiable_ones(ranks: tuple[int, ...]) -> None:
+    # _Product's stacks (one gather where ranks differ) hold exactly what stack and pad give.
+    gen = torch.Generator().manual_seed(4)
+    a = [torch.randn(r, 6, generator=gen) for r in ranks]
+    b = [torch.randn(5, r, generator=gen) for r in ranks]
+    plan = make_plan([("x", 0, 3), ("y", 3, 13), ("z", 13, 15)], [1.0, 1.0, 1.0], torch.device("cpu"), torch.float32)
+    assert len(plan.pieces) > 3  # y's run is cut into pieces: its weights repeat
+    got_a, got_b = _stacks(plan, a, b)
+    assert torch.equal(got_a, _stack_a(plan, a)) and torch.equal(got_b, _stack_b(plan, b))

@@ -34,7 +34,7 @@ runs that layer's adapters one at a time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,6 +57,8 @@ class Plan:
     rows: torch.Tensor
     scale: torch.Tensor
     owners: torch.Tensor
+    # Per tuple of the members' ranks, when they differ: ``_stacks``'s index of the padded stacks.
+    rank_rows: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
 
 
 def make_plan(runs: list[tuple[str, int, int]], scalings: list[float], device: torch.device,
@@ -145,6 +147,27 @@ def _product(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Ten
     return torch.bmm(torch.bmm(x, a.transpose(1, 2)), b.transpose(1, 2)) * scale
 
 
+def _stacks(plan: Plan, a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_stack_a`` and ``_stack_b`` outside autograd, in a fixed number of kernels whatever the
+    members: where the ranks differ, every member's A rows (B columns) and a zero row (column) are
+    concatenated and the padded stacks gathered from them with one index (made once per plan and
+    ranks), instead of a pad per member."""
+    ranks = tuple(w.shape[0] for w in a)
+    if len(set(ranks)) == 1:
+        return torch.stack([a[k] for k in plan.pieces]), torch.stack([b[k] for k in plan.pieces])
+    rank = max(ranks)
+    index = plan.rank_rows.get(ranks)
+    if index is None:
+        starts = [sum(ranks[:k]) for k in range(len(ranks))]
+        zero = sum(ranks)
+        index = plan.rank_rows[ranks] = torch.tensor(
+            [starts[k] + j if j < ranks[k] else zero for k in plan.pieces for j in range(rank)], device=plan.rows.device)
+    pieces = len(plan.pieces)
+    stacked_a = torch.cat([*a, a[0].new_zeros(1, a[0].shape[1])]).index_select(0, index).view(pieces, rank, -1)
+    stacked_b = torch.cat([*b, b[0].new_zeros(b[0].shape[0], 1)], dim=1).index_select(1, index)
+    return stacked_a, stacked_b.view(-1, pieces, rank).transpose(0, 1)
+
+
 class _Product(torch.autograd.Function):
     """``_product`` of the stacked weights, whose backward adds each member's weight gradients into
     its parameters' ``.grad`` (the adapter's flat gradient buffer, flat.py) with two ``_foreach_add_``
@@ -159,7 +182,7 @@ class _Product(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor, plan: Plan,  # type: ignore[override]
                 a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
         with torch.no_grad():
-            stacked_a, stacked_b = _stack_a(plan, a), _stack_b(plan, b)
+            stacked_a, stacked_b = _stacks(plan, a, b)
             h = torch.bmm(x, stacked_a.transpose(1, 2))
             y = torch.bmm(h, stacked_b.transpose(1, 2)).mul_(plan.scale)  # in place: the output layer's y is large
         # The stacks are made again in the backward (two copies) rather than kept: kept for every layer,
@@ -173,7 +196,7 @@ class _Product(torch.autograd.Function):
         x, h = ctx.saved_tensors
         plan: Plan = ctx.plan
         with torch.no_grad():
-            stacked_a, stacked_b = _stack_a(plan, ctx.a), _stack_b(plan, ctx.b)
+            stacked_a, stacked_b = _stacks(plan, ctx.a, ctx.b)
         g = grad * plan.scale  # (P, Lc, out)
         gh = torch.bmm(g, stacked_b)  # (P, Lc, r)
         grad_b = torch.bmm(g.transpose(1, 2), h)  # (P, out, r)
