@@ -259,6 +259,78 @@ def test_server_error_mid_batch_restores_gradients(engine: Engine, monkeypatch: 
     assert all(torch.equal(before[n], g) for n, g in grads(engine, "se").items())
 
 
+class _MemoryLimit:
+    """A device that holds at most ``tokens`` tokens of one forward: a larger micro-batch raises what
+    CUDA's allocator raises (torch.OutOfMemoryError), from the decoder's forward."""
+
+    def __init__(self, engine: Engine, tokens: int) -> None:
+        self.tokens, self.seen, self.refused = tokens, [], 0
+        self.handle = engine.registry.base("tiny").hf.get_decoder().register_forward_pre_hook(self.check, with_kwargs=True)
+
+    def check(self, _module: Any, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.seen.append(int(ids.numel()))
+        if ids.numel() > self.tokens:
+            self.refused += 1
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate for {ids.numel()} tokens")
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_out_of_memory_retries_with_smaller_micro_batches(engine: Engine, layout: str) -> None:
+    vocab = engine.registry.base("tiny").vocab_size
+    data = _data(vocab, seed=9, lengths=(6, 11, 3, 8))
+    for m in ("fits", "oom"):
+        create(engine, m, seed=2)
+        perturb(engine, m, seed=4)
+    # What the retry must equal: the same op with micro-batches of at most 16 tokens from the start.
+    with overridden(layout=layout, max_batch_tokens=16):
+        want = fb(engine, "fits", "cross_entropy", data)
+    first = fb(engine, "oom", "cross_entropy", data[:1])  # a gradient already accumulated: kept, not doubled
+    limit = _MemoryLimit(engine, 16)
+    try:
+        with overridden(layout=layout, max_batch_tokens=64):
+            got = fb(engine, "oom", "cross_entropy", data)
+            # 64 refused, then 32 (a micro-batch of more than 16 tokens), then 16 fits; kept for the base.
+            assert limit.refused == 2 and engine.registry.base("tiny").fit_tokens == 16
+            assert max(limit.seen[limit.refused:]) <= 16
+            # A later op starts at the bound that fits: nothing refused.
+            refused = limit.refused
+            fb(engine, "oom", "cross_entropy", data, forward_only=True)
+            assert limit.refused == refused
+    finally:
+        limit.handle.remove()
+        engine.registry.base("tiny").fit_tokens = None
+    assert got["metrics"]["loss:sum"] == pytest.approx(want["metrics"]["loss:sum"], rel=1e-6)
+    for a, b in zip(got["loss_fn_outputs"], want["loss_fn_outputs"]):
+        torch.testing.assert_close(a["logprobs"], b["logprobs"], rtol=1e-5, atol=1e-6)
+    # The accumulated gradient is the first op's plus the retried op's, as without the out-of-memory.
+    create(engine, "ref", seed=2)
+    perturb(engine, "ref", seed=4)
+    fb(engine, "ref", "cross_entropy", data[:1])
+    with overridden(layout=layout, max_batch_tokens=16):
+        fb(engine, "ref", "cross_entropy", data)
+    for (n, a), b in zip(grads(engine, "oom").items(), grads(engine, "ref").values()):
+        assert_close_up_to_summation_order(a, b, n)
+    del first
+
+
+def test_out_of_memory_with_a_datum_that_cannot_be_split_fails_and_keeps_the_gradients(engine: Engine) -> None:
+    vocab = engine.registry.base("tiny").vocab_size
+    data = _data(vocab, seed=9, lengths=(6, 11))
+    create(engine, "big")
+    perturb(engine, "big", seed=4)
+    fb(engine, "big", "cross_entropy", data[:1])
+    before = grads(engine, "big")
+    limit = _MemoryLimit(engine, 8)
+    try:
+        with overridden(max_batch_tokens=32), pytest.raises(torch.OutOfMemoryError, match="cannot split them further: a datum has 11 tokens"):
+            fb(engine, "big", "cross_entropy", data)
+    finally:
+        limit.handle.remove()
+        engine.registry.base("tiny").fit_tokens = None
+    assert all(torch.equal(before[n], g) for n, g in grads(engine, "big").items())
+
+
 def test_tensor_json_round_trip() -> None:
     t = torch.tensor([[1.5, -2.25e-7], [3.0, 0.1]], dtype=torch.float32)
     j = tensor_to_json(t)

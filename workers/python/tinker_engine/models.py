@@ -148,6 +148,9 @@ class BaseModel:
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         eos = self.tokenizer.eos_token_id
         self.eos_token_id: int | None = int(eos) if eos is not None else None
+        # The micro-batch bound that fit the device's memory after a forward_backward ran out of it
+        # (train.py: halved until it fits, kept for this base's later ops); None: the setting's.
+        self.fit_tokens: int | None = None
 
     @property
     def device(self) -> torch.device:

@@ -6,11 +6,14 @@ nothing. Datums are grouped into micro-batches of at most ``max_batch_tokens`` t
 ``TB_ENGINE_LAYOUT``); target logprobs come from the last hidden state through the output layer a
 chunk of tokens at a time (chunked_logprobs.py); each micro-batch's summed loss is backpropagated
 into the adapter's ``.grad``, which accumulates across calls until ``optim_step``. If anything
-fails midway, the gradients are restored to what they were before the call.
+fails midway, the gradients are restored to what they were before the call; when that is the device
+running out of memory, the op runs again with the micro-batch bound halved (``_fit_smaller``), down to
+the longest datum, and the bound that fit stays for the base model's later ops.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -30,9 +33,15 @@ from .settings import current as settings
 from .tensors import tensor_from_json, wire
 
 
-def max_batch_tokens() -> int:
-    """The most tokens of one micro-batch (the engine's settings): real tokens when packed, padded ones when padded."""
-    return settings().max_batch_tokens
+log = logging.getLogger("tinker_engine")
+
+
+def max_batch_tokens(base: BaseModel | None = None) -> int:
+    """The most tokens of one micro-batch: the engine's setting (real tokens when packed, padded ones
+    when padded), or less on ``base`` once a forward_backward on it ran out of device memory."""
+    limit = settings().max_batch_tokens
+    fit = base.fit_tokens if base is not None else None
+    return min(limit, fit) if fit else limit
 
 
 @dataclass
@@ -116,7 +125,7 @@ def layout(base: BaseModel) -> Layout:
 
 def stage(datums: list[Datum], base: BaseModel, how: Layout | None = None) -> list[Staged]:
     """Every micro-batch of ``datums`` in layout ``how`` (default: the engine's), staged on ``base``'s device."""
-    return stage_all(datums, how or layout(base), max_batch_tokens(), base.device)
+    return stage_all(datums, how or layout(base), max_batch_tokens(base), base.device)
 
 
 def _run_batch(base: BaseModel, staged: Staged, loss: LossSpec, config: dict[str, float],
@@ -223,23 +232,51 @@ def forward_backward(registry: Registry, args: dict[str, Any]) -> dict[str, Any]
     base.activate(model.adapter, trainable=True)
     flat = model.flat
     saved = None if forward_only else flat.grads_saved()
-    outputs: list[torch.Tensor] = []
-    total = 0.0
-    try:
-        for staged in stage(datums, base):
-            batch_outputs, batch_loss = _run_batch(base, staged, loss, config, None if forward_only else flat.weight)
-            outputs.extend(batch_outputs)
-            total += batch_loss
-    except BaseException:
-        if not forward_only:
-            flat.restore_grads(saved)
-        raise
+    while True:
+        outputs: list[torch.Tensor] = []
+        total = 0.0
+        try:
+            for staged in stage(datums, base):
+                batch_outputs, batch_loss = _run_batch(base, staged, loss, config, None if forward_only else flat.weight)
+                outputs.extend(batch_outputs)
+                total += batch_loss
+            break
+        except torch.OutOfMemoryError:
+            if not forward_only:
+                flat.restore_grads(saved)
+        except BaseException:
+            if not forward_only:
+                flat.restore_grads(saved)
+            raise
+        # Out of device memory (outside the handler: the failed micro-batch's tensors are freed now).
+        _fit_smaller(base, datums)
     if not forward_only:
         flat.pending = True
     return {
         "loss_fn_outputs": [{"logprobs": wire(lp)} for lp in outputs],
         "metrics": {"loss:sum": total},
     }
+
+
+def _fit_smaller(base: BaseModel, datums: list[Datum]) -> None:
+    """After a forward_backward ran out of device memory (its gradients already restored): halves the
+    micro-batch bound of ``base`` for this op's retry and every later op, or re-raises when a single
+    datum would no longer fit in a micro-batch. The retried op's result is the one it would have had
+    with the smaller bound from the start (other micro-batches: another blocking of the same sums)."""
+    current = max_batch_tokens(base)
+    smaller = current // 2
+    longest = max(len(d.tokens) for d in datums)
+    if base.device.type == "cuda":
+        torch.cuda.empty_cache()
+    if smaller < longest:
+        raise torch.OutOfMemoryError(
+            f"forward_backward ran out of device memory with micro-batches of at most {current} tokens, and "
+            f"cannot split them further: a datum has {longest} tokens (send shorter datums, or give this engine "
+            f"more of the GPU: TB_GPU_MEMORY)")
+    base.fit_tokens = smaller
+    log.warning("forward_backward ran out of device memory with micro-batches of at most %d tokens; "
+                "retrying with %d, kept for base %s (TB_ENGINE_MAX_BATCH_TOKENS=%d)",
+                current, smaller, base.name, settings().max_batch_tokens)
 
 
 #: Tinker's AdamParams defaults (queues/contract/params.ts, read from protocol.json), for in-process callers.
