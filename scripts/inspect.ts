@@ -190,7 +190,7 @@ async function agents(p: Parsed): Promise<void> {
     if (rows.length === 0) return out(`no agent is registered under prefix '${t.prefix}'`);
     out(
       table(
-        ['AGENT', 'ALIVE', 'ENGINE', 'DEVICE', 'MODELS', 'ENGINE RSS', 'GPU MEMORY', 'STARTED'],
+        ['AGENT', 'ALIVE', 'ENGINE', 'DEVICE', 'MODELS', 'ENGINE RSS', 'GPU MEMORY', 'GPU TURNS', 'STARTED'],
         rows.map((a) => [
           a.agent_id,
           a.alive ? 'yes' : 'no',
@@ -199,6 +199,8 @@ async function agents(p: Parsed): Promise<void> {
           a.models.map((m) => `${m.aliases[0] ?? m.name}${m.trainable ? '' : ' (frozen)'}`).join(', '),
           mib(a.stats?.engine_rss_bytes),
           mib(a.stats?.gpu_memory_bytes),
+          // Agents taking GPU turns (workers/gpu-turns.ts): turns taken / handed over, and whether it holds the GPU now.
+          a.stats?.gpu_turns ? `${a.stats.gpu_turns.taken}/${a.stats.gpu_turns.given}${a.stats.gpu_turns.holding ? ' (holds)' : ''}` : '-',
           ago(a.started_at),
         ]),
       ),
