@@ -86,6 +86,7 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
             ...(engineOf(m.engine).capabilities.modelOptions.includes('strategy') ? { strategy: m.parallelism.strategy } : {}),
             ...(engineOf(m.engine).capabilities.modelOptions.includes('data') && m.parallelism.data !== undefined ? { dataParallel: m.parallelism.data } : {}),
             ...(engineOf(m.engine).capabilities.modelOptions.includes('offload') ? { offload: m.offload } : {}),
+            ...(m.load_format ? { loadFormat: m.load_format } : {}),
             roles: [],
           };
           e.aliases.push(m.name);
@@ -107,6 +108,7 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
             TB_SAMPLE_CONCURRENCY: String(a.sample_concurrency),
             ...(a.gpu_memory === undefined ? {} : { TB_GPU_MEMORY: String(a.gpu_memory) }),
             ...(a.take_turns ? { TB_GPU_TURNS: turnKey(a.node, a.device) } : {}),
+            ...(a.sleep_level === undefined ? {} : { TB_VLLM_SLEEP_LEVEL: String(a.sleep_level) }),
             TB_ENGINE: engine,
             TB_PYTHON: opts.python,
           },

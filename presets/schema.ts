@@ -64,6 +64,12 @@ export const ModelSpec = z
     topk_max: z.number().int().positive().default(20),
     /** verl: parameters and optimizer state in CPU memory between steps (verl's param and optimizer offload). @defaultValue false */
     offload: z.boolean().default(false),
+    /**
+     * vllm: `dummy` starts the model from its config.json alone with random weights (`--load-format
+     * dummy`): for benchmarks of a shape whose weights are not on disk; its answers are noise, and the
+     * agent says so in its log. @defaultValue the weights in the directory
+     */
+    load_format: z.enum(['dummy']).optional(),
     /** Weight dtype on the device. @defaultValue engine's choice (float32 on CPU, bfloat16 on GPU) */
     dtype: z.enum(MODEL_DTYPES).optional(),
   })
@@ -94,6 +100,12 @@ export const AgentSpec = z
      * of the node that take turns run one phase at a time. @defaultValue false
      */
     take_turns: z.boolean().default(false),
+    /**
+     * vllm taking turns: its sleep level at a hand-over (1: weights to CPU memory, KV cache dropped;
+     * 2: both dropped, the weights read again at wake-up: less CPU memory, a slower wake-up).
+     * @defaultValue 1
+     */
+    sleep_level: z.union([z.literal(1), z.literal(2)]).optional(),
   })
   .strict();
 export type AgentSpec = z.infer<typeof AgentSpec>;
@@ -159,6 +171,11 @@ export const Preset = z
         for (const g of (m[1] ?? '0').split(',').map(Number)) used.set(g, [...(used.get(g) ?? []), i]);
         gpusByNode.set(a.node, used);
       } else if (a.gpu_memory !== undefined) ctx.addIssue({ code: 'custom', path: ['agents', i, 'gpu_memory'], message: `gpu_memory applies to an agent on GPUs; agent '${a.id}' runs on ${a.device}` });
+      if (a.sleep_level !== undefined) {
+        const kinds = [...engines];
+        if (!a.take_turns) ctx.addIssue({ code: 'custom', path: ['agents', i, 'sleep_level'], message: `sleep_level applies to an agent that takes turns (take_turns: true)` });
+        else if (kinds.length === 1 && kinds[0] !== 'vllm') ctx.addIssue({ code: 'custom', path: ['agents', i, 'sleep_level'], message: `sleep_level applies to a vllm agent (vLLM's sleep mode), not engine '${kinds[0]}'` });
+      }
       if (a.take_turns) {
         const def = engines.size === 1 ? findEngine([...engines][0]!) : undefined;
         if (def && !def.capabilities.sharesGpu) ctx.addIssue({ code: 'custom', path: ['agents', i, 'take_turns'], message: `engine '${def.kind}' does not take turns on a GPU in this version (${kindsWith((c) => !!c.sharesGpu).join(' and ')} do)` });
@@ -211,6 +228,7 @@ function parallelismProblems(m: ModelSpec, agents: { id: string; device: string;
   if (!uses('data') && par.data !== undefined && par.data !== 1) out.push([['parallelism', 'data'], `data parallelism applies to ${owners('data')}, not ${engine}`]);
   if (!uses('strategy') && par.strategy !== undefined) out.push([['parallelism', 'strategy'], `strategy applies to ${owners('strategy')}, not ${engine}`]);
   if (!uses('offload') && m.offload) out.push([['offload'], `offload applies to ${owners('offload')}, not ${engine}`]);
+  if (!uses('load_format') && m.load_format !== undefined) out.push([['load_format'], `load_format applies to ${owners('load_format')}, not ${engine}`]);
   out.push(...(def.presetProblems?.(m, agents) ?? []));
   return out;
 }

@@ -136,6 +136,16 @@ agents:
     expect(refused(`  - { id: t, device: cpu, models: [a], gpu_memory: 0.5 }\n  - { id: r, device: cpu, models: [r] }\n  - { id: v0, device: "cuda:3", models: [v], take_turns: true }\n`))
       .to.match(/agents\[0\]\.gpu_memory: gpu_memory applies to an agent on GPUs; agent 't' runs on cpu/)
       .and.to.match(/agents\[2\]\.take_turns: engine 'verl' does not take turns on a GPU in this version \(torch and vllm do\)/);
+    // A vLLM agent's sleep level needs turns and vLLM; random weights (load_format: dummy) are vLLM's only.
+    expect(refused(`  - { id: t, device: "cuda:0", models: [a], gpu_memory: 0.5, take_turns: true, sleep_level: 2 }\n  - { id: r, device: "cuda:1", models: [r], sleep_level: 2 }\n`))
+      .to.match(/agents\[0\]\.sleep_level: sleep_level applies to a vllm agent \(vLLM's sleep mode\), not engine 'torch'/)
+      .and.to.match(/agents\[1\]\.sleep_level: sleep_level applies to an agent that takes turns/);
+    plan = accepted(`  - { id: t, device: "cuda:0", models: [a], gpu_memory: 0.7, take_turns: true }\n  - { id: r, device: "cuda:0", models: [r], gpu_memory: 0.6, take_turns: true, sleep_level: 2 }\n`);
+    expect(plan.agents[1].vllm.sleepLevel).to.equal(2);
+    const dummy = (engine: string) =>
+      cli('start', '--preset', write('dummy.yaml', `name: d\nmodels:\n  - { name: m, path: /m/a, role: teacher, engine: ${engine}, load_format: dummy }\nagents:\n  - { id: g, device: "cuda:0", models: [m] }\n`), '--dry-run', '--json');
+    expect(JSON.parse(dummy('vllm').stdout).agents[0].models[0].loadFormat).to.equal('dummy');
+    expect(dummy('torch').stderr).to.match(/models\[0\]\.load_format: load_format applies to engine 'vllm', not engine 'torch'/);
     // Agents on different nodes share nothing.
     accepted(`  - { id: t, node: n0, device: "cuda:0", models: [a] }\n  - { id: r, node: n1, device: "cuda:0", models: [r] }\n`);
   });

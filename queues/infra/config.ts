@@ -212,7 +212,7 @@ const AgentEnv = CommonEnv.extend({
   TB_GPU_TURNS: z.string().regex(/^\S+\/(cpu|\d+)$/, 'a GPU as <node>/<index> (or <node>/cpu)').optional(),
   /** GPU turns: the longest turn while another agent waits, in ms. @defaultValue 30000 */
   TB_GPU_TURN_MAX_MS: z.coerce.number().int().positive().default(30_000),
-  /** vLLM engine taking GPU turns: the sleep level of its hand-over (1: weights to CPU memory, KV cache dropped; 2: both dropped, weights reloaded from disk at wake-up). @defaultValue 1 */
+  /** vLLM engine taking GPU turns: the sleep level of its hand-over (1: weights to CPU memory, KV cache dropped; 2: both dropped, the weights read again from the model directory after wake-up, vLLM's reload_weights). A preset agent's `sleep_level`. @defaultValue 1 */
   TB_VLLM_SLEEP_LEVEL: z.coerce.number().int().min(1).max(2).default(1),
   /** vLLM engine: appended to the `vllm serve` command line, space separated (e.g. `--max-model-len 8192`). */
   TB_VLLM_EXTRA_ARGS: z.string().default('').transform((s) => s.split(/\s+/).filter(Boolean)),
@@ -312,6 +312,8 @@ export type BaseModelSpec = {
   strategy?: string | undefined;
   /** verl engine: the preset's `offload` (parameters and optimizer state in CPU memory between steps). */
   offload?: boolean | undefined;
+  /** vLLM engine: the preset's `load_format`; `dummy`: random weights from the config alone (benchmarks only). */
+  loadFormat?: 'dummy' | undefined;
 };
 
 export const MODEL_DEFAULTS = { trainable: true, loraMaxRank: 64, topkMax: 20 } as const;

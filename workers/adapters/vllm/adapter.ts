@@ -129,6 +129,8 @@ export class VllmAdapter implements EngineAdapter {
         gpuMemory: this.opts.gpuMemory,
         sleepMode: this.sleeps,
       });
+      if (spec.loadFormat === 'dummy')
+        this.opts.log.warn('RANDOM WEIGHTS: this model is served with --load-format dummy (its config.json alone): its answers are noise; for benchmarks only', { model: spec.name });
       server = new VllmServer(this.bin, this.opts.log.child({ model: spec.name }), (reason) => {
         for (const l of this.exitListeners) l(reason);
       });
@@ -176,12 +178,20 @@ export class VllmAdapter implements EngineAdapter {
     }));
   }
 
-  /** The GPU turn taken: every server wakes up (its weights and KV cache back on the GPU). */
+  /**
+   * The GPU turn taken: every server wakes up (its weights and KV cache back on the GPU). After a
+   * level-2 sleep vLLM's weights are gone (it keeps only buffers): they are read again from the model
+   * directory (vLLM's `reload_weights`, a random init again for `load_format: dummy`); the sampler
+   * adapters vLLM then forgets are loaded again on their next request (vllm/loras.ts).
+   */
   async reclaimGpu(): Promise<void> {
     if (!this.sleeps) return;
     await Promise.all([...this.models.values()].map(async (m) => {
       const r = await m.client.request('POST', '/wake_up', undefined, 600_000);
       if (r.status !== 200) throw vllmError(r.status, r.body, 'wake-up');
+      if (this.opts.sleepLevel !== 2) return;
+      const w = await m.client.request('POST', '/collective_rpc', { method: 'reload_weights' }, 600_000);
+      if (w.status !== 200) throw vllmError(w.status, w.body, 'weight reload after a level-2 sleep');
     }));
   }
 
@@ -241,7 +251,7 @@ export const VLLM_ENGINE = registerEngine({
     gpuOnly: false,
     sharesGpu: true,
     placement: 'splits a model over its GPUs with tensor parallelism',
-    modelOptions: ['tensor', 'expert'],
+    modelOptions: ['tensor', 'expert', 'load_format'],
   },
   create: (config, log) =>
     new VllmAdapter({

