@@ -75,7 +75,11 @@ export function cpuStandin(preset: Preset, o: StandinOptions): Standin {
     api: { node: preset.api.node, host: '127.0.0.1', port: preset.api.port, keys: preset.api.keys },
     storage: { dir: `${o.storageRoot}/${preset.name}`, retention_hours: preset.storage.retention_hours },
     models,
-    agents: preset.agents.map((a) => ({ ...a, device: 'cpu' })),
+    // A GPU share means nothing on the CPU (the schema refuses it there); turns are kept (they keep the phases apart).
+    agents: preset.agents.map(({ gpu_memory, ...a }) => {
+      if (gpu_memory !== undefined) notes.push(`agent ${a.id}: gpu_memory ${gpu_memory} dropped (a share of a GPU; the stand-in runs on the CPU)`);
+      return { ...a, device: 'cpu' };
+    }),
   };
   // The result is a preset like any other: the schema's rules hold for it too.
   return { preset: Preset.parse(out), notes };

@@ -116,6 +116,20 @@ describe('cpu stand-in of a preset (start --cpu-standin)', function () {
     expect(r.stdout).to.match(/^ {2}n1-teacher-235b +node-1 +cpu +- +- +vllm +yes +Qwen\/Qwen3-235B-A22B \(teacher\)$/m);
   });
 
+  it('runs a GPU-sharing preset on the CPU: shares dropped with a note each, turns kept, random weights not asked for', () => {
+    const { preset, notes } = cpuStandin(loadPreset('presets/gpu/one_gpu_distill.yaml').preset, opts);
+    expect(notes).to.deep.equal(['gpu0-student 0.5', 'gpu0-rollout 0.35', 'gpu0-teacher 0.6'].map((x) => {
+      const [id, share] = x.split(' ');
+      return `agent ${id}: gpu_memory ${share} dropped (a share of a GPU; the stand-in runs on the CPU)`;
+    }));
+    expect(preset.agents.map((a) => [a.device, a.gpu_memory, a.take_turns, a.sleep_level])).to.deep.equal([
+      ['cpu', undefined, true, undefined],
+      ['cpu', undefined, true, undefined],
+      ['cpu', undefined, true, 2],
+    ]);
+    expect(preset.models.map((m) => m.load_format)).to.deep.equal([undefined, undefined, undefined]);
+  });
+
   describe("get_info's tokenizer_id is the preset's tokenizer", function () {
     this.timeout(300_000);
     // A tokenizer directory other than the model's: get_info must name it, and the SDK's get_tokenizer() loads from it.
