@@ -172,9 +172,10 @@ export const Preset = z
         gpusByNode.set(a.node, used);
       } else if (a.gpu_memory !== undefined) ctx.addIssue({ code: 'custom', path: ['agents', i, 'gpu_memory'], message: `gpu_memory applies to an agent on GPUs; agent '${a.id}' runs on ${a.device}` });
       if (a.sleep_level !== undefined) {
-        const kinds = [...engines];
+        const def = engines.size === 1 ? findEngine([...engines][0]!) : undefined;
         if (!a.take_turns) ctx.addIssue({ code: 'custom', path: ['agents', i, 'sleep_level'], message: `sleep_level applies to an agent that takes turns (take_turns: true)` });
-        else if (kinds.length === 1 && kinds[0] !== 'vllm') ctx.addIssue({ code: 'custom', path: ['agents', i, 'sleep_level'], message: `sleep_level applies to a vllm agent (vLLM's sleep mode), not engine '${kinds[0]}'` });
+        else if (def && !def.capabilities.sleeps)
+          ctx.addIssue({ code: 'custom', path: ['agents', i, 'sleep_level'], message: `sleep_level applies to ${kindsWith((c) => !!c.sleeps).map((k) => `engine '${k}'`).join(' or ')} (its sleep mode), not engine '${def.kind}'` });
       }
       if (a.take_turns) {
         const def = engines.size === 1 ? findEngine([...engines][0]!) : undefined;

@@ -138,7 +138,7 @@ agents:
       .and.to.match(/agents\[2\]\.take_turns: engine 'verl' does not take turns on a GPU in this version \(torch and vllm do\)/);
     // A vLLM agent's sleep level needs turns and vLLM; random weights (load_format: dummy) are vLLM's only.
     expect(refused(`  - { id: t, device: "cuda:0", models: [a], gpu_memory: 0.5, take_turns: true, sleep_level: 2 }\n  - { id: r, device: "cuda:1", models: [r], sleep_level: 2 }\n`))
-      .to.match(/agents\[0\]\.sleep_level: sleep_level applies to a vllm agent \(vLLM's sleep mode\), not engine 'torch'/)
+      .to.match(/agents\[0\]\.sleep_level: sleep_level applies to engine 'vllm' \(its sleep mode\), not engine 'torch'/)
       .and.to.match(/agents\[1\]\.sleep_level: sleep_level applies to an agent that takes turns/);
     plan = accepted(`  - { id: t, device: "cuda:0", models: [a], gpu_memory: 0.7, take_turns: true }\n  - { id: r, device: "cuda:0", models: [r], gpu_memory: 0.6, take_turns: true, sleep_level: 2 }\n`);
     expect(plan.agents[1].vllm.sleepLevel).to.equal(2);

@@ -40,6 +40,8 @@ export type EngineCapabilities = {
    * @defaultValue false
    */
   sharesGpu?: boolean;
+  /** Gives all of its GPU memory back at a hand-over, at a level a preset agent chooses (`sleep_level`: vLLM's sleep mode). @defaultValue false */
+  sleeps?: boolean;
   /** How it runs one model over its agent's devices, as a phrase (a preset that asks for another split is told). */
   placement: string;
   /** The preset model fields it uses (presets/schema.ts: `parallelism.*`, `offload`). */

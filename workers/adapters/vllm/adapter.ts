@@ -250,6 +250,7 @@ export const VLLM_ENGINE = registerEngine({
     drains: false,
     gpuOnly: false,
     sharesGpu: true,
+    sleeps: true,
     placement: 'splits a model over its GPUs with tensor parallelism',
     modelOptions: ['tensor', 'expert', 'load_format'],
   },
