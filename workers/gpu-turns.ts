@@ -340,9 +340,9 @@ export class GpuTurns {
 
 /**
  * `inner` with its GPU work run inside `turns`: loading a base, creating a model, training ops,
- * loading a training state and sampling take the turn first. Saving (sampler weights, states,
- * snapshots) only reads what is already on the GPU, so it runs in any phase: publishing new sampler
- * weights does not wait for the trainer's next turn. The engine's hooks come from the adapter's
+ * loading a training state, snapshots (a copy on the GPU first) and sampling take the turn first.
+ * Saving sampler weights and states only reads what is already on the GPU, so it runs in any phase:
+ * publishing new sampler weights does not wait for the trainer's next turn. The engine's hooks come from the adapter's
  * `releaseGpu` / `reclaimGpu`.
  */
 export function takingTurns(inner: EngineAdapter, turns: GpuTurns): EngineAdapter {
@@ -379,7 +379,8 @@ export function takingTurns(inner: EngineAdapter, turns: GpuTurns): EngineAdapte
   };
   if (inner.forwardBackwardGroup) wrapped.forwardBackwardGroup = t((jobs) => inner.forwardBackwardGroup!(jobs));
   if (inner.sampleBatch) wrapped.sampleBatch = t((jobs) => inner.sampleBatch!(jobs));
-  if (inner.snapshot) wrapped.snapshot = (...a) => inner.snapshot!(...a);
+  // A snapshot copies the adapter and its AdamW moments on the GPU before writing them: in the turn.
+  if (inner.snapshot) wrapped.snapshot = t((...a: Parameters<NonNullable<EngineAdapter['snapshot']>>) => inner.snapshot!(...a));
   if (inner.kill) wrapped.kill = () => inner.kill!();
   if (inner.enginePids) wrapped.enginePids = () => inner.enginePids!();
   return wrapped;
