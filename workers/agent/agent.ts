@@ -34,7 +34,8 @@ import { TrainingPipeline } from './training.js';
  * docs/reliability.md has the guarantees. This class wires the parts, each in its own file:
  * registration.ts (record, heartbeat, id claim), engine.ts (engine start, restart, op time limits),
  * training.ts and train-ops.ts (the ordered training pipeline), samples.ts (sample workers), drain.ts
- * (drain and restore), adoption.ts (the models of dead agents taken in).
+ * (drain and restore), adoption.ts (the models of dead agents taken in), and ../gpu-turns.ts (the
+ * engine's GPU work run in turns with the other agents on its GPU, when the preset says take_turns).
  */
 export class Agent {
   readonly names: Names;
