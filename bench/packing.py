@@ -106,7 +106,11 @@ def engine_case(args: argparse.Namespace, layout: str, head: str) -> dict[str, A
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     eng = Engine(Placement(device=device, dtype=dtype), sampler_cache_size=1)
     eng.call("load_base", {"name": "b", "path": args.path})
-    vocab = eng.registry.base("b").vocab_size
+    from tinker_engine import packing
+
+    base = eng.registry.base("b")
+    vocab = base.vocab_size
+    attention = packing.varlen_implementation() if layout == "packed" and packing.flash_available(base) else base.hf.config._attn_implementation
     eng.call("create_model", {"model_id": "m", "base_model": "b",
                               "lora": {"rank": args.rank, "seed": 0, "train_attn": True, "train_mlp": True, "train_unembed": True}})
     lens = lengths(args.datums, 64, 2048, args.scale, seed=0)
@@ -139,7 +143,7 @@ def engine_case(args: argparse.Namespace, layout: str, head: str) -> dict[str, A
     times.sort()
     median = times[len(times) // 2]
     return {"case": f"engine {layout}, head {head}", "real_tokens": sum(lens), "tokens_per_s": sum(lens) / median,
-            "ms": 1000 * median, "peak_mib": peak / 2**20, "loss": losses[-1], "lengths": lens}
+            "ms": 1000 * median, "peak_mib": peak / 2**20, "loss": losses[-1], "lengths": lens, "attention": attention}
 
 
 def head_case(args: argparse.Namespace, how: str) -> dict[str, Any]:
@@ -250,7 +254,11 @@ def main() -> int:
             print(f"{one:32s} failed (above)")
             continue
         print(f"{r['case']:32s} {r['tokens_per_s']:10.0f} tokens/s  {r['ms']:9.1f} ms/forward_backward  "
-              f"peak {r['peak_mib']:8.1f} MiB  loss:sum {r['loss']:.4f}")
+              f"peak {r['peak_mib']:8.1f} MiB  loss:sum {r['loss']:.4f}  attention {r['attention']}")
+    for a, b in ((2, 1), (3, 0)):  # the same forward_backward packed and padded: loss:sum agreement
+        if eng[a] and eng[b]:
+            print(f"loss:sum {eng[a]['case']} vs {eng[b]['case']}: relative difference "
+                  f"{abs(eng[a]['loss'] - eng[b]['loss']) / max(abs(eng[b]['loss']), 1e-30):.2e}")
     for a, b, what in ((2, 0, "packed, head chunked / padded, head whole (the engine before issue 35)"),
                        (1, 0, "padded, head chunked / padded, head whole")):
         if eng[a] and eng[b]:

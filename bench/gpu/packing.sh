@@ -5,9 +5,10 @@
 # target logprobs over 16384 tokens, full logits vs chunked. Nothing but the device's python3 with torch,
 # transformers and peft; through the device tool, no carry needed:
 #   bash bench/gpu/packing.sh [shapes=1.7b,8b] [reps=5]
-# flash-attn: the packed rows run on its variable-length kernel when `import flash_attn` works on the
-# device (packing.flash_available); otherwise on SDPA with a dense block-diagonal mask, which the
-# output says (the engine's TB_ENGINE_LAYOUT=auto would then pick padded). A wheel put in .carry-fa/
+# The packed rows run on a variable-length kernel (packing.flash_available): flash-attn's when
+# `import flash_attn` works on the device, else torch's own varlen_attn (tinker_engine/varlen.py);
+# with neither, on SDPA with a dense block-diagonal mask, which the output says (the engine's
+# TB_ENGINE_LAYOUT=auto would then pick padded). A wheel put in .carry-fa/
 # (built for the device's torch and CUDA) is installed first.
 # CPU smoke test: DEVICE=cpu TB_PYTHON=.venv/bin/python bash bench/gpu/packing.sh tiny 1
 set -euo pipefail
@@ -24,8 +25,9 @@ fi
 stamp "versions"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
 $PY -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
-$PY -c "import flash_attn; print('flash-attn', flash_attn.__version__, '(packed rows: variable-length kernel)')" 2>/dev/null \
-  || echo "flash-attn: not installed (packed rows: SDPA with a dense block-diagonal mask)"
+$PY -c "import flash_attn; print('flash-attn', flash_attn.__version__, '(packed rows: its variable-length kernel)')" 2>/dev/null \
+  || $PY -c "from torch.nn.attention.varlen import varlen_attn; import inspect; print('flash-attn not installed; packed rows: torch varlen_attn', inspect.signature(varlen_attn))" 2>/dev/null \
+  || echo "flash-attn not installed, no torch varlen_attn (packed rows: SDPA with a dense block-diagonal mask)"
 
 for shape in ${SHAPES//,/ }; do
   stamp "bench/packing.py: Qwen3 $shape shape on $DEVICE"

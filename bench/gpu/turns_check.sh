@@ -4,6 +4,8 @@
 #   turns  presets/gpu/one_gpu_rl.yaml: they take turns (vLLM sleeps while the actor trains, the actor
 #          empties its allocator's cache while vLLM samples), each may use most of the GPU
 #   split  presets/gpu/one_gpu_rl_split.yaml: a fixed split (vLLM 35%, actor 55%), no switches
+#   inprocess  no broker: vLLM's offline LLM and PEFT in one Python process, vLLM sleeping while PEFT
+#          trains (bench/gpu/inprocess_rl.py, the anchor of issue 31 item 5)
 # Each prints per-step phase times and the time from save_weights_for_sampler to the first token of
 # the new version; nvidia-smi is sampled every 100 ms meanwhile (GPU busy fraction, memory).
 # On the device, after the vLLM kit was carried into /tmp/tb/parts (bench/gpu/build_vllm_sdk_carry.sh
@@ -21,7 +23,31 @@ gpu_stack_setup || exit 1
 mkdir -p models && rm -rf models/qwen3-1.7b && mv models/h200-qwen3-0.6b models/qwen3-1.7b
 export TB_VLLM_EXTRA_ARGS="--max-model-len 4096 --enforce-eager" TB_LOG_LEVEL=info HF_HUB_OFFLINE=1 TB_SNAPSHOT_EVERY_STEPS=0
 URL=http://127.0.0.1:$PORT
+# nvidia-smi's 100 ms samples of one way: mean utilization, share of samples with any kernel, memory.
+smi_summary() {
+  python3 - "$1" <<'EOF'
+import sys
+rows = [l.split(", ") for l in open(sys.argv[1]) if l.count(",") == 2]
+util = [float(r[1]) for r in rows if r[1].strip().replace('.', '', 1).isdigit()]
+mem = [float(r[2]) for r in rows if r[2].strip().replace('.', '', 1).isdigit()]
+if util:
+    print(f"nvidia-smi over the loop: {len(util)} samples, utilization mean {sum(util)/len(util):.1f}%, "
+          f"busy (>0%) {100*sum(u > 0 for u in util)/len(util):.1f}% of samples, memory used min {min(mem):.0f} max {max(mem):.0f} MiB")
+EOF
+}
 for way in ${WAYS//,/ }; do
+  if [ "$way" = inprocess ]; then
+    stamp "inprocess: vLLM's LLM + PEFT in one process"
+    nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader,nounits -lms 100 > "$OUT/smi-$way.csv" &
+    SMI=$!
+    PYTHONPATH=$TB/engsite:$TB/vsite PYTHONUNBUFFERED=1 timeout ${LOOP_S:-300} python3 bench/gpu/inprocess_rl.py \
+      --model models/qwen3-1.7b --steps $STEPS --prompts ${PROMPTS:-16} --group ${GROUP:-8} --max-tokens ${MAX_TOKENS:-128} \
+      --batch-tokens ${TURNS_BATCH_TOKENS:-8192} --out "$OUT/summary-$way.json" 2>&1 | grep -v -E '^(INFO|DEBUG)|it/s\]' | tail -40
+    stamp "inprocess: exited ${PIPESTATUS[0]}"
+    kill $SMI 2>/dev/null
+    smi_summary "$OUT/smi-$way.csv"
+    continue
+  fi
   if [ "$way" = turns ]; then PRESET=presets/gpu/one_gpu_rl.yaml; export TB_ENGINE_MAX_BATCH_TOKENS=${TURNS_BATCH_TOKENS:-8192}
   else PRESET=presets/gpu/one_gpu_rl_split.yaml; export TB_ENGINE_MAX_BATCH_TOKENS=${SPLIT_BATCH_TOKENS:-4096}; fi
   export TB_PORT=$PORT TB_PREFIX=turns-$way TB_STORAGE_DIR=/tmp/tb/storage-$way
@@ -37,15 +63,7 @@ for way in ${WAYS//,/ }; do
     --actor qwen3-1.7b --steps $STEPS --prompts ${PROMPTS:-16} --group ${GROUP:-8} --max-tokens ${MAX_TOKENS:-128} --label $way --out "$OUT/summary-$way.json"
   stamp "$way: loop exited $?"
   kill $SMI 2>/dev/null
-  python3 - "$OUT/smi-$way.csv" <<'EOF'
-import sys
-rows = [l.split(", ") for l in open(sys.argv[1]) if l.count(",") == 2]
-util = [float(r[1]) for r in rows if r[1].strip().replace('.', '', 1).isdigit()]
-mem = [float(r[2]) for r in rows if r[2].strip().replace('.', '', 1).isdigit()]
-if util:
-    print(f"nvidia-smi over the loop: {len(util)} samples, utilization mean {sum(util)/len(util):.1f}%, "
-          f"busy (>0%) {100*sum(u > 0 for u in util)/len(util):.1f}% of samples, memory used min {min(mem):.0f} max {max(mem):.0f} MiB")
-EOF
+  smi_summary "$OUT/smi-$way.csv"
   grep -E 'gpu turn (taken|given)' "$OUT/$way.log" | head -6 | cut -c1-300
   grep -i -E 'error|Traceback|OutOfMemory' "$OUT/$way.log" | grep -v 'path=/healthz' | head -10 | cut -c1-400
   kill -TERM ${PIDS[-1]}; for _ in $(seq 60); do kill -0 ${PIDS[-1]} 2>/dev/null || break; sleep 1; done

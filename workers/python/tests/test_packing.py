@@ -167,9 +167,10 @@ def test_packed_staging(engine: Engine) -> None:
 
 
 def test_attention_for_the_packed_row(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """SDPA here: no extra arguments (the mask comes from the position ids). Where flash-attn runs
-    (not on this machine: the switch is recorded, not run), the forward gets the variable-length
-    arguments under flash_attention_2 and the model's own implementation is back afterwards."""
+    """SDPA here: no extra arguments (the mask comes from the position ids). Where a variable-length
+    kernel runs (not on this machine: the switch is recorded, not run), the forward gets the
+    variable-length arguments under flash_attention_2 (flash-attn installed) or tb_varlen (torch's
+    kernel), and the model's own implementation is back afterwards."""
     from tinker_engine import packing
 
     base = engine.registry.base("tiny")
@@ -183,7 +184,12 @@ def test_attention_for_the_packed_row(engine: Engine, monkeypatch: pytest.Monkey
     calls: list[str] = []
     monkeypatch.setattr(packing, "flash_available", lambda b: True)
     monkeypatch.setattr(base.hf, "set_attn_implementation", calls.append)
+    monkeypatch.setattr(packing, "_flash_attn_installed", lambda: True)
     with packing.attention_for(base, staged) as extra:
         assert extra is staged.varlen
         assert calls == ["flash_attention_2"]
     assert calls == ["flash_attention_2", own]
+    monkeypatch.setattr(packing, "_flash_attn_installed", lambda: False)  # torch's kernel (test_varlen.py)
+    with packing.attention_for(base, staged) as extra:
+        assert extra is staged.varlen
+    assert calls[2:] == ["tb_varlen", own]

@@ -15,11 +15,13 @@ Either way a staged micro-batch says, for every datum, its slot: the range of th
 token axis it owns (its tokens, then its padding if any); train.py reads hidden states and targets by
 slot, cobatch.py runs each adapter over its members' slots.
 
-The attention kernel: with ``packed`` on a CUDA device where flash-attn is installed and the weights
-are 16-bit, the forward runs with transformers' ``flash_attention_2`` (the variable-length kernel,
-O(T) memory); elsewhere with the model's own implementation (SDPA with the block-diagonal mask: exact,
-but its mask and scores grow with T^2, which TB_ENGINE_MAX_BATCH_TOKENS bounds). ``TB_ENGINE_LAYOUT``
-``auto`` (the default, ``resolve``) packs only in the first case.
+The attention kernel: with ``packed`` on a CUDA device with 16-bit weights, the forward runs on a
+variable-length kernel (O(T) memory, nothing computed across datums): transformers'
+``flash_attention_2`` where flash-attn is installed, else torch's own ``varlen_attn`` (varlen.py,
+registered with transformers as ``tb_varlen``). Elsewhere it runs on the model's own implementation
+(SDPA with the block-diagonal mask: exact, but its mask and scores grow with T^2, which
+TB_ENGINE_MAX_BATCH_TOKENS bounds). ``TB_ENGINE_LAYOUT`` ``auto`` (the default, ``resolve``) packs only
+in the first case.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import varlen as torch_varlen
+
 if TYPE_CHECKING:
     from .models import BaseModel
     from .train import Datum
 
-FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
+FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", torch_varlen.NAME)
 
 
 @dataclass
@@ -174,14 +178,20 @@ def _flash_attn_installed() -> bool:
 
 
 def flash_available(base: BaseModel) -> bool:
-    """Whether the packed row can run on flash-attn's variable-length kernel here."""
+    """Whether the packed row can run on a variable-length kernel here (flash-attn's or torch's)."""
     return (base.device.type == "cuda" and base.placement.dtype in (torch.bfloat16, torch.float16)
-            and _flash_attn_installed())
+            and (_flash_attn_installed() or torch_varlen.available(base.device)))
+
+
+def varlen_implementation() -> str:
+    """The transformers attention implementation a packed row runs on where ``flash_available``:
+    flash-attn's when it is installed, else torch's varlen_attn (registered on first use)."""
+    return "flash_attention_2" if _flash_attn_installed() else torch_varlen.register()
 
 
 def isolates_datums(base: BaseModel) -> bool:
-    """Whether a packed row's attention computes nothing across its datums: flash-attn's
-    variable-length kernel does not; a masked dense kernel (SDPA, eager) computes every pair and
+    """Whether a packed row's attention computes nothing across its datums: a variable-length kernel
+    (flash-attn's, torch's) does not; a masked dense kernel (SDPA, eager) computes every pair and
     multiplies the masked ones by 0, so a datum whose values are not finite makes its neighbours'
     gradients NaN (0 x inf). Co-batching packs only where datums are isolated, so that one member's
     non-finite loss fails that member alone (cobatch.py)."""
@@ -212,7 +222,7 @@ def attention_for(base: BaseModel, staged: Staged) -> Iterator[dict[str, Any]]:
     if not flash_available(base):
         yield {}  # the model's packed-sequence mask from the position ids
         return
-    base.hf.set_attn_implementation("flash_attention_2")
+    base.hf.set_attn_implementation(varlen_implementation())
     try:
         yield staged.varlen
     finally:

@@ -1,0 +1,98 @@
+"""PyTorch's own variable-length attention kernel as a transformers attention implementation.
+
+``torch.nn.attention.varlen.varlen_attn`` (PyTorch's CUDA build carries FlashAttention-2) takes the
+tokens of several sequences concatenated, (T, H, D), with their cumulative lengths, and attends only
+within each sequence: what a packed row needs (packing.py), in O(T) memory, with nothing installed
+beyond torch. The flash-attn package gives the same through transformers' ``flash_attention_2``; this
+is the way where it is not installed (building it needs the CUDA toolkit and hours; its wheels are not
+on the package index for every torch).
+
+``NAME`` is registered with transformers' ``AttentionInterface`` (the attention function below) and
+``AttentionMaskInterface`` (flash attention's mask function: no dense mask is built, the kernel gets the
+cumulative lengths that packing.stage_packed staged, as for flash-attn). ``packing.attention_for``
+switches a base model to it for a packed forward and back afterwards.
+
+Two signatures of ``varlen_attn`` exist: the first (``is_causal``, key and value with as many heads as
+the query) and the later one (``window_size``, ``enable_gqa``, ``scale``). ``call`` speaks both: on the
+first it repeats the key and value heads for grouped-query attention, as the model's eager attention
+does.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+NAME = "tb_varlen"
+
+Kernel = Callable[..., Any]
+
+
+@functools.cache
+def kernel() -> Kernel | None:
+    """torch's varlen_attn, or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def available(device: torch.device) -> bool:
+    return device.type == "cuda" and kernel() is not None
+
+
+def call(fn: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+         scale: float | None) -> torch.Tensor:
+    """Causal attention within each sequence of the packed ``q``/``k``/``v`` (T, heads, head_dim),
+    sequence i being tokens ``cu[i]:cu[i+1]``; returns (T, query heads, head_dim)."""
+    params = inspect.signature(fn).parameters
+    if "window_size" in params:
+        out = fn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1])
+    else:
+        if q.shape[1] != k.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        kw: dict[str, Any] = {"is_causal": True}
+        if "scale" in params:
+            kw["scale"] = scale
+        elif scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-12 * scale:
+            raise ValueError(f"this torch's varlen_attn has no scale argument and the model's scale {scale} is not "
+                             f"1/sqrt(head_dim) = {q.shape[-1] ** -0.5}")
+        out = fn(q, k, v, cu, cu, max_len, max_len, **kw)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+              **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: query (1, heads, T, head_dim) of one packed row, key
+    and value (1, kv heads, T, head_dim); the row's cumulative lengths in ``cu_seq_lens_q`` and the
+    longest in ``max_length_q`` (packing stages both); returns (1, T, heads, head_dim) and no weights."""
+    cu, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    if cu is None or max_len is None or query.shape[0] != 1:
+        raise ValueError(f"attention '{NAME}' runs packed rows only (one row, with cu_seq_lens_q and max_length_q); "
+                         f"got a batch of {query.shape[0]}")
+    if dropout:
+        raise ValueError(f"attention '{NAME}' has no dropout (the model asked for {dropout})")
+    fn = kernel()
+    if fn is None:
+        raise RuntimeError("this torch has no torch.nn.attention.varlen.varlen_attn")
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+    out = call(fn, q, k, v, cu.to(device=q.device, dtype=torch.int32), int(max_len), scaling)
+    return out.unsqueeze(0), None
+
+
+@functools.cache
+def register() -> str:
+    """Registers ``NAME`` with transformers (once) and returns it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    return NAME
