@@ -43,6 +43,7 @@ def main() -> int:
     ap.add_argument("--sleep-level", type=int, default=1, help="0: vLLM never sleeps")
     ap.add_argument("--unembed", type=int, default=1, help="1: a LoRA on lm_head too (the SDK's train_unembed=True)")
     ap.add_argument("--eager", type=int, default=1, help="1: --enforce-eager, as turns_check.sh runs vLLM")
+    ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -55,7 +56,7 @@ def main() -> int:
 
     t_start = time.perf_counter()
     llm_kw = dict(model=args.model, dtype="bfloat16" if args.device != "cpu" else "float32", enable_lora=True,
-                  max_lora_rank=max(args.rank, 8), max_loras=2, max_model_len=4096, enforce_eager=bool(args.eager),
+                  max_lora_rank=max(args.rank, 8), max_loras=2, max_model_len=args.max_model_len, enforce_eager=bool(args.eager),
                   seed=0)
     if args.device != "cpu":
         llm_kw["gpu_memory_utilization"] = args.gpu_memory

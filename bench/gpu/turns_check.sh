@@ -42,7 +42,7 @@ for way in ${WAYS//,/ }; do
     SMI=$!
     PYTHONPATH=$TB/engsite:$TB/vsite PYTHONUNBUFFERED=1 timeout ${LOOP_S:-300} python3 bench/gpu/inprocess_rl.py \
       --model models/qwen3-1.7b --steps $STEPS --prompts ${PROMPTS:-16} --group ${GROUP:-8} --max-tokens ${MAX_TOKENS:-128} \
-      --batch-tokens ${TURNS_BATCH_TOKENS:-8192} --out "$OUT/summary-$way.json" 2>&1 | grep -v -E '^(INFO|DEBUG)|it/s\]' | tail -40
+      --batch-tokens ${TURNS_BATCH_TOKENS:-8192} --out "$OUT/summary-$way.json" 2>&1 | grep -E '^(\{|SUMMARY)|Error|Traceback|rror:' | tail -40
     stamp "inprocess: exited ${PIPESTATUS[0]}"
     kill $SMI 2>/dev/null
     smi_summary "$OUT/smi-$way.csv"
