@@ -51,19 +51,19 @@ def call(fn: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torc
     """Causal attention within each sequence of the packed ``q``/``k``/``v`` (T, heads, head_dim),
     sequence i being tokens ``cu[i]:cu[i+1]``; returns (T, query heads, head_dim)."""
     params = inspect.signature(fn).parameters
-    if "window_size" in params:
-        out = fn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1])
-    else:
-        if q.shape[1] != k.shape[1]:
+    kw: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:  # as the model's eager attention does
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        kw: dict[str, Any] = {"is_causal": True}
-        if "scale" in params:
-            kw["scale"] = scale
-        elif scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-12 * scale:
-            raise ValueError(f"this torch's varlen_attn has no scale argument and the model's scale {scale} is not "
-                             f"1/sqrt(head_dim) = {q.shape[-1] ** -0.5}")
-        out = fn(q, k, v, cu, cu, max_len, max_len, **kw)
+    if "scale" in params:
+        kw["scale"] = scale
+    elif scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-12 * scale:
+        raise ValueError(f"this torch's varlen_attn has no scale argument and the model's scale {scale} is not "
+                         f"1/sqrt(head_dim) = {q.shape[-1] ** -0.5}")
+    out = fn(q, k, v, cu, cu, max_len, max_len, **kw)
     return out[0] if isinstance(out, tuple) else out
 
 
