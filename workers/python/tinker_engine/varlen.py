@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -60,7 +61,7 @@ def call(fn: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torc
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     if "scale" in params:
         kw["scale"] = scale
-    elif scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-12 * scale:
+    elif scale is not None and not math.isclose(scale, q.shape[-1] ** -0.5, rel_tol=1e-6):
         raise ValueError(f"this torch's varlen_attn has no scale argument and the model's scale {scale} is not "
                          f"1/sqrt(head_dim) = {q.shape[-1] ** -0.5}")
     out = fn(q, k, v, cu, cu, max_len, max_len, **kw)
