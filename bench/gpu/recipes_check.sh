@@ -45,6 +45,12 @@ fi
 export TB_LOG_LEVEL=info TB_SNAPSHOT_EVERY_STEPS=0
 URL=http://127.0.0.1:$PORT
 WORK=$OUT/cookbook
+# The cookbook loads a tokenizer by the model's name (get_tokenizer(model_name)): each served name is a
+# directory in the recipes' working directory, as the stand-in e2e tests do with hub ids.
+mkdir -p "$WORK"
+if [ "$MODE" = gpu ]; then STUDENT_DIR=$REPO/models/qwen3-1.7b TEACHER_DIR=$REPO/models/qwen3-30b-a3b
+else STUDENT_DIR=$REPO/models/tiny-qwen3 TEACHER_DIR=$REPO/models/tiny-qwen3-teacher; fi
+ln -sfn "$STUDENT_DIR" "$WORK/qwen3-1.7b"; ln -sfn "$TEACHER_DIR" "$WORK/qwen3-30b-a3b"
 
 # nvidia-smi's samples (or nothing on the CPU) while a recipe runs.
 smi_start() { SMI=; command -v nvidia-smi >/dev/null && { nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader,nounits -lms 100 > "$1" & SMI=$!; }; }
@@ -83,7 +89,7 @@ except FileNotFoundError:
 keep = ("reward", "teacher_kl", "kl", "loss", "nll", "entropy", "ac_tokens", "time/total", "time/sample", "time/train", "time/run_evals")
 for r in rows:
     print("step", r.get("step", r.get("progress/batch")), {k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()
-          if any(s in k for s in keep) and "/max" not in k and "/min" not in k})
+          if any(s in k for s in keep) and ":" not in k and "/max" not in k and "/min" not in k})
 EOF
 }
 
