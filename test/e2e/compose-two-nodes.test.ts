@@ -25,10 +25,12 @@ import { E2E_KEY, freePort, PYTHON } from './server.js';
 const ROOT = path.resolve('.');
 const PRESET = 'presets/distill/multi_teacher.yaml';
 const FILES = ['docker-compose.yml', 'docker-compose.two-nodes.yml'];
-const compose = (() => {
+/** compose v2 (`docker compose`) or v1 (`docker-compose`), whichever the machine has once scripts/docker-ensure.sh ran (the first test's `before`). */
+const compose = { cmd: 'docker-compose', pre: [] as string[] };
+function resolveCompose(): void {
   const v2 = spawnSync('docker', ['compose', 'version'], { encoding: 'utf8' });
-  return v2.status === 0 ? { cmd: 'docker', pre: ['compose'] } : { cmd: 'docker-compose', pre: [] as string[] };
-})();
+  if (v2.status === 0) Object.assign(compose, { cmd: 'docker', pre: ['compose'] });
+}
 
 type Row = Record<string, number | string | undefined>;
 
@@ -63,6 +65,12 @@ s.on('error', (e) => console.log(e.code));`;
 
 describe('docker-compose.two-nodes.yml', function () {
   this.timeout(1_800_000);
+
+  // Docker and compose are installed here when missing (a fresh machine), before any test calls them.
+  before(() => {
+    sh('bash', ['scripts/docker-ensure.sh']);
+    resolveCompose();
+  });
 
   it('puts each node on its own internal network with Redis only; the storage volume on both nodes and the API', () => {
     const cfg = YAML.parse(sh(compose.cmd, [...compose.pre, ...FILES.flatMap((f) => ['-f', f]), 'config'], { TB_API_KEYS: 'tml-config-check' }));
