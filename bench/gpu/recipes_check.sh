@@ -57,15 +57,7 @@ smi_start() { SMI=; command -v nvidia-smi >/dev/null && { nvidia-smi --query-gpu
 smi_stop() {
   [ -n "$SMI" ] || return 0
   kill $SMI 2>/dev/null
-  python3 - "$1" <<'EOF'
-import sys
-rows = [l.split(", ") for l in open(sys.argv[1]) if l.count(",") == 2]
-util = [float(r[1]) for r in rows if r[1].strip().replace('.', '', 1).isdigit()]
-mem = [float(r[2]) for r in rows if r[2].strip().replace('.', '', 1).isdigit()]
-if util:
-    print(f"nvidia-smi over the recipe: {len(util)} samples, utilization mean {sum(util)/len(util):.1f}%, "
-          f"busy (>0%) {100*sum(u > 0 for u in util)/len(util):.1f}% of samples, memory used min {min(mem):.0f} max {max(mem):.0f} MiB")
-EOF
+  smi_summary "$1"
 }
 # One recipe through run.py; prints its rows (the keys that tell how it learned, and its step times).
 recipe() {  # name, env…, -- key=value…

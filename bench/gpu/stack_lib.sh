@@ -84,3 +84,16 @@ start_stack() {  # log, args…
   node scripts/tinker-broker.mjs start "$@" > "$log" 2>&1 &
   PIDS+=($!)
 }
+# nvidia-smi's 100 ms samples in FILE (utilization, memory), summarised: mean utilization, share of
+# samples with any kernel running, memory used.
+smi_summary() {  # file
+  python3 - "$1" <<'EOF'
+import sys
+rows = [l.split(", ") for l in open(sys.argv[1]) if l.count(",") == 2]
+util = [float(r[1]) for r in rows if r[1].strip().replace('.', '', 1).isdigit()]
+mem = [float(r[2]) for r in rows if r[2].strip().replace('.', '', 1).isdigit()]
+if util:
+    print(f"nvidia-smi: {len(util)} samples, utilization mean {sum(util)/len(util):.1f}%, "
+          f"busy (>0%) {100*sum(u > 0 for u in util)/len(util):.1f}% of samples, memory used min {min(mem):.0f} max {max(mem):.0f} MiB")
+EOF
+}

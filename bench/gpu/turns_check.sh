@@ -23,18 +23,6 @@ gpu_stack_setup || exit 1
 mkdir -p models && rm -rf models/qwen3-1.7b && mv models/h200-qwen3-0.6b models/qwen3-1.7b
 export TB_VLLM_EXTRA_ARGS="--max-model-len 4096 --enforce-eager" TB_LOG_LEVEL=info HF_HUB_OFFLINE=1 TB_SNAPSHOT_EVERY_STEPS=0
 URL=http://127.0.0.1:$PORT
-# nvidia-smi's 100 ms samples of one way: mean utilization, share of samples with any kernel, memory.
-smi_summary() {
-  python3 - "$1" <<'EOF'
-import sys
-rows = [l.split(", ") for l in open(sys.argv[1]) if l.count(",") == 2]
-util = [float(r[1]) for r in rows if r[1].strip().replace('.', '', 1).isdigit()]
-mem = [float(r[2]) for r in rows if r[2].strip().replace('.', '', 1).isdigit()]
-if util:
-    print(f"nvidia-smi over the loop: {len(util)} samples, utilization mean {sum(util)/len(util):.1f}%, "
-          f"busy (>0%) {100*sum(u > 0 for u in util)/len(util):.1f}% of samples, memory used min {min(mem):.0f} max {max(mem):.0f} MiB")
-EOF
-}
 for way in ${WAYS//,/ }; do
   if [ "$way" = inprocess ]; then
     stamp "inprocess: vLLM's LLM + PEFT in one process"
