@@ -11,7 +11,8 @@ import { BENCH_ADAM, benchBatch, post, result, runBench } from './client.js';
  * tinker_engine/cobatch.py): the start command as a user starts it, N clients each running
  * forward_backward + optim_step steps with small batches, all at once with TB_COBATCH_MAX=N (their
  * forward_backward ops share engine passes), against the same N loops one after another, and all at
- * once without co-batching (TB_COBATCH_MAX=1: the engine runs their ops in turn). It prints
+ * once without co-batching (TB_COBATCH_MAX=1: the engine runs their ops in turn), and all at once
+ * co-batched with a gather window (TB_COBATCH_WAIT_MS=$COBATCH_WAIT_MS, default 25; 0 skips that run). It prints
  * the trained tokens/s of each way and their ratio, and each loop's p99 step latency together
  * against its solo p50 (fairness: no loop waits on the others beyond the shared passes).
  *
@@ -25,8 +26,10 @@ const device = process.argv[7];
 
 type Run = { seconds: number; tokens: number; stepMs: number[][]; passes: Map<number, number[]> };
 
-async function run(together: boolean, cobatch: number): Promise<Run> {
-  const env: Record<string, string> = { TB_COBATCH_MAX: String(cobatch), TB_LONG_POLL_MS: '25000', TB_SNAPSHOT_EVERY_STEPS: '0' };
+const waitMs = Number(process.env.COBATCH_WAIT_MS ?? 25);
+
+async function run(together: boolean, cobatch: number, cobatchWaitMs = 0): Promise<Run> {
+  const env: Record<string, string> = { TB_COBATCH_MAX: String(cobatch), TB_COBATCH_WAIT_MS: String(cobatchWaitMs), TB_LONG_POLL_MS: '25000', TB_SNAPSHOT_EVERY_STEPS: '0' };
   if (model !== TINY_MODEL_ALIAS) env.TB_AGENT_MODELS = `${model}=bench-model`;
   if (device) env.TB_ENGINE_DEVICE = device;
   const server = new E2EServer(env);
@@ -96,14 +99,18 @@ runBench(async () => {
   const alone = await run(false, 1);
   const plain = await run(true, 1);
   const together = await run(true, loops);
+  const gathered = waitMs > 0 ? await run(true, loops, waitMs) : undefined;
   const tps = (r: Run) => r.tokens / r.seconds;
   console.log(`loops=${loops} steps=${steps} datums=${datums} seqLen=${seqLen} model=${model} device=${device ?? 'default'}`);
   console.log(`one after another: ${tps(alone).toFixed(0)} trained tokens/s (${alone.seconds.toFixed(2)} s)`);
   console.log(`together, not co-batched (TB_COBATCH_MAX=1): ${tps(plain).toFixed(0)} trained tokens/s (${plain.seconds.toFixed(2)} s)`);
   console.log(`together, co-batched (TB_COBATCH_MAX=${loops}): ${tps(together).toFixed(0)} trained tokens/s (${together.seconds.toFixed(2)} s)`);
-  console.log(`together / one after another = ${(tps(together) / tps(alone)).toFixed(2)}x`);
-  for (const [name, r] of [['one after another', alone], ['together, co-batched', together]] as const)
+  if (gathered) console.log(`together, co-batched, gather window ${waitMs} ms (TB_COBATCH_WAIT_MS): ${tps(gathered).toFixed(0)} trained tokens/s (${gathered.seconds.toFixed(2)} s)`);
+  console.log(`together / one after another = ${(tps(together) / tps(alone)).toFixed(2)}x${gathered ? `; with the gather window ${(tps(gathered) / tps(alone)).toFixed(2)}x` : ''}`);
+  const ways = [['one after another', alone], ['together, co-batched', together], ...(gathered ? [[`co-batched, window ${waitMs} ms`, gathered] as const] : [])] as const;
+  for (const [name, r] of ways)
     console.log(`${name}: forward_backward ops by engine pass size: ${[...r.passes].sort((a, b) => a[0] - b[0]).map(([n, ms]) => `${n}: ${ms.length} ops, engine p50 ${ms.length ? pct(ms, 50).toFixed(1) : '-'} ms`).join('; ')}`);
-  for (let k = 0; k < loops; k++)
-    console.log(`loop ${k}: step p50 alone ${pct(alone.stepMs[k]!, 50).toFixed(1)} ms, p99 together ${pct(together.stepMs[k]!, 99).toFixed(1)} ms (${(pct(together.stepMs[k]!, 99) / pct(alone.stepMs[k]!, 50)).toFixed(2)}x)`);
+  for (const [name, r] of ways.slice(1))
+    for (let k = 0; k < loops; k++)
+      console.log(`${name}, loop ${k}: step p50 alone ${pct(alone.stepMs[k]!, 50).toFixed(1)} ms, p99 together ${pct(r.stepMs[k]!, 99).toFixed(1)} ms (${(pct(r.stepMs[k]!, 99) / pct(alone.stepMs[k]!, 50)).toFixed(2)}x)`);
 });

@@ -46,7 +46,7 @@ describe('agent training pipeline (unit)', () => {
   });
 
   /** A pipeline over `adapter`; each outcome it records is logged as it is sent (`finish <job id> <state>`) among the adapter's calls. */
-  async function pipeline(adapter: FakeAdapter, halted: () => boolean = () => false, cobatchMax = 1) {
+  async function pipeline(adapter: FakeAdapter, halted: () => boolean = () => false, cobatchMax = 1, cobatchWaitMs = 0) {
     const engine = new EngineSupervisor({ config: { agentId, models: [], engineRestart: true }, log, adapter, capabilities: { trains: true }, models: registry.models, stopping: () => false, stop: () => undefined });
     await engine.start();
     const recorded: Pick<Outcomes, 'claim' | 'release' | 'finish'> = {
@@ -70,6 +70,7 @@ describe('agent training pipeline (unit)', () => {
       queue: names.trainQueue(agentId),
       halted,
       cobatchMax,
+      cobatchWaitMs,
     });
     return { p, engine };
   }
@@ -104,21 +105,29 @@ describe('agent training pipeline (unit)', () => {
     expect((await outcomes.get(b.id))!.state).to.equal('done');
   });
 
-  it('co-batching: the first waiting forward_backward of each other model on the same base runs in the same engine pass; every model keeps its order', async () => {
-    /** An adapter that runs groups; a member of model g3 fails alone, as the engine answers a member's user error. */
-    class Grouping extends FakeAdapter {
-      async forwardBackwardGroup(jobs: ForwardBackwardJob[]): Promise<(ForwardBackwardResult | Error)[]> {
-        this.calls.push(`group ${jobs.map((j) => j.model_id).join(',')}`);
-        return jobs.map((j) => (j.model_id === 'g3' ? new EngineError('user', 'datum 0: a bad datum') : { loss_fn_outputs: [], metrics: { 'loss:sum': 1 } }));
-      }
+  const optim = (model: string, seq: number): TrainJob => ({ op: 'optim_step', model_id: model, seq_id: seq, adam: { learning_rate: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-12, weight_decay: 0, grad_clip_norm: 0 } });
+
+  /** An adapter that runs groups; a member of model `failing` fails alone, as the engine answers a member's user error. */
+  class Grouping extends FakeAdapter {
+    failing = '';
+    async forwardBackwardGroup(jobs: ForwardBackwardJob[]): Promise<(ForwardBackwardResult | Error)[]> {
+      this.calls.push(`group ${jobs.map((j) => j.model_id).join(',')}`);
+      return jobs.map((j) => (j.model_id === this.failing ? new EngineError('user', 'datum 0: a bad datum') : { loss_fn_outputs: [], metrics: { 'loss:sum': 1 } }));
     }
-    const adapter = new Grouping('t');
-    const { p, engine } = await pipeline(adapter, () => false, 4);
-    for (const [m, base] of [['g1', '/m/base'], ['g2', '/m/base'], ['g3', '/m/base'], ['g4', '/m/base'], ['g5', '/m/other']] as const) {
+  }
+  /** Models placed on this agent (by base model) and loaded on its engine. */
+  async function place(engine: EngineSupervisor, models: [string, string][]): Promise<void> {
+    for (const [m, base] of models) {
       await registry.models.putIfAbsent({ model_id: m, session_id: 's', base_model: base, arch: 'x', vocab_size: 32, lora, agent_id: agentId, train_queue: 'q', created_at: new Date().toISOString(), lost_reason: null, tenant: '', max_context_length: 64, orphaned_at: null }, 60);
       engine.loaded.add(m);
     }
-    const optim = (model: string, seq: number): TrainJob => ({ op: 'optim_step', model_id: model, seq_id: seq, adam: { learning_rate: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-12, weight_decay: 0, grad_clip_norm: 0 } });
+  }
+
+  it('co-batching: the first waiting forward_backward of each other model on the same base runs in the same engine pass; every model keeps its order', async () => {
+    const adapter = new Grouping('t');
+    adapter.failing = 'g3';
+    const { p, engine } = await pipeline(adapter, () => false, 4);
+    await place(engine, [['g1', '/m/base'], ['g2', '/m/base'], ['g3', '/m/base'], ['g4', '/m/base'], ['g5', '/m/other']]);
     const held = adapter.hold('optim_step');
     const running = p.run(taken(optim('g1', 1)));
     // Waiting behind it, in the queue's order.
@@ -135,6 +144,42 @@ describe('agent training pipeline (unit)', () => {
     expect(await outcomes.get(jobs[3]!.id)).to.include({ state: 'failed', category: 'user' });
     expect((await outcomes.get(jobs[3]!.id))!.message).to.match(/a bad datum/);
     expect(await outcomes.get(jobs[2]!.id)).to.not.have.property('cobatch');
+  });
+
+  it('co-batching gather window: a forward_backward waits for the models training here lately, answering the op before it first, and never past the window', async () => {
+    const adapter = new Grouping('t');
+    // A window far longer than the test: every pass below ends by its models' arrival, not by time.
+    const { p, engine } = await pipeline(adapter, () => false, 4, 60_000);
+    await place(engine, [['w1', '/m/base'], ['w2', '/m/base'], ['w3', '/m/base'], ['w4', '/m/base']]);
+    // Round 1: all four queued behind a held op; they share a pass and are now the loops training here.
+    const held = adapter.hold('optim_step');
+    const first = p.run(taken(optim('w4', 1)));
+    const round1 = ['w1', 'w2', 'w3', 'w4'].map((m) => p.run(taken(fb(m, 2))));
+    await new Promise((r) => setTimeout(r, 20));
+    held.resolve();
+    await Promise.all([first, ...round1]);
+    expect(adapter.calls.filter((c) => c.startsWith('group'))).to.deep.equal(['group w1,w2,w3,w4']);
+    // Round 2: w1's optim_step runs, its forward_backward's turn comes with nothing else queued. It waits;
+    // meanwhile the optim_step before it is answered (its client's next op may be what it waits for).
+    const opt = taken(optim('w1', 3));
+    const optRun = p.run(opt);
+    const lead = p.run(taken(fb('w1', 4)));
+    await optRun;
+    while (!adapter.calls.includes(`finish ${opt.id} done`)) await new Promise((r) => setTimeout(r, 5));
+    await new Promise((r) => setTimeout(r, 30));
+    expect(adapter.calls.filter((c) => c.startsWith('group') || c.startsWith('forward_backward')), 'w1 waits for its partners').to.deep.equal(['group w1,w2,w3,w4']);
+    // w2 and w3 queue theirs; w4's next op is an optim_step, which cannot come along: the pass runs without waiting further.
+    const late = [p.run(taken(fb('w2', 4))), p.run(taken(fb('w3', 4)))];
+    await new Promise((r) => setTimeout(r, 10));
+    const w4 = p.run(taken(optim('w4', 3)));
+    await Promise.all([lead, ...late, w4]);
+    expect(adapter.calls.filter((c) => c.startsWith('group') || c.startsWith('optim_step w4')).slice(-3)).to.deep.equal(['group w1,w2,w3,w4', 'group w1,w2,w3', 'optim_step w4']);
+    // Bounded: with a short window, a loop that never sends its op is waited for that long and no longer.
+    const short = await pipeline(new Grouping('t'), () => false, 4, 50);
+    await place(short.engine, [['w1', '/m/base'], ['w2', '/m/base']]);
+    const pair = [short.p.run(taken(fb('w1', 5))), short.p.run(taken(fb('w2', 5)))];
+    await Promise.all(pair);
+    expect(await short.p.run(taken(fb('w1', 6)))).to.deep.equal({ state: 'done' });
   });
 
   it('fails an op of a model not on this engine with its reason, and the next op still runs', async () => {

@@ -237,6 +237,12 @@ const AgentEnv = CommonEnv.extend({
    * engine without co-batching: one at a time). @defaultValue 1
    */
   TB_COBATCH_MAX: z.coerce.number().int().min(1).max(64).default(1),
+  /**
+   * Co-batching's gather window (docs/architecture.md): a forward_backward whose turn comes waits at
+   * most this many milliseconds for the models that trained here lately to queue theirs, then runs
+   * with whatever partners are waiting (0: only what is already queued). @defaultValue 0
+   */
+  TB_COBATCH_WAIT_MS: z.coerce.number().int().min(0).max(1000).default(0),
   ...EngineEnv.shape,
 });
 
@@ -357,6 +363,8 @@ export type AgentConfig = {
   snapshots?: { everySteps: number; everyS: number; keep: number } | undefined;
   /** Most forward_backward ops in one engine pass (TB_COBATCH_MAX). @defaultValue 1 */
   cobatchMax?: number | undefined;
+  /** Co-batching's gather window in ms (TB_COBATCH_WAIT_MS). @defaultValue 0 */
+  cobatchWaitMs?: number | undefined;
   /** The Python engines' settings (`EngineEnv`), which the adapters pass to the engine. @defaultValue every default */
   engineSettings?: EngineSettings | undefined;
 };
@@ -482,6 +490,7 @@ export function loadAgentConfig(
     drainKeepS: e.TB_DRAIN_KEEP_S,
     snapshots: { everySteps: e.TB_SNAPSHOT_EVERY_STEPS, everyS: e.TB_SNAPSHOT_EVERY_S, keep: e.TB_SNAPSHOT_KEEP },
     cobatchMax: e.TB_COBATCH_MAX,
+    cobatchWaitMs: e.TB_COBATCH_WAIT_MS,
     engineSettings: Object.fromEntries(ENGINE_SETTING_NAMES.map((name) => [name, e[name as keyof EngineSettings]])) as EngineSettings,
   };
 }

@@ -157,7 +157,7 @@ export class Agent {
 
     const common = { connection: redis, prefix: this.names.bull, maxStalledCount: 0, lockDuration: config.jobLockMs ?? 30_000 };
     const halted = () => !!this.draining || this.stopping;
-    this.training = new TrainingPipeline({ ...base, outcomes, liveness, checkpoints, snapshots, metrics: this.jobMetrics, queue: this.trainQueue, halted, fresh: () => registration.ensureFresh(), cobatchMax: config.cobatchMax });
+    this.training = new TrainingPipeline({ ...base, outcomes, liveness, checkpoints, snapshots, metrics: this.jobMetrics, queue: this.trainQueue, halted, fresh: () => registration.ensureFresh(), cobatchMax: config.cobatchMax, cobatchWaitMs: config.cobatchWaitMs });
     this.train = this.training.consumer(redis, this.names, outcomes, { lockMs: common.lockDuration, tokenPrefix: `${this.incarnation}/` });
     this.adoption = new Adoption({
       agentId: config.agentId,

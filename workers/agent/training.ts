@@ -50,7 +50,18 @@ export type TrainingPipelineOptions = {
    * engine pass (TB_COBATCH_MAX; 1 or an engine without `forwardBackwardGroup`: one at a time).
    */
   cobatchMax?: number;
+  /**
+   * Co-batching's gather window (TB_COBATCH_WAIT_MS): how long, at most, a forward_backward whose turn
+   * came waits for the models that trained here lately to queue theirs. 0 or absent: no wait.
+   */
+  cobatchWaitMs?: number;
 };
+
+/**
+ * A model whose forward_backward ran here within this many ms is one the gather window waits for: a
+ * loop that trains here now. One that stopped is waited for (at most the window per pass) this long.
+ */
+const RECENT_MS = 10_000;
 
 /** A job taken and waiting for its turn; a co-batch takes it along (`ride`: its recorded outcome once the group has run). */
 type Waiting = { job: TakenTrainJob; data: TrainJob | undefined; ride?: Promise<Outcome> };
@@ -66,6 +77,10 @@ export class TrainingPipeline {
   private ahead = 0;
   /** Jobs taken whose turn has not come, in the queue's order (co-batching picks partners among them). */
   private readonly waiting: Waiting[] = [];
+  /** Models whose forward_backward ran here lately (co-batching): their base model and when. */
+  private readonly recent = new Map<string, { base: string; at: number }>();
+  /** Wakes the gather window when a job joins `waiting`. */
+  private arrived: (() => void) | undefined;
 
   constructor(private readonly o: TrainingPipelineOptions) {}
 
@@ -81,8 +96,9 @@ export class TrainingPipeline {
    */
   consumer(redis: Redis, names: Names, outcomes: Outcomes, opts: { lockMs: number; tokenPrefix: string }): TrainConsumer {
     return new TrainConsumer(redis, names, outcomes, this.o.queue, {
-      // With co-batching, as many taken ahead as a group can take along.
-      concurrency: this.cobatchMax > 1 ? 1 + this.cobatchMax : 2,
+      // With co-batching, as many taken ahead as a group can take along, each member's model with
+      // its optim_step queued behind its forward_backward (the SDK submits both before awaiting).
+      concurrency: this.cobatchMax > 1 ? 2 * this.cobatchMax : 2,
       lockMs: opts.lockMs,
       agentId: this.o.config.agentId,
       tokenPrefix: opts.tokenPrefix,
@@ -128,6 +144,7 @@ export class TrainingPipeline {
     const parsed = job.parsed ? { success: true as const, data: job.data as TrainJob } : TrainJob.safeParse(job.data);
     const waiting: Waiting = { job, data: parsed.success ? parsed.data : undefined };
     this.waiting.push(waiting);
+    this.arrived?.();
     const before = this.turn;
     let started!: () => void;
     before.nextStarted = new Promise<void>((r) => (started = r));
@@ -178,10 +195,11 @@ export class TrainingPipeline {
         await engine.ensure();
         epoch = engine.epoch;
         if (!parsed.success) throw parsed.error;
-        const t0 = performance.timeOrigin + performance.now();
         const d = parsed.data;
-        const partners = d.op === 'forward_backward' && this.cobatchMax > 1 && this.waiting.length > 0 ? await this.partners(d) : [];
+        const partners = d.op === 'forward_backward' && this.cobatchMax > 1 ? await this.partners(d, started) : [];
         if (partners.length) cobatched = partners.length + 1;
+        // After the gather window: the span is the engine's.
+        const t0 = performance.timeOrigin + performance.now();
         const call = d.op === 'forward_backward' && partners.length ? this.cobatch(d, partners, epoch) : trainOp(d, this.o);
         // Once the promise jobs that carry the call to the engine have run.
         process.nextTick(started);
@@ -213,16 +231,21 @@ export class TrainingPipeline {
   /**
    * The forward_backward ops that can run in one engine pass with `lead` (co-batching): among the
    * jobs taken and waiting, each model's first one, when it is a forward_backward of another model
-   * on the same base model, loaded here and not claimed yet; at most `cobatchMax - 1`. Only ops
-   * already taken are looked at: nothing waits for a partner. Each is claimed here (an op whose
-   * outcome another process recorded first is left to its own turn).
+   * on the same base model, loaded here and not claimed yet; at most `cobatchMax - 1`. Ops already
+   * taken are looked at, after the gather window (`gather`) where one is set. Each is claimed here
+   * (an op whose outcome another process recorded first is left to its own turn). `started`: the
+   * op before the lead is told the engine is taken, before any wait.
    */
-  private async partners(lead: Extract<TrainJob, { op: 'forward_backward' }>): Promise<(Waiting & { data: Extract<TrainJob, { op: 'forward_backward' }> })[]> {
+  private async partners(lead: Extract<TrainJob, { op: 'forward_backward' }>, started: () => void): Promise<(Waiting & { data: Extract<TrainJob, { op: 'forward_backward' }> })[]> {
     const max = this.cobatchMax;
-    if (max <= 1 || this.waiting.length === 0) return [];
-    const { engine, registry, outcomes, config } = this.o;
-    const base = (await registry.models.placed(lead.model_id).catch(() => null))?.base_model;
-    if (!base) return [];
+    const base = await this.baseOf(lead.model_id);
+    if (max <= 1 || !base) return [];
+    for (const [m, r] of this.recent) if (Date.now() - r.at > RECENT_MS || !this.o.engine.loaded.has(m)) this.recent.delete(m);
+    await this.gather(lead.model_id, base, started);
+    const now = Date.now();
+    this.recent.set(lead.model_id, { base, at: now });
+    if (this.waiting.length === 0) return [];
+    const { engine, outcomes, config } = this.o;
     const seen = new Set([lead.model_id]);
     const out: (Waiting & { data: Extract<TrainJob, { op: 'forward_backward' }> })[] = [];
     for (const w of [...this.waiting]) {
@@ -234,15 +257,60 @@ export class TrainingPipeline {
       seen.add(d.model_id);
       if (d.op !== 'forward_backward' || w.ride || w.job.claim || !engine.loaded.has(d.model_id)) continue;
       try {
-        if ((await registry.models.placed(d.model_id))?.base_model !== base) continue;
+        if ((await this.baseOf(d.model_id)) !== base) continue;
         if ((await outcomes.claim(w.job.id, d.op, config.agentId, w.job.token)) !== null) continue;
       } catch {
         // Redis unreachable: the partners claimed so far come along; the others run in their turn.
         break;
       }
       out.push(w as Waiting & { data: typeof d });
+      this.recent.set(d.model_id, { base, at: now });
     }
     return out;
+  }
+
+  /** A model's base model (from its placement; remembered while it trains here), or null when unknown. */
+  private async baseOf(modelId: string): Promise<string | null> {
+    const known = this.recent.get(modelId)?.base;
+    if (known) return known;
+    return (await this.o.registry.models.placed(modelId).catch(() => null))?.base_model ?? null;
+  }
+
+  /**
+   * The gather window (TB_COBATCH_WAIT_MS): the lead waits, at most that long, until every other model
+   * on its base whose forward_backward ran here within RECENT_MS (a loop training here now, loaded
+   * here) has an op waiting, or the pass is full. A model whose first waiting op is not a
+   * forward_backward is not waited for further (it cannot come along). Loops that run in step then
+   * meet in one pass rather than drifting into a pass of most and a pass of the one that was a round
+   * trip late. The wait is bounded by the window; a halting agent does not wait.
+   */
+  private async gather(lead: string, base: string, started: () => void): Promise<void> {
+    const windowMs = this.o.cobatchWaitMs ?? 0;
+    if (windowMs <= 0) return;
+    const expected = [...this.recent].filter(([m, r]) => m !== lead && r.base === base).map(([m]) => m);
+    if (expected.length === 0) return;
+    // The op before this one answers its client now (its next op may be what we wait for).
+    started();
+    const deadline = Date.now() + windowMs;
+    for (;;) {
+      const first = new Map<string, string>();
+      for (const w of this.waiting) {
+        const m = w.data && 'model_id' in w.data ? w.data.model_id : undefined;
+        if (m && !first.has(m)) first.set(m, w.data!.op);
+      }
+      const ready = expected.filter((m) => first.get(m) === 'forward_backward').length;
+      if (ready >= this.cobatchMax - 1 || expected.every((m) => first.has(m)) || this.o.halted()) return;
+      const left = deadline - Date.now();
+      if (left <= 0) return;
+      await new Promise<void>((resolve) => {
+        const timer = setTimeout(resolve, left);
+        this.arrived = () => {
+          clearTimeout(timer);
+          resolve();
+        };
+      });
+      this.arrived = undefined;
+    }
   }
 
   /**
