@@ -10,8 +10,8 @@ import type { TestDatum } from './helpers/wire.js';
 /**
  * Co-batching through the product (issue 34; workers/agent/training.ts, tinker_engine/cobatch.py):
  * four training loops of different LoRA ranks and losses run at once against one agent with
- * TB_COBATCH_MAX=4, so their forward_backward ops meet in the agent's queue and run in shared engine
- * passes; then a twin of each loop runs alone. Every loop's losses equal its twin's up to float32
+ * TB_COBATCH_MAX=4 and a gather window, so their forward_backward ops meet in the agent's queue and
+ * run in shared engine passes; then a twin of each loop runs alone. Every loop's losses equal its twin's up to float32
  * summation order, and some ops did run co-batched (their outcome records say so). Real processes:
  * the API here, the agent spawned, its engine its child.
  */
@@ -44,7 +44,8 @@ describe('co-batching: concurrent loops share engine passes and keep their solo 
   before(async () => {
     st = stackEnv(REDIS_URL);
     api = await startApi(st.env);
-    agent = spawnAgent({ ...st.env, TB_AGENT_ID: `cb-${st.prefix}`, TB_COBATCH_MAX: '4' });
+    // With a gather window (TB_COBATCH_WAIT_MS): a pass waits, bounded, for the loops a round trip late.
+    agent = spawnAgent({ ...st.env, TB_AGENT_ID: `cb-${st.prefix}`, TB_COBATCH_MAX: '4', TB_COBATCH_WAIT_MS: '200' });
     await waitFor('agent registered', async () => {
       if (agent.child.exitCode !== null) throw new Error(`agent exited: ${agent.log()}`);
       return (await api.built.ctx.registry.agents.live()).some((r) => r.agent_id === agent.id && r.models.length > 0);
