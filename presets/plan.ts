@@ -109,6 +109,7 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
             ...(a.gpu_memory === undefined ? {} : { TB_GPU_MEMORY: String(a.gpu_memory) }),
             ...(a.take_turns ? { TB_GPU_TURNS: turnKey(a.node, a.device) } : {}),
             ...(a.sleep_level === undefined ? {} : { TB_VLLM_SLEEP_LEVEL: String(a.sleep_level) }),
+            ...(a.cobatch ? { TB_COBATCH_MAX: String(a.cobatch.max), TB_COBATCH_WAIT_MS: String(a.cobatch.wait_ms) } : {}),
             TB_ENGINE: engine,
             TB_PYTHON: opts.python,
           },

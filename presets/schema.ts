@@ -106,6 +106,19 @@ export const AgentSpec = z
      * @defaultValue 1
      */
     sleep_level: z.union([z.literal(1), z.literal(2)]).optional(),
+    /**
+     * Co-batching (docs/architecture.md): up to `max` forward_backward ops of different models on one
+     * base model in one engine pass (TB_COBATCH_MAX), a pass waiting up to `wait_ms` for the loops
+     * training here to queue theirs (TB_COBATCH_WAIT_MS). For many users' small batches on one base.
+     * @defaultValue none (one op per pass)
+     */
+    cobatch: z
+      .object({
+        max: z.number().int().min(1).max(64),
+        wait_ms: z.number().int().min(0).max(1000).default(0),
+      })
+      .strict()
+      .optional(),
   })
   .strict();
 export type AgentSpec = z.infer<typeof AgentSpec>;
@@ -176,6 +189,11 @@ export const Preset = z
         if (!a.take_turns) ctx.addIssue({ code: 'custom', path: ['agents', i, 'sleep_level'], message: `sleep_level applies to an agent that takes turns (take_turns: true)` });
         else if (def && !def.capabilities.sleeps)
           ctx.addIssue({ code: 'custom', path: ['agents', i, 'sleep_level'], message: `sleep_level applies to ${kindsWith((c) => !!c.sleeps).map((k) => `engine '${k}'`).join(' or ')} (its sleep mode), not engine '${def.kind}'` });
+      }
+      if (a.cobatch) {
+        const def = engines.size === 1 ? findEngine([...engines][0]!) : undefined;
+        if (def && !def.capabilities.cobatches)
+          ctx.addIssue({ code: 'custom', path: ['agents', i, 'cobatch'], message: `cobatch applies to ${kindsWith((c) => !!c.cobatches).map((k) => `engine '${k}'`).join(' or ')}, not engine '${def.kind}'` });
       }
       if (a.take_turns) {
         const def = engines.size === 1 ? findEngine([...engines][0]!) : undefined;

@@ -142,6 +142,12 @@ agents:
       .and.to.match(/agents\[1\]\.sleep_level: sleep_level applies to an agent that takes turns/);
     plan = accepted(`  - { id: t, device: "cuda:0", models: [a], gpu_memory: 0.7, take_turns: true }\n  - { id: r, device: "cuda:0", models: [r], gpu_memory: 0.6, take_turns: true, sleep_level: 2 }\n`);
     expect(plan.agents[1].vllm.sleepLevel).to.equal(2);
+    // Co-batching is the torch engine's: the plan carries its bounds; another engine is told.
+    plan = accepted(`  - { id: t, device: "cuda:0", models: [a], cobatch: { max: 4, wait_ms: 50 } }\n  - { id: r, device: "cuda:1", models: [r] }\n`);
+    expect([plan.agents[0].cobatchMax, plan.agents[0].cobatchWaitMs, plan.agents[1].cobatchMax]).to.deep.equal([4, 50, 1]);
+    expect(refused(`  - { id: t, device: "cuda:0", models: [a] }\n  - { id: r, device: "cuda:1", models: [r], cobatch: { max: 4 } }\n  - { id: x, device: "cuda:2", models: [a], cobatch: { max: 4, wait_ms: 5000 } }\n`))
+      .to.match(/agents\[1\]\.cobatch: cobatch applies to engine 'torch', not engine 'vllm'/)
+      .and.to.match(/agents\[2\]\.cobatch\.wait_ms/);
     const dummy = (engine: string) =>
       cli('start', '--preset', write('dummy.yaml', `name: d\nmodels:\n  - { name: m, path: /m/a, role: teacher, engine: ${engine}, load_format: dummy }\nagents:\n  - { id: g, device: "cuda:0", models: [m] }\n`), '--dry-run', '--json');
     expect(JSON.parse(dummy('vllm').stdout).agents[0].models[0].loadFormat).to.equal('dummy');

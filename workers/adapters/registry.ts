@@ -40,6 +40,11 @@ export type EngineCapabilities = {
    * @defaultValue false
    */
   sharesGpu?: boolean;
+  /**
+   * Runs several models' forward_backward in one pass of their base (EngineAdapter.forwardBackwardGroup):
+   * a preset agent's `cobatch` applies to it. @defaultValue false
+   */
+  cobatches?: boolean;
   /** Gives all of its GPU memory back at a hand-over, at a level a preset agent chooses (`sleep_level`: vLLM's sleep mode). @defaultValue false */
   sleeps?: boolean;
   /** How it runs one model over its agent's devices, as a phrase (a preset that asks for another split is told). */

@@ -215,6 +215,7 @@ export const TORCH_ENGINE = registerEngine({
     drains: true,
     gpuOnly: false,
     sharesGpu: true,
+    cobatches: true,
     placement: 'runs a model on one device',
     modelOptions: [],
   },
