@@ -198,6 +198,18 @@ export class TrainingPipeline {
         const d = parsed.data;
         const partners = d.op === 'forward_backward' && this.cobatchMax > 1 ? await this.partners(d, started) : [];
         if (partners.length) cobatched = partners.length + 1;
+        // An engine that died during the gather window: the op runs on its successor (and fails
+        // there as an op of a model it lost), not as one whose engine died under it.
+        if (engine.epoch !== epoch) {
+          try {
+            await engine.ensure();
+          } catch (e) {
+            // The partners claimed go back to their own turns, unclaimed.
+            for (const p of partners) await outcomes.release(p.job.id, p.job.token).catch(() => false);
+            throw e;
+          }
+          epoch = engine.epoch;
+        }
         // After the gather window: the span is the engine's.
         const t0 = performance.timeOrigin + performance.now();
         const call = d.op === 'forward_backward' && partners.length ? this.cobatch(d, partners, epoch) : trainOp(d, this.o);
