@@ -11,7 +11,7 @@ import type { TakenTrainJob } from '../queues/runtime/train-consumer.js';
 import { Registry } from '../queues/registry/index.js';
 import { EngineSupervisor } from '../workers/agent/engine.js';
 import { EngineError } from '../workers/engine.js';
-import { TrainingPipeline } from '../workers/agent/training.js';
+import { TrainingPipeline, type TrainingPipelineOptions } from '../workers/agent/training.js';
 import { CheckpointJobs } from '../workers/checkpoint-jobs.js';
 import { FakeAdapter } from './helpers/fake-adapter.js';
 import { deletePrefix, REDIS_URL } from './helpers/stack.js';
@@ -57,7 +57,7 @@ describe('agent training pipeline (unit)', () => {
         return outcomes.finish(jobId, token, final, ...rest);
       },
     };
-    const p = new TrainingPipeline({
+    const options: TrainingPipelineOptions = {
       config: { agentId },
       log,
       adapter,
@@ -71,8 +71,8 @@ describe('agent training pipeline (unit)', () => {
       halted,
       cobatchMax,
       cobatchWaitMs,
-    });
-    return { p, engine };
+    };
+    return { p: new TrainingPipeline(options), engine, options };
   }
 
   const taken = (data: TrainJob, claim: TakenTrainJob['claim'] = null): TakenTrainJob => {
@@ -175,11 +175,17 @@ describe('agent training pipeline (unit)', () => {
     await Promise.all([lead, ...late, w4]);
     expect(adapter.calls.filter((c) => c.startsWith('group') || c.startsWith('optim_step w4')).slice(-3)).to.deep.equal(['group w1,w2,w3,w4', 'group w1,w2,w3', 'optim_step w4']);
     // Bounded: with a short window, a loop that never sends its op is waited for that long and no longer.
-    const short = await pipeline(new Grouping('t'), () => false, 4, 50);
+    const shortAdapter = new Grouping('t');
+    const short = { adapter: shortAdapter, ...(await pipeline(shortAdapter, () => false, 4, 50)) };
     await place(short.engine, [['w1', '/m/base'], ['w2', '/m/base']]);
     const pair = [short.p.run(taken(fb('w1', 5))), short.p.run(taken(fb('w2', 5)))];
     await Promise.all(pair);
     expect(await short.p.run(taken(fb('w1', 6)))).to.deep.equal({ state: 'done' });
+    // w2 missed that window: it is not waited for again until it trains here again (with the window
+    // now far longer than the test's time limit, a wait would fail the test).
+    short.options.cobatchWaitMs = 600_000;
+    expect(await short.p.run(taken(fb('w1', 7)))).to.deep.equal({ state: 'done' });
+    expect(short.adapter.calls.filter((c) => !c.startsWith('finish')).slice(-3)).to.deep.equal(['group w1,w2', 'forward_backward w1', 'forward_backward w1']);
   });
 
   it('fails an op of a model not on this engine with its reason, and the next op still runs', async () => {

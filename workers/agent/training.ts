@@ -292,9 +292,10 @@ export class TrainingPipeline {
    * The gather window (TB_COBATCH_WAIT_MS): the lead waits, at most that long, until every other model
    * on its base whose forward_backward ran here within RECENT_MS (a loop training here now, loaded
    * here) has an op waiting, or the pass is full. A model whose first waiting op is not a
-   * forward_backward is not waited for further (it cannot come along). Loops that run in step then
-   * meet in one pass rather than drifting into a pass of most and a pass of the one that was a round
-   * trip late. The wait is bounded by the window; a halting agent does not wait.
+   * forward_backward is not waited for further (it cannot come along); one that did not come within
+   * the window is not waited for again until its next forward_backward here. Loops that run in step
+   * then meet in one pass rather than drifting into a pass of most and a pass of the one that was a
+   * round trip late. The wait is bounded by the window; a halting agent does not wait.
    */
   private async gather(lead: string, base: string, started: () => void): Promise<void> {
     const windowMs = this.o.cobatchWaitMs ?? 0;
@@ -313,7 +314,12 @@ export class TrainingPipeline {
       const ready = expected.filter((m) => first.get(m) === 'forward_backward').length;
       if (ready >= this.cobatchMax - 1 || expected.every((m) => first.has(m)) || this.o.halted()) return;
       const left = deadline - Date.now();
-      if (left <= 0) return;
+      if (left <= 0) {
+        // Not waited for again until it trains here again: a loop busy elsewhere (sampling, say)
+        // costs the others one window, not one per pass.
+        for (const m of expected) if (!first.has(m)) this.recent.delete(m);
+        return;
+      }
       await new Promise<void>((resolve) => {
         const timer = setTimeout(resolve, left);
         this.arrived = () => {
