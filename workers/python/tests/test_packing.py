@@ -141,6 +141,18 @@ def test_auto_packs_where_attention_is_variable_length(engine: Engine, monkeypat
     assert packing.resolve("packed", base).name == "packed"
     monkeypatch.setattr(packing, "isolates_datums", lambda b: True)
     assert packing.resolve("auto", base).name == "packed"
+    # Given the op's datums, auto packs only where padding them would cost at least AUTO_PACK_PADDING.
+    equal, mixed = _datums([256, 256, 256, 256]), _datums([64, 2048, 300, 900])
+    assert packing.padding_share(equal, 4096) == 0.0
+    assert packing.resolve("auto", base, equal, 4096).name == "padded"
+    # Padded in rows of the longest within the budget: [64, 2048] as 2 x 2048, [300, 900] as 2 x 900.
+    assert packing.padding_share(mixed, 4096) == pytest.approx((2 * 2048 + 2 * 900 - 3312) / 3312)
+    assert packing.resolve("auto", base, mixed, 4096).name == "packed"
+    just_under = _datums([100, 124])  # (2 x 124 - 224) / 224 = 0.107
+    assert packing.resolve("auto", base, just_under, 4096).name == "padded"
+    # An explicit setting is kept whatever the datums.
+    assert packing.resolve("packed", base, equal, 4096).name == "packed"
+    assert packing.resolve("padded", base, mixed, 4096).name == "padded"
 
 
 def test_packed_staging(engine: Engine) -> None:

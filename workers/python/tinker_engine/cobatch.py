@@ -125,7 +125,7 @@ def _run(base: BaseModel, members: list[_Member]) -> None:
         for p in m.model.parameters():
             p.requires_grad_(True)
     try:
-        for staged in stage(datums, base, group_layout(base)):
+        for staged in stage(datums, base, group_layout(base, datums)):
             _run_batch(base, staged, [owner[id(d)] for d in staged.batch])
     except BaseException:
         for m in trainers:
@@ -140,12 +140,12 @@ def _run(base: BaseModel, members: list[_Member]) -> None:
             m.model.flat.restore_grads(m.saved)
 
 
-def group_layout(base: BaseModel) -> Layout:
+def group_layout(base: BaseModel, datums: list[Datum] | None = None) -> Layout:
     """The engine's layout, except that members' datums share a packed row only where its attention
     computes nothing across datums (packing.isolates_datums: flash-attn's variable-length kernel);
     elsewhere (SDPA's block-diagonal mask) a member's non-finite loss would reach its neighbours'
     gradients through the masked scores, so the group is padded, one datum per row."""
-    engine_layout = layout(base)
+    engine_layout = layout(base, datums)
     if engine_layout.name == "packed" and not isolates_datums(base):
         return LAYOUTS["padded"]
     return engine_layout

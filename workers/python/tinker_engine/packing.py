@@ -21,7 +21,10 @@ variable-length kernel (O(T) memory, nothing computed across datums): transforme
 registered with transformers as ``tb_varlen``). Elsewhere it runs on the model's own implementation
 (SDPA with the block-diagonal mask: exact, but its mask and scores grow with T^2, which
 TB_ENGINE_MAX_BATCH_TOKENS bounds). ``TB_ENGINE_LAYOUT`` ``auto`` (the default, ``resolve``) packs only
-in the first case.
+in the first case, and only an op whose padding would add at least ``AUTO_PACK_PADDING`` of its real
+tokens: where there is little padding to save, the padded batch's causal SDPA runs faster than the
+variable-length kernel (on an H100 at the 1.7B shape, an op of 2 x 256 tokens took 170 ms packed
+against 142 ms padded).
 """
 
 from __future__ import annotations
@@ -198,13 +201,34 @@ def isolates_datums(base: BaseModel) -> bool:
     return base.hf.config._attn_implementation in FLASH_IMPLEMENTATIONS or flash_available(base)
 
 
-def resolve(name: str, base: BaseModel) -> Layout:
+#: ``auto`` packs an op whose padded micro-batches would hold at least this share more tokens than
+#: its datums (padding / real tokens). Below it the padding saved is worth less than the packed
+#: row's cost: at no padding the variable-length kernel ran 1.2x slower than the padded batch's
+#: causal SDPA (docs/benchmarks.md, "Co-batching", H100, 2 x 256 tokens); 16 datums of 64-2048
+#: tokens (about 1x padding) ran 1.58x faster packed.
+AUTO_PACK_PADDING = 0.25
+
+
+def padding_share(datums: list[Datum], budget: int) -> float:
+    """The padding the padded layout would compute for ``datums``, as a share of their real tokens."""
+    real = sum(_length(d) for d in datums)
+    padded = sum(len(g) * max(_length(d) for d in g) for g in padded_groups(datums, budget))
+    return (padded - real) / real if real else 0.0
+
+
+def resolve(name: str, base: BaseModel, datums: list[Datum] | None = None, budget: int = 0) -> Layout:
     """The layout of setting ``name`` (``TB_ENGINE_LAYOUT``) on ``base``: ``auto`` is packed where the
-    attention kernel is variable-length (``isolates_datums``), else padded. With a masked dense kernel
-    a packed row computes every pair of its T tokens (T^2 scores for the sum of its datums' n^2):
-    on the CPU bench (bench/packing.py) 0.62x the padded tokens/s at 2.4x the memory."""
+    attention kernel is variable-length (``isolates_datums``) and, given the op's ``datums`` (and the
+    micro-batch ``budget``), where padding them would add at least ``AUTO_PACK_PADDING`` of their
+    tokens; else padded. With a masked dense kernel a packed row computes every pair of its T tokens
+    (T^2 scores for the sum of its datums' n^2): on the CPU bench (bench/packing.py) 0.62x the padded
+    tokens/s at 2.4x the memory."""
     if name == "auto":
-        return LAYOUTS["packed" if isolates_datums(base) else "padded"]
+        if not isolates_datums(base):
+            return LAYOUTS["padded"]
+        if datums and padding_share(datums, budget) < AUTO_PACK_PADDING:
+            return LAYOUTS["padded"]
+        return LAYOUTS["packed"]
     return LAYOUTS[name]
 
 

@@ -118,14 +118,15 @@ def _datum_tokens(raw: Any, where: str) -> torch.Tensor:
     return torch.tensor(raw, dtype=torch.int64)
 
 
-def layout(base: BaseModel) -> Layout:
-    """How micro-batches are formed and staged on ``base`` (packing.py): ``TB_ENGINE_LAYOUT``."""
-    return resolve(settings().layout, base)
+def layout(base: BaseModel, datums: list[Datum] | None = None) -> Layout:
+    """How micro-batches of ``datums`` are formed and staged on ``base`` (packing.py): ``TB_ENGINE_LAYOUT``
+    (``auto``: packed where the kernel is variable-length and padding them would cost enough)."""
+    return resolve(settings().layout, base, datums, max_batch_tokens(base))
 
 
 def stage(datums: list[Datum], base: BaseModel, how: Layout | None = None) -> list[Staged]:
-    """Every micro-batch of ``datums`` in layout ``how`` (default: the engine's), staged on ``base``'s device."""
-    return stage_all(datums, how or layout(base), max_batch_tokens(base), base.device)
+    """Every micro-batch of ``datums`` in layout ``how`` (default: the engine's for them), staged on ``base``'s device."""
+    return stage_all(datums, how or layout(base, datums), max_batch_tokens(base), base.device)
 
 
 def _run_batch(base: BaseModel, staged: Staged, loss: LossSpec, config: dict[str, float],
