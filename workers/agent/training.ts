@@ -59,7 +59,7 @@ export type TrainingPipelineOptions = {
 
 /**
  * A model whose forward_backward ran here within this many ms is one the gather window waits for: a
- * loop that trains here now. One that stopped is waited for (at most the window per pass) this long.
+ * loop that trains here now (one that missed a window is dropped at once, see `gather`).
  */
 const RECENT_MS = 10_000;
 
