@@ -132,6 +132,9 @@ describe('agent training pipeline (unit)', () => {
     const running = p.run(taken(optim('g1', 1)));
     // Waiting behind it, in the queue's order.
     const jobs = [fb('g1', 2), fb('g2', 1), fb('g2', 2), fb('g3', 1), fb('g5', 1), optim('g4', 1), fb('g4', 2)].map((d) => taken(d));
+    // g3's op was claimed by its take (the consumer does so when the engine is idle): ours, it comes along.
+    jobs[3]!.claim = { prev: null };
+    expect(await outcomes.claim(jobs[3]!.id, jobs[3]!.op, agentId, jobs[3]!.token)).to.equal(null);
     const verdicts = jobs.map((j) => p.run(j));
     await new Promise((r) => setTimeout(r, 20));
     held.resolve();

@@ -204,8 +204,8 @@ export class TrainingPipeline {
           try {
             await engine.ensure();
           } catch (e) {
-            // The partners claimed go back to their own turns, unclaimed.
-            for (const p of partners) await outcomes.release(p.job.id, p.job.token).catch(() => false);
+            // The partners claimed here go back to their own turns, unclaimed (one claimed by its take keeps its claim).
+            for (const p of partners) if (!p.job.claim) await outcomes.release(p.job.id, p.job.token).catch(() => false);
             throw e;
           }
           epoch = engine.epoch;
@@ -243,7 +243,8 @@ export class TrainingPipeline {
   /**
    * The forward_backward ops that can run in one engine pass with `lead` (co-batching): among the
    * jobs taken and waiting, each model's first one, when it is a forward_backward of another model
-   * on the same base model, loaded here and not claimed yet; at most `cobatchMax - 1`. Ops already
+   * on the same base model, loaded here and not claimed by anyone else (claimed by its own take here
+   * is ours); at most `cobatchMax - 1`. Ops already
    * taken are looked at, after the gather window (`gather`) where one is set. Each is claimed here
    * (an op whose outcome another process recorded first is left to its own turn). `started`: the
    * op before the lead is told the engine is taken, before any wait.
@@ -267,10 +268,11 @@ export class TrainingPipeline {
       // A model's later ops wait for its first: only the first waiting op of each model can come along.
       if (seen.has(d.model_id)) continue;
       seen.add(d.model_id);
-      if (d.op !== 'forward_backward' || w.ride || w.job.claim || !engine.loaded.has(d.model_id)) continue;
+      // One claimed by its take (this process's claim: the engine was idle when it came) comes along as is.
+      if (d.op !== 'forward_backward' || w.ride || (w.job.claim && w.job.claim.prev !== null) || !engine.loaded.has(d.model_id)) continue;
       try {
         if ((await this.baseOf(d.model_id)) !== base) continue;
-        if ((await outcomes.claim(w.job.id, d.op, config.agentId, w.job.token)) !== null) continue;
+        if (!w.job.claim && (await outcomes.claim(w.job.id, d.op, config.agentId, w.job.token)) !== null) continue;
       } catch {
         // Redis unreachable: the partners claimed so far come along; the others run in their turn.
         break;
