@@ -25,10 +25,7 @@ MODE=${MODE:-gpu}
 TB=${TB:-/tmp/tb}
 if [ "$MODE" = gpu ]; then
   export SHAPE=${SHAPE:-1.7b}
-  if [ ! -d $TB/cbsite ] && [ -d .carry-cb ]; then
-    (cd .carry-cb && sha256sum -c --quiet SHA256SUMS) || exit 1
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $TB/cbsite .carry-cb/whl/*.whl || exit 1
-  fi
+  cb_site_setup || exit 1
   gpu_stack_setup || exit 1
   mkdir -p models && rm -rf models/qwen3-1.7b && mv models/h200-qwen3-0.6b models/qwen3-1.7b
   python3 bench/gpu/make_random_qwen3.py --shape 30b-a3b --config-only --out models/qwen3-30b-a3b || exit 1

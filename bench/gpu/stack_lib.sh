@@ -84,6 +84,15 @@ start_stack() {  # log, args…
   node scripts/tinker-broker.mjs start "$@" > "$log" 2>&1 &
   PIDS+=($!)
 }
+# The cookbook's and the TRL anchor's Python packages (.carry-cb, bench/gpu/build_cookbook_carry.sh),
+# installed once into $TB/cbsite (put it on PYTHONPATH after vLLM's site).
+cb_site_setup() {
+  [ -d $TB/cbsite ] && return 0
+  [ -d .carry-cb ] || { stamp "no .carry-cb: build it with bench/gpu/build_cookbook_carry.sh and carry it"; return 1; }
+  (cd .carry-cb && sha256sum -c --quiet SHA256SUMS) || return 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $TB/cbsite .carry-cb/whl/*.whl
+}
+
 # nvidia-smi's 100 ms samples in FILE (utilization, memory), summarised: mean utilization, share of
 # samples with any kernel running, memory used.
 smi_summary() {  # file

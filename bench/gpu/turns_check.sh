@@ -6,6 +6,8 @@
 #   split  presets/gpu/one_gpu_rl_split.yaml: a fixed split (vLLM 35%, actor 55%), no switches
 #   inprocess  no broker: vLLM's offline LLM and PEFT in one Python process, vLLM sleeping while PEFT
 #          trains (bench/gpu/inprocess_rl.py, the anchor of issue 31 item 5)
+#   trl    no broker: TRL's GRPOTrainer with vLLM colocated and sleeping while it trains
+#          (bench/gpu/trl_grpo.py; needs .carry-cb, bench/gpu/build_cookbook_carry.sh, carried in the call)
 # Each prints per-step phase times and the time from save_weights_for_sampler to the first token of
 # the new version; nvidia-smi is sampled every 100 ms meanwhile (GPU busy fraction, memory).
 # On the device, after the vLLM kit was carried into /tmp/tb/parts (bench/gpu/build_vllm_sdk_carry.sh
@@ -23,17 +25,28 @@ gpu_stack_setup || exit 1
 mkdir -p models && rm -rf models/qwen3-1.7b && mv models/h200-qwen3-0.6b models/qwen3-1.7b
 export TB_VLLM_EXTRA_ARGS="--max-model-len 4096 --enforce-eager" TB_LOG_LEVEL=info HF_HUB_OFFLINE=1 TB_SNAPSHOT_EVERY_STEPS=0
 URL=http://127.0.0.1:$PORT
+# An anchor without the broker (one Python process), with nvidia-smi sampled meanwhile: anchor NAME SCRIPT ARGS…
+anchor() {
+  local way=$1; shift
+  nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader,nounits -lms 100 > "$OUT/smi-$way.csv" &
+  SMI=$!
+  PYTHONPATH=$TB/engsite:$TB/vsite:$TB/cbsite PYTHONUNBUFFERED=1 timeout ${LOOP_S:-300} python3 "$@" \
+    --model models/qwen3-1.7b --steps $STEPS --prompts ${PROMPTS:-16} --group ${GROUP:-8} --max-tokens ${MAX_TOKENS:-128} \
+    --out "$OUT/summary-$way.json" 2>&1 | grep -E '^(\{|SUMMARY)|Error|Traceback|rror:' | tail -40
+  stamp "$way: exited ${PIPESTATUS[0]}"
+  kill $SMI 2>/dev/null
+  smi_summary "$OUT/smi-$way.csv"
+}
 for way in ${WAYS//,/ }; do
   if [ "$way" = inprocess ]; then
     stamp "inprocess: vLLM's LLM + PEFT in one process"
-    nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader,nounits -lms 100 > "$OUT/smi-$way.csv" &
-    SMI=$!
-    PYTHONPATH=$TB/engsite:$TB/vsite PYTHONUNBUFFERED=1 timeout ${LOOP_S:-300} python3 bench/gpu/inprocess_rl.py \
-      --model models/qwen3-1.7b --steps $STEPS --prompts ${PROMPTS:-16} --group ${GROUP:-8} --max-tokens ${MAX_TOKENS:-128} \
-      --batch-tokens ${TURNS_BATCH_TOKENS:-8192} --out "$OUT/summary-$way.json" 2>&1 | grep -E '^(\{|SUMMARY)|Error|Traceback|rror:' | tail -40
-    stamp "inprocess: exited ${PIPESTATUS[0]}"
-    kill $SMI 2>/dev/null
-    smi_summary "$OUT/smi-$way.csv"
+    anchor inprocess bench/gpu/inprocess_rl.py --batch-tokens ${TURNS_BATCH_TOKENS:-8192}
+    continue
+  fi
+  if [ "$way" = trl ]; then
+    cb_site_setup || continue
+    stamp "trl: TRL's GRPOTrainer, vLLM colocated (sleep mode, ${TRL_GPU_MEMORY:-0.35} of the GPU)"
+    anchor trl bench/gpu/trl_grpo.py --vllm --sleep --gpu-memory ${TRL_GPU_MEMORY:-0.35}
     continue
   fi
   if [ "$way" = turns ]; then PRESET=presets/gpu/one_gpu_rl.yaml; export TB_ENGINE_MAX_BATCH_TOKENS=${TURNS_BATCH_TOKENS:-8192}
