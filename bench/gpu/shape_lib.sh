@@ -1,14 +1,21 @@
 # Shared by bench/gpu/snapshot_cost.sh and bench/gpu/cobatch.sh (sourced, not run): on the GPU
 # machine, node, redis-server and the production node_modules from the carry that
-# `bash bench/gpu/snapshot_cost.sh prepare` built (var/carry-snapshot), Redis started when none
-# answers, the versions printed, and `write_model SHAPE DIR`: a random Qwen3 of that shape
+# `bash bench/gpu/snapshot_cost.sh prepare` built (var/carry-snapshot), the engine's pinned peft from
+# it (where the carry has the wheel and TB_PYTHON was not given), Redis started when none answers, the
+# versions printed, and `write_model SHAPE DIR`: a random Qwen3 of that shape
 # (bench/gpu/engine_vs_plain.py's MODELS), bf16, written once.
 C=var/carry-snapshot
 source bench/gpu/stack_lib.sh
 DEVICE=${DEVICE:-cuda}
-export TB_PYTHON=${TB_PYTHON:-python3}
 TB=/tmp/tbs
 mkdir -p $TB/bin $TB/models
+if [ -z "${TB_PYTHON:-}" ] && ls $C/whl/peft-*.whl >/dev/null 2>&1; then
+  [ -d $TB/engsite ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $TB/engsite $C/whl/*.whl
+  printf '#!/bin/sh\nPYTHONPATH=%s/engsite${PYTHONPATH:+:$PYTHONPATH} exec python3 "$@"\n' $TB > $TB/bin/pyeng
+  chmod +x $TB/bin/pyeng
+  TB_PYTHON=$TB/bin/pyeng
+fi
+export TB_PYTHON=${TB_PYTHON:-python3}
 [ -x $TB/bin/node ] || { unxz $C/node.xz > $TB/bin/node.part && chmod +x $TB/bin/node.part && mv $TB/bin/node.part $TB/bin/node; }
 [ -d $TB/redis ] || untar $TB $C/redis.tar.xz
 [ -d node_modules ] || untar . $C/nm.tar.xz

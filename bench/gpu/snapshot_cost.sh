@@ -4,7 +4,8 @@
 # shapes (random-initialised, bf16, bench/gpu/engine_vs_plain.py's MODELS), LoRA rank 32, batch
 # 8 x 1024 tokens, the torch engine on the GPU; the start command as a user starts it. Here, once:
 #   bash bench/gpu/snapshot_cost.sh prepare   (bench/gpu/build_stack_carry.sh's node, redis-server and
-#                                             production node_modules into var/carry-snapshot, git-ignored)
+#                                             production node_modules, and the engine's pinned peft
+#                                             wheel, into var/carry-snapshot, git-ignored)
 # then in one device call on an H200 (the 8B step peaks near 111 GiB), carrying var/carry-snapshot:
 #   bash bench/gpu/snapshot_cost.sh [shape:steps,...=1.7b:20,8b:15] [rounds=2]
 # Each shape: its model written to /tmp/tbs/models (kept on a warm machine), then the bench, its
@@ -17,6 +18,9 @@ C=var/carry-snapshot
 if [ "${1:-}" = prepare ]; then
   bash bench/gpu/build_stack_carry.sh /tmp/stack-carry
   rm -rf $C && mkdir -p $C && cp /tmp/stack-carry/node.xz /tmp/stack-carry/redis.tar.xz /tmp/stack-carry/nm.tar.xz $C/
+  # The engine's pinned peft (the GPU machine has another), for bench/gpu/shape_lib.sh's engine.
+  python3 -m pip download -q --only-binary=:all: --no-deps --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 -d $C/whl "$(grep '^peft==' workers/python/requirements.txt)"
   du -sh $C
   exit 0
 fi
