@@ -4,7 +4,9 @@ inprocess_rl.py without it): per step 16 prompts of 64 random tokens x 8 samples
 (128 samples), LoRA rank 32 on every linear layer of the decoder, one optimizer step over them,
 random rewards (the broker's loop uses random advantages), no KL term (beta 0), bf16. TRL refuses a
 LoRA on lm_head (it computes logprobs from lm_head.weight directly), which the broker's loop also
-trains: this anchor does less work per step than the loop it is compared with.
+trains: this anchor does less work per step than the loop it is compared with. TRL's GRPOConfig
+turns gradient checkpointing on by default; it is off here (--checkpointing keeps it), as in the
+broker's engine.
 
     python3 bench/gpu/trl_grpo.py --model models/qwen3-1.7b [--steps 5] [--vllm] [--sleep]
         [--prompts 16] [--group 8] [--prompt-len 64] [--max-tokens 128] [--rank 32] [--micro 32]
@@ -68,6 +70,8 @@ def main() -> int:
     ap.add_argument("--vllm", action="store_true", help="generate with vLLM colocated (vllm_mode='colocate')")
     ap.add_argument("--sleep", action="store_true", help="vLLM sleeps while the model trains (vllm_enable_sleep_mode)")
     ap.add_argument("--gpu-memory", type=float, default=0.35, help="vllm_gpu_memory_utilization")
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="keep TRL's default gradient checkpointing (off here: the broker's engine does not checkpoint)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -105,6 +109,7 @@ def main() -> int:
         beta=0.0,
         bf16=cuda,
         use_cpu=not cuda,
+        gradient_checkpointing=args.checkpointing,
         logging_steps=1,
         report_to="none",
         save_strategy="no",
