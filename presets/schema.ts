@@ -2,7 +2,7 @@ import { readFileSync } from 'node:fs';
 import path from 'node:path';
 import YAML from 'yaml';
 import { z } from 'zod';
-import { deviceGpus, MODEL_DTYPES } from '../queues/infra/config.js';
+import { COBATCH_LIMITS, deviceGpus, MODEL_DTYPES } from '../queues/infra/config.js';
 import { defaultEngine, engineKinds, findEngine, kindsWith, type ModelOption, type PresetProblem } from '../workers/adapters/index.js';
 import { VERL_STRATEGIES } from '../workers/adapters/verl.js';
 
@@ -114,8 +114,8 @@ export const AgentSpec = z
      */
     cobatch: z
       .object({
-        max: z.number().int().min(1).max(64),
-        wait_ms: z.number().int().min(0).max(1000).default(0),
+        max: z.number().int().min(1).max(COBATCH_LIMITS.max),
+        wait_ms: z.number().int().min(0).max(COBATCH_LIMITS.waitMs).default(0),
       })
       .strict()
       .optional(),

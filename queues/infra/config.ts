@@ -164,6 +164,9 @@ const ApiEnv = CommonEnv.extend({
   TB_TENANT_MAX_CHECKPOINTS: z.coerce.number().int().positive().default(100_000),
 });
 
+/** Bounds of co-batching's settings: TB_COBATCH_MAX and TB_COBATCH_WAIT_MS, and a preset agent's `cobatch`. */
+export const COBATCH_LIMITS = { max: 64, waitMs: 1000 } as const;
+
 const AgentEnv = CommonEnv.extend({
   /** This agent's id in the registry and in its queue name. @defaultValue `<hostname>-<pid>` */
   TB_AGENT_ID: z.string().regex(/^[a-zA-Z0-9_.-]+$/).optional(),
@@ -236,13 +239,13 @@ const AgentEnv = CommonEnv.extend({
    * one base model run in one engine pass, taken from those already queued (1: one at a time; an
    * engine without co-batching: one at a time). @defaultValue 1
    */
-  TB_COBATCH_MAX: z.coerce.number().int().min(1).max(64).default(1),
+  TB_COBATCH_MAX: z.coerce.number().int().min(1).max(COBATCH_LIMITS.max).default(1),
   /**
    * Co-batching's gather window (docs/architecture.md): a forward_backward whose turn comes waits at
    * most this many milliseconds for the models that trained here lately to queue theirs, then runs
    * with whatever partners are waiting (0: only what is already queued). @defaultValue 0
    */
-  TB_COBATCH_WAIT_MS: z.coerce.number().int().min(0).max(1000).default(0),
+  TB_COBATCH_WAIT_MS: z.coerce.number().int().min(0).max(COBATCH_LIMITS.waitMs).default(0),
   ...EngineEnv.shape,
 });
 
