@@ -1,7 +1,9 @@
 import { rmSync } from 'node:fs';
 import os from 'node:os';
+import { Queue } from 'bullmq';
 import { Redis } from 'ioredis';
 import { Names } from '../queues/contract/names.js';
+import { decodeRequestId } from '../queues/contract/futures.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
 import { spawnAgent, stackEnv, startApi, stopAgent, waitFor, type AgentProc, type Api } from '../test/helpers/procs.js';
 import { call, deletePrefix, REDIS_URL } from '../test/helpers/stack.js';
@@ -54,6 +56,24 @@ async function burst(api: Api): Promise<{ seconds: number; tokens: number; ids: 
   return { seconds: (performance.now() - t0) / 1000, tokens, ids };
 }
 
+/** How many of the requests each agent took (BullMQ's processedBy of each request's job). */
+async function takenBy(redis: Redis, prefix: string, ids: string[], agentIds: string[]): Promise<number[]> {
+  const queues = new Map<string, Queue>();
+  try {
+    const by = await Promise.all(
+      ids.map(async (id) => {
+        const ref = decodeRequestId(id)!;
+        let q = queues.get(ref.queue);
+        if (!q) queues.set(ref.queue, (q = new Queue(ref.queue, { connection: redis, prefix: new Names(prefix).bull })));
+        return (await q.getJob(ref.jobId))?.processedBy;
+      }),
+    );
+    return agentIds.map((a) => by.filter((x) => x === a).length);
+  } finally {
+    for (const q of queues.values()) await q.close();
+  }
+}
+
 async function measure(agentCount: number): Promise<number> {
   const st = stackEnv(REDIS_URL);
   const api = await startApi({ ...st.env, TB_LONG_POLL_MS: '25000' });
@@ -75,7 +95,8 @@ async function measure(agentCount: number): Promise<number> {
     for (let r = 0; r < rounds; r++) {
       const b = await burst(api);
       rates.push(b.tokens / b.seconds);
-      console.log(`  ${agentCount} agent(s), round ${r + 1}: ${b.tokens} tokens in ${b.seconds.toFixed(2)} s = ${(b.tokens / b.seconds).toFixed(0)} tokens/s`);
+      const split = agentCount > 1 ? `, split ${(await takenBy(redis, st.prefix, b.ids, agents.map((a) => a.id))).join('/')}` : '';
+      console.log(`  ${agentCount} agent(s), round ${r + 1}: ${b.tokens} tokens in ${b.seconds.toFixed(2)} s = ${(b.tokens / b.seconds).toFixed(0)} tokens/s${split}`);
     }
     rates.sort((a, b) => a - b);
     return rates[Math.floor(rates.length / 2)]!;
