@@ -19,6 +19,14 @@ random, the tokenizer only has to exist). Then:
   each round's ratio.
 
 Everything prints at the end in one table; nothing but torch, transformers, peft and tokenizers.
+
+Fused kernels (issue 35): ``--kernels none,liger`` runs the engine once per entry with that TB_ENGINE_KERNELS (the last run's
+channel samples);
+``--plain-kernels none,liger`` trains the plain model once per entry, in that order (Liger's RMSNorm,
+SwiGLU and rotary embedding patched in for ``liger``: the anchor a PEFT user would pick; its fused
+linear + cross-entropy is left out, as it would skip the LoRA on lm_head). The engine's losses are
+compared with the first plain run's. ``--sample-rounds 0`` skips sampling. Liger needs the
+liger-kernel package (a wheel on PYTHONPATH will do).
 """
 
 from __future__ import annotations
@@ -90,8 +98,8 @@ def load_plain(path: Path, device: torch.device, dtype: torch.dtype) -> Any:
 class EngineChannel:
     """``python -m tinker_engine`` as the agent starts it: protocol 2 frames (JSON plus binary tensors) on stdio."""
 
-    def __init__(self, device: str, dtype: str) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ENGINE_DIR), os.environ.get("PYTHONPATH")) if p),
+    def __init__(self, device: str, dtype: str, kernels: str = "none") -> None:
+        env = {**os.environ, "TB_ENGINE_KERNELS": kernels, "PYTHONPATH": os.pathsep.join(p for p in (str(ENGINE_DIR), os.environ.get("PYTHONPATH")) if p),
                "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "TB_ENGINE_DEVICE": device, "TB_ENGINE_DTYPE": dtype, "TB_ENGINE_LOG_LEVEL": "WARNING"}
         self.proc = subprocess.Popen([sys.executable, "-m", "tinker_engine"], stdin=subprocess.PIPE,
@@ -183,10 +191,11 @@ def model_flops_per_step(cfg: dict[str, Any], batch: int, seq: int) -> float:
     return 2.0 * forward
 
 
-def run_engine(args: argparse.Namespace, path: Path, w: dict[str, Any], out: dict[str, Any]) -> "EngineChannel":
+def run_engine(args: argparse.Namespace, path: Path, w: dict[str, Any], out: dict[str, Any],
+               kernels: str = "none") -> "EngineChannel":
     """The engine's training steps; returns its channel, still open, for the sampling rounds."""
     device = "cuda" if args.device == "cuda" else "cpu"
-    eng = EngineChannel(device, "bfloat16" if device == "cuda" else "float32")
+    eng = EngineChannel(device, "bfloat16" if device == "cuda" else "float32", kernels)
     try:
         eng.call("hello", {})
         eng.call("load_base", {"name": "bench", "path": str(path)})
@@ -210,7 +219,7 @@ def run_engine(args: argparse.Namespace, path: Path, w: dict[str, Any], out: dic
             times.append(time.perf_counter() - t)
             losses.append(fb["metrics"]["loss:sum"])
         peak = eng.call("memory", {})["max_allocated_bytes"]
-        out["engine_train"] = {"ms": 1000 * median(times[w["warmup"]:]), "losses": losses, "peak": peak}
+        out[f"engine_train_{kernels}"] = {"ms": 1000 * median(times[w["warmup"]:]), "losses": losses, "peak": peak}
     except BaseException:
         eng.close()
         raise
@@ -283,7 +292,15 @@ def median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
-def run_plain(args: argparse.Namespace, path: Path, w: dict[str, Any], out: dict[str, Any]) -> None:
+def fuse_plain(model: Any) -> None:
+    """Liger's kernels in a plain Qwen3, as a PEFT user applies them (before get_peft_model)."""
+    from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+
+    apply_liger_kernel_to_qwen3(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                fused_linear_cross_entropy=False)
+
+
+def run_plain(args: argparse.Namespace, path: Path, w: dict[str, Any], out: dict[str, Any], kernels: str = "none") -> None:
     from peft import LoraConfig, get_peft_model
 
     from tinker_engine.losses import target_logprobs  # noqa: F401 - same math, kept for reference
@@ -293,6 +310,8 @@ def run_plain(args: argparse.Namespace, path: Path, w: dict[str, Any], out: dict
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
     model = load_plain(path, device, dtype)
+    if kernels == "liger":
+        fuse_plain(model)
     # Training: the same LoRA, the engine's init, bf16 base, fp32 adapter.
     config = LoraConfig(r=w["rank"], lora_alpha=w["rank"], lora_dropout=0.0, bias="none", target_modules=TARGETS)
     peft_model = get_peft_model(model, config)
@@ -320,7 +339,8 @@ def run_plain(args: argparse.Namespace, path: Path, w: dict[str, Any], out: dict
         times.append(time.perf_counter() - t)
         del logits, logp, loss
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    out["plain_train"] = {"ms": 1000 * median(times[w["warmup"]:]), "losses": losses, "peak": peak}
+    out["plain_train" if kernels == "none" else f"plain_train_{kernels}"] = {
+        "ms": 1000 * median(times[w["warmup"]:]), "losses": losses, "peak": peak}
     del peft_model, model, opt
     gc.collect()
     if device.type == "cuda":
@@ -334,18 +354,26 @@ def report(args: argparse.Namespace, w: dict[str, Any], out: dict[str, Any]) -> 
     print(f"\n=== model {args.model} ({args.device}, {torch.__version__}) ===")
     print(f"training: batch {w['batch']} x {w['seq']}, LoRA rank {w['rank']} on {','.join(TARGETS)}, "
           f"{w['steps']} steps after {w['warmup']} warm-up")
-    for key, label in (("plain_train", "plain PEFT"), ("engine_train", "engine    ")):
+    rows = [(k, "plain PEFT" if k == "plain_train" else f"plain PEFT + {k.removeprefix('plain_train_')}")
+            for k in out if k.startswith("plain_train")]
+    engines = [(k, f"engine ({k.removeprefix('engine_train_')} kernels)") for k in out if k.startswith("engine_train_")]
+    for key, label in rows + engines:
         r = out[key]
         secs = r["ms"] / 1000
         mfu = flops / secs / (args.peak_tflops * 1e12) if args.device == "cuda" else float("nan")
         print(f"  {label}: {r['ms']:8.1f} ms/step  {tokens / secs:10.0f} tokens/s  peak {r['peak'] / gib:6.1f} GiB"
               f"  MFU {100 * mfu:5.1f}%")
-    e, p = out["engine_train"], out["plain_train"]
-    rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(e["losses"], p["losses"]))
-    print(f"  engine / plain tokens/s: {p['ms'] / e['ms']:.3f}   max relative loss difference over "
-          f"{len(e['losses'])} steps: {rel:.2e}")
-    print(f"  losses engine: {' '.join(f'{x:.4f}' for x in e['losses'][:4])} ...; plain: "
-          f"{' '.join(f'{x:.4f}' for x in p['losses'][:4])} ...")
+    for ekey, elabel in engines:
+        e = out[ekey]
+        for key, label in rows:
+            p = out[key]
+            rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(e["losses"], p["losses"]))
+            print(f"  {elabel} / {label} tokens/s: {p['ms'] / e['ms']:.3f}   max relative loss difference over "
+                  f"{len(e['losses'])} steps: {rel:.2e}")
+            print(f"    losses {elabel}: {' '.join(f'{x:.4f}' for x in e['losses'][:4])} ...; {label}: "
+                  f"{' '.join(f'{x:.4f}' for x in p['losses'][:4])} ...")
+    if "sample_rounds" not in out:
+        return
     r = out["sample_rounds"]
     med = {k: median(v) for k, v in r.items()}
 
@@ -371,6 +399,8 @@ def main() -> int:
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H200: 989)")
     ap.add_argument("--sample-rounds", type=int, default=3, help="alternating sampling rounds after a warm-up")
     ap.add_argument("--keep", help="write the model here and keep it (default: a temporary directory)")
+    ap.add_argument("--kernels", default="none", help="engine runs, in order: comma-separated TB_ENGINE_KERNELS (none / liger)")
+    ap.add_argument("--plain-kernels", default="none", help="plain runs, in order: comma-separated none / liger")
     args = ap.parse_args()
     if args.tiny:
         args.model, args.device = "tiny", "cpu"
@@ -390,12 +420,18 @@ def main() -> int:
         if not (path / "config.json").exists():
             write_model(args.model, path, torch.device(args.device), dtype)
         print(f"model written in {time.perf_counter() - t0:.0f} s", flush=True)
-        run_plain(args, path, w, out)
-        print(f"plain done at {time.perf_counter() - t0:.0f} s", flush=True)
-        eng = run_engine(args, path, w, out)
-        print(f"engine training done at {time.perf_counter() - t0:.0f} s", flush=True)
+        for kernels in args.plain_kernels.split(","):
+            run_plain(args, path, w, out, kernels)
+            print(f"plain ({kernels} kernels) done at {time.perf_counter() - t0:.0f} s", flush=True)
+        kinds = args.kernels.split(",")
+        for kernels in kinds[:-1]:
+            run_engine(args, path, w, out, kernels).close()
+            print(f"engine ({kernels} kernels) done at {time.perf_counter() - t0:.0f} s", flush=True)
+        eng = run_engine(args, path, w, out, kinds[-1])
+        print(f"engine ({kinds[-1]} kernels) training done at {time.perf_counter() - t0:.0f} s", flush=True)
         try:
-            run_sampling(args, path, w, eng, out)
+            if args.sample_rounds > 0:
+                run_sampling(args, path, w, eng, out)
         finally:
             eng.close()
         print(f"sampling done at {time.perf_counter() - t0:.0f} s", flush=True)

@@ -21,6 +21,9 @@ if [ "${1:-}" = prepare ]; then
   # The engine's pinned peft (the GPU machine has another), for bench/gpu/shape_lib.sh's engine.
   python3 -m pip download -q --only-binary=:all: --no-deps --python-version 3.12 --implementation cp \
     --platform manylinux2014_x86_64 -d $C/whl "$(grep '^peft==' workers/python/requirements.txt)"
+  # Liger's kernels for TB_ENGINE_KERNELS=liger (bench/gpu/kernels.sh); pure Python over Triton, which
+  # the GPU machine's torch brings.
+  python3 -m pip download -q --no-deps -d $C/whl "$(grep -o -m1 'liger-kernel==[0-9.]*' bench/gpu/kernels.sh)"
   du -sh $C
   exit 0
 fi

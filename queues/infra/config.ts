@@ -51,6 +51,8 @@ export const VERL_ATTENTIONS = ['sdpa', 'eager', 'flash_attention_2', 'flash_att
 
 /** The torch engine's training layouts (`TB_ENGINE_LAYOUT`; tinker_engine/settings.py LAYOUTS). */
 export const ENGINE_LAYOUTS = ['auto', 'packed', 'padded'] as const;
+/** The torch engine's fused kernels (`TB_ENGINE_KERNELS`; tinker_engine/settings.py KERNELS). */
+export const ENGINE_KERNELS = ['none', 'liger'] as const;
 /** An engine flag: `true`/`1` or `false`/`0` (the agent passes `1`/`0`). */
 const engineFlag = z.enum(['true', 'false', '1', '0']).transform((v) => v === 'true' || v === '1');
 /** An engine count: decimal digits only, at least 1 (the engines read no sign, space or exponent). */
@@ -87,6 +89,8 @@ const EngineEnv = z.object({
   TB_ENGINE_LAYOUT: z.enum(ENGINE_LAYOUTS).default('auto'),
   /** Torch engine: tokens per chunk of the output layer in training (the logits one chunk at a time, each recomputed in the backward; at or above TB_ENGINE_MAX_BATCH_TOKENS kept whole, the default). @defaultValue 16384 */
   TB_ENGINE_HEAD_CHUNK_TOKENS: engineCount.default(16_384),
+  /** Torch engine: fused kernels in the base model's layers, `none` or `liger` (Liger's Triton RMSNorm, SwiGLU and rotary embedding; CUDA only, needs the liger-kernel package; a CPU engine refuses it at its start). @defaultValue `none` */
+  TB_ENGINE_KERNELS: z.enum(ENGINE_KERNELS).default('none'),
   /** verl engine: gradient checkpointing (`true`/`1`, `false`/`0`). @defaultValue true */
   TB_VERL_GRAD_CKPT: engineFlag.default(true),
   /** verl engine: the models' attention implementation (`sdpa`, `eager`, `flash_attention_2`, `flash_attention_3`, `flex_attention`; the flash ones need the flash-attn package). @defaultValue `sdpa` */

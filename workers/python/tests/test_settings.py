@@ -51,6 +51,7 @@ def test_values_are_parsed() -> None:
     (EngineSettings, "TB_GPU_MEMORY", "nan", "a number above 0 and at most 1"),
     (EngineSettings, "TB_GPU_MEMORY", "-0.5", "a number above 0 and at most 1"),
     (EngineSettings, "TB_LOSS_CATALOGUE", "/nonexistent/losses.json", "a file that exists"),
+    (EngineSettings, "TB_ENGINE_KERNELS", "triton", "one of none, liger"),
     (VerlSettings, "TB_VERL_STRATEGY", "megatron", "one of fsdp2, fsdp, veomni"),
     (VerlSettings, "TB_VERL_OFFLOAD", "on", "1, 0, true or false"),
     (VerlSettings, "TB_VERL_ATTN", "flash", "one of sdpa, eager"),
@@ -75,3 +76,14 @@ def test_the_engine_refuses_to_start_on_a_bad_setting() -> None:
     run = subprocess.run([sys.executable, "-m", "tinker_engine"], input=b"", capture_output=True, env=env, timeout=120)
     assert run.returncode != 0
     assert "TB_ENGINE_SAMPLER_CACHE='many': must be a positive integer" in run.stderr.decode()
+
+
+def test_fused_kernels_on_the_cpu_stop_the_engine_at_its_start_saying_why() -> None:
+    """TB_ENGINE_KERNELS=liger: Liger's kernels are Triton kernels (CUDA only); a CPU engine refuses to
+    start rather than train unfused while its operator believes otherwise (kernels.py)."""
+    assert load(EngineSettings, {"TB_ENGINE_KERNELS": "liger"}).kernels == "liger"
+    path = os.pathsep.join(p for p in (str(PY_ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "TB_ENGINE_DEVICE": "cpu", "TB_ENGINE_KERNELS": "liger"}
+    run = subprocess.run([sys.executable, "-m", "tinker_engine"], input=b"", capture_output=True, env=env, timeout=120)
+    assert run.returncode != 0
+    assert "TB_ENGINE_KERNELS=liger needs a CUDA device" in run.stderr.decode()

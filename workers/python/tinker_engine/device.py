@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .settings import DTYPES as DTYPE_NAMES
 from .settings import EngineSettings, current
 
@@ -45,5 +46,6 @@ def placement_from_env(settings: EngineSettings | None = None) -> Placement:
     if device.type == "cuda" and s.memory_fraction is not None:
         # Agents sharing the GPU (a preset's gpu_memory): this process's allocator stops at its share.
         torch.cuda.set_per_process_memory_fraction(s.memory_fraction, device)
+    kernels.check(s, device)
     dtype_name = s.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     return Placement(device=device, dtype=DTYPES[dtype_name])

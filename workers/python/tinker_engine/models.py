@@ -31,11 +31,13 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from . import kernels
 from .device import DTYPES, Placement
 from .errors import UserError
 from .params import get_bool, get_int, get_opt_int
 from .flat import FlatAdapter
 from .rollback import UndoBuffers
+from .settings import current as settings
 
 log = logging.getLogger("tinker_engine")
 
@@ -134,6 +136,8 @@ class BaseModel:
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=placement.dtype, local_files_only=True)
         self.hf: PreTrainedModel = model.to(placement.device).eval()
+        # Fused layers (TB_ENGINE_KERNELS), before any adapter wraps the projections.
+        self.kernels: str = kernels.apply(settings(), self.hf)
         self.hf.requires_grad_(False)
         self.peft: PeftModel | None = None
         # (adapter, trainable) of the last ``activate``; None: unknown (PEFT changed it).

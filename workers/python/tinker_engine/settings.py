@@ -125,6 +125,7 @@ def describe(cls: type) -> dict[str, dict[str, Any]]:
 DTYPES = ("float32", "bfloat16", "float16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LAYOUTS = ("auto", "packed", "padded")
+KERNELS = ("none", "liger")
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,9 @@ class EngineSettings:
     #: and nothing is recomputed. The default keeps them whole, the path measured on the GPU, until
     #: bench/gpu/packing.sh shows what chunks cost there (docs/benchmarks.md).
     head_chunk_tokens: int = variable("TB_ENGINE_HEAD_CHUNK_TOKENS", positive_int, 16384)
+    #: ``TB_ENGINE_KERNELS``: fused kernels in the base model's layers (kernels.py): ``none``, or ``liger``
+    #: (Liger's Triton RMSNorm, SwiGLU and rotary embedding; CUDA only, the liger-kernel package installed).
+    kernels: str = variable("TB_ENGINE_KERNELS", choice(*KERNELS), "none", KERNELS)
     #: ``TB_GPU_MEMORY`` (the agent's): the share of the GPU this engine may use, 0 < x <= 1 (a preset's
     #: ``gpu_memory``, when agents share a GPU): the CUDA allocator is capped there (device.py); unset: no cap.
     memory_fraction: float | None = variable("TB_GPU_MEMORY", fraction, None)

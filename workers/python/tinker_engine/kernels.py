@@ -1,0 +1,63 @@
+"""Fused kernels in the base model's layers (``TB_ENGINE_KERNELS``, issue 35).
+
+- ``none`` (the default): the model's own layers, as transformers writes them.
+- ``liger``: Liger's Triton kernels (the ``liger-kernel`` package) replace the base model's RMSNorm,
+  SwiGLU MLP and rotary embedding, in place, when the base is loaded (``apply``). Each is one fused
+  kernel for what the plain layer runs as several element-wise passes over the activations, forward
+  and backward. They are Triton kernels: CUDA only, so a CPU engine asked for them stops at its start
+  (``check``) with a message saying so. Liger's fused linear + cross-entropy is not used: it reads the
+  output layer's weight directly, so it would drop a LoRA on the output layer, and the engine already
+  computes target logprobs a chunk at a time (chunked_logprobs.py).
+
+Which model types Liger patches is Liger's own table; a base of another type loads unfused, and the
+engine's log says so. The LoRA layers PEFT adds wrap the projections, which the fused MLP still calls
+as modules, so adapters (and co-batching's grouped adapters) train through the fused layers unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from .settings import EngineSettings
+
+log = logging.getLogger("tinker_engine.kernels")
+
+#: What ``liger`` fuses (the keyword arguments of Liger's per-model patch functions).
+LIGER_FUSED = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False, "fused_linear_cross_entropy": False}
+
+
+def check(settings: EngineSettings, device: torch.device) -> None:
+    """Refuses, at the engine's start, kernels its device cannot run or that are not installed."""
+    if settings.kernels == "none":
+        return
+    if device.type != "cuda":
+        raise RuntimeError(f"TB_ENGINE_KERNELS={settings.kernels} needs a CUDA device (Liger's kernels are Triton "
+                           f"kernels), but the engine runs on {device}; unset it, or set TB_ENGINE_KERNELS=none")
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(f"TB_ENGINE_KERNELS=liger needs the liger-kernel package in the engine's Python ({exc}); "
+                           "pip install liger-kernel, or set TB_ENGINE_KERNELS=none") from None
+
+
+def apply(settings: EngineSettings, model: Any) -> str:
+    """Fuses ``model``'s layers as the setting asks (after ``check``); returns what was done, for the log."""
+    if settings.kernels == "none":
+        return "none"
+    from liger_kernel.transformers import monkey_patch
+
+    model_type = getattr(model.config, "model_type", None)
+    patch = monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if patch is None:
+        log.warning("TB_ENGINE_KERNELS=liger: Liger has no kernels for model type %r; this base runs unfused", model_type)
+        return f"none (Liger has no kernels for {model_type!r})"
+    import inspect
+
+    accepted = inspect.signature(patch).parameters
+    patch(model=model, **{k: v for k, v in LIGER_FUSED.items() if k in accepted})
+    fused = ", ".join(k for k, v in LIGER_FUSED.items() if v and k in accepted)
+    log.info("TB_ENGINE_KERNELS=liger: %s fused (%s)", model_type, fused)
+    return f"liger ({fused})"
