@@ -10,12 +10,14 @@
   computes target logprobs a chunk at a time (chunked_logprobs.py).
 
 Which model types Liger patches is Liger's own table; a base of another type loads unfused, and the
-engine's log says so. The LoRA layers PEFT adds wrap the projections, which the fused MLP still calls
-as modules, so adapters (and co-batching's grouped adapters) train through the fused layers unchanged.
+engine's log says so. The LoRA layers PEFT adds (and co-batching's grouped adapters) wrap the
+projections, which the fused MLP still calls as modules. Exactness against the unfused layers is
+measured on the GPU (bench/gpu/kernels.sh: the losses of both over the same steps).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -54,8 +56,6 @@ def apply(settings: EngineSettings, model: Any) -> str:
     if patch is None:
         log.warning("TB_ENGINE_KERNELS=liger: Liger has no kernels for model type %r; this base runs unfused", model_type)
         return f"none (Liger has no kernels for {model_type!r})"
-    import inspect
-
     accepted = inspect.signature(patch).parameters
     patch(model=model, **{k: v for k, v in LIGER_FUSED.items() if k in accepted})
     fused = ", ".join(k for k, v in LIGER_FUSED.items() if v and k in accepted)
