@@ -37,6 +37,19 @@ def metrics_turns(base_url: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def metrics_engine_seconds(base_url: str) -> dict[str, float]:
+    """Seconds the agents' engines spent per op so far (/metrics tb_job_duration_seconds_sum, phase engine:
+    taken by an agent to finished), for the training ops' share of each step's train phase."""
+    req = urllib.request.Request(f"{base_url}/metrics", headers={"X-API-Key": os.environ.get("TINKER_API_KEY", "")})
+    out: dict[str, float] = {}
+    for line in urllib.request.urlopen(req, timeout=10).read().decode().splitlines():
+        if line.startswith("tb_job_duration_seconds_sum{") and 'phase="engine"' in line:
+            name, value = line.rsplit(" ", 1)
+            labels = dict(kv.split("=", 1) for kv in name[name.index("{") + 1:-1].split(","))
+            out[labels["op"].strip('"')] = float(value)
+    return out
+
+
 async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--actor", required=True)
@@ -58,7 +71,11 @@ async def main() -> int:
     prompts = [types.ModelInput.from_ints(rng.integers(10, vocab, args.prompt_len).tolist()) for _ in range(args.prompts)]
     params = types.SamplingParams(max_tokens=args.max_tokens, temperature=1.0, stop=[])
     steps = []
+    engine_before: dict[str, float] = {}
     for step in range(args.steps + 1):  # step 0 warms up (first loads, first turns)
+        if step == 1:
+            await asyncio.sleep(0.5)  # the agents write their metrics every 100 ms
+            engine_before = metrics_engine_seconds(base_url)
         t0 = time.perf_counter()
         sampler = await tc.save_weights_and_get_sampling_client_async()
         t_pub = time.perf_counter()
@@ -93,9 +110,17 @@ async def main() -> int:
         print(json.dumps(row), flush=True)
         del first
     timed = steps[1:]
+    await asyncio.sleep(0.5)
+    engine_after = metrics_engine_seconds(base_url)
+    # Per step, the engines' own seconds for each op (sample jobs overlap in a batch: their sum is not a time).
+    engine_s = {op: (v - engine_before.get(op, 0.0)) / len(timed) for op, v in engine_after.items() if op != "sample"}
     med = {k: statistics.median(r[k] for r in timed) for k in ("publish_s", "publish_to_first_token_s", "sample_s", "train_s", "step_s")}
     tokens = sum(r["sampled_tokens"] + r["trained_tokens"] for r in timed) / sum(r["step_s"] for r in timed)
-    summary = {"label": args.label, "median": med, "tokens_per_s_sampled_plus_trained": tokens, "turns": metrics_turns(base_url), "steps": steps}
+    train_engine = engine_s.get("forward_backward", 0.0) + engine_s.get("optim_step", 0.0)
+    print(f"engine seconds per step by op: {json.dumps({k: round(v, 3) for k, v in engine_s.items()})}; "
+          f"train phase {statistics.mean(r['train_s'] for r in timed):.3f} s of which the engine's forward_backward + "
+          f"optim_step {train_engine:.3f} s", flush=True)
+    summary = {"label": args.label, "median": med, "engine_s_per_step": engine_s, "tokens_per_s_sampled_plus_trained": tokens, "turns": metrics_turns(base_url), "steps": steps}
     print("SUMMARY " + json.dumps(summary), flush=True)
     if args.out:
         with open(args.out, "w") as f:
