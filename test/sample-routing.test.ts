@@ -1,11 +1,8 @@
 import { expect } from 'chai';
-import { randomUUID } from 'node:crypto';
-import { Redis } from 'ioredis';
 import { Names } from '../queues/contract/names.js';
-import { AgentRegistry, SERVED_RECENT_MS, sampleEngine, type AgentRecord, type ServedModel } from '../queues/registry/agents.js';
+import { sampleEngine, type AgentRecord, type ServedModel } from '../queues/registry/agents.js';
 import type { SampleFeature } from '../queues/infra/config.js';
 import { findEngine, recordCapabilities } from '../workers/adapters/index.js';
-import { deletePrefix, REDIS_URL } from './helpers/stack.js';
 
 /**
  * Which engine's agents take a sample job (queues/registry/agents.ts `sampleEngine`): the API routes every
@@ -84,57 +81,5 @@ describe('sample routing', () => {
     expect(sampleEngine(BASE, [agent('x', 'other', [served()]), actor], null)).to.equal('torch');
     expect(sampleEngine(BASE, [agent('x', 'other', [served()])], null)).to.equal('other');
     expect(() => sampleEngine('/models/none', [actor, rollout], null)).to.throw(/not served here/);
-  });
-});
-
-describe('resolving a base model (AgentRegistry.resolveBaseModel, real Redis)', () => {
-  const names = new Names(`test-resolve-${randomUUID().slice(0, 8)}`);
-  let redis: Redis;
-  let reg: AgentRegistry;
-  /** Registers an agent as its liveness beat leaves it: its record and a current liveness key. */
-  const register = (rec: AgentRecord) => redis.multi().hset(names.agents(), rec.agent_id, JSON.stringify(rec)).set(names.agentAlive(rec.agent_id), `t ${Date.now()}`, 'EX', 60).exec();
-  /** Reads of every agent's record (one script each) made through the registry. */
-  let reads = 0;
-
-  beforeEach(async () => {
-    redis = new Redis(REDIS_URL);
-    reg = new AgentRegistry(redis, names);
-    reads = 0;
-    const read = reg.servedModels.bind(reg);
-    reg.servedModels = (fresh?: boolean) => {
-      reads++;
-      return read(fresh);
-    };
-  });
-  afterEach(async () => {
-    await deletePrefix(names.prefix);
-    redis.disconnect();
-  });
-
-  it('answers from a read at most SERVED_RECENT_MS old, and a model not in it from a fresh read', async () => {
-    await register(actor);
-    expect((await reg.resolveBaseModel(BASE)).agents.map((a) => a.agent_id)).to.deep.equal(['actor']);
-    const before = reads;
-    // Concurrent resolves share one read: none within the age bound (one on a machine so slow that
-    // the bound passed since the first resolve).
-    const again = await Promise.all(Array.from({ length: 8 }, () => reg.resolveBaseModel(BASE)));
-    expect(again.every((e) => e.model.name === BASE)).to.equal(true);
-    expect(reads - before).to.be.at.most(1);
-    // A model registered just now is not in the recent read: it is resolved from a fresh one.
-    const other = agent('other', 'torch', [served({ name: '/models/other', trainable: true })]);
-    await register(other);
-    const beforeOther = reads;
-    expect((await reg.resolveBaseModel('/models/other')).agents.map((a) => a.agent_id)).to.deep.equal(['other']);
-    expect(reads - beforeOther).to.equal(1);
-    // A name nobody serves is refused after a fresh read, listing what is served.
-    await redis.del(names.agentAlive('other'));
-    await new Promise((r) => setTimeout(r, SERVED_RECENT_MS + 50));
-    await reg.resolveBaseModel(BASE).catch(() => undefined);
-    try {
-      await reg.resolveBaseModel('/models/other');
-      expect.fail('resolved a model whose agent is gone');
-    } catch (e) {
-      expect(String((e as Error).message)).to.match(/not served here; served models: \/models\/tiny-qwen3/);
-    }
   });
 });

@@ -92,13 +92,6 @@ export function heartbeatMs(timeoutS: number): number {
   return Math.max(200, Math.round((timeoutS * 1000) / 5));
 }
 
-/**
- * How old a read of the served models may be when a request resolves its base model
- * (`AgentRegistry.resolveBaseModel`). An agent's liveness already lags by up to its timeout (seconds);
- * this adds at most a quarter of a second, and saves a read of every agent's record per request.
- */
-export const SERVED_RECENT_MS = 250;
-
 /** Reads the agents' records (`<prefix>:agents`) and liveness keys. */
 export class AgentRegistry extends RedisRegistry {
   /** Agents whose liveness key is current (one round trip). */
@@ -150,33 +143,11 @@ export class AgentRegistry extends RedisRegistry {
     }
     return out;
   }
-  /** servedModels() as read at most SERVED_RECENT_MS ago; one read at a time, shared by its callers. */
-  private recent: { at: number; served: Promise<Map<string, Served>> } | null = null;
-  private recentServed(): Promise<Map<string, Served>> {
-    const now = Date.now();
-    if (this.recent && now - this.recent.at <= SERVED_RECENT_MS) return this.recent.served;
-    const read = { at: now, served: this.servedModels() };
-    this.recent = read;
-    read.served.catch(() => {
-      if (this.recent === read) this.recent = null;
-    });
-    return read.served;
-  }
-  /**
-   * Resolve a `base_model` given by a client (canonical path or alias); a user error lists what is
-   * served. Every request that names a model resolves it (asample, each training op), so the served
-   * models are those read at most SERVED_RECENT_MS ago; a name not among them is looked up again in a
-   * fresh read, so a model whose agent just registered resolves at once.
-   */
+  /** Resolve a `base_model` given by a client (canonical path or alias); a user error lists what is served. */
   async resolveBaseModel(requested: string): Promise<Served> {
-    const find = (served: Map<string, Served>) => [...served.values()].find((e) => e.model.name === requested || e.model.aliases.includes(requested));
-    const hit = find(await this.recentServed());
-    if (hit) return hit;
     const served = await this.servedModels();
-    const e = find(served);
-    if (e) {
-      this.recent = { at: Date.now(), served: Promise.resolve(served) };
-      return e;
+    for (const e of served.values()) {
+      if (e.model.name === requested || e.model.aliases.includes(requested)) return e;
     }
     const list = [...served.values()].map((e) => [e.model.name, ...e.model.aliases].join(' | '));
     throw new BrokerError(

@@ -27,8 +27,9 @@ from .settings import EngineSettings
 
 log = logging.getLogger("tinker_engine.kernels")
 
-#: What ``liger`` fuses (the keyword arguments of Liger's per-model patch functions).
-LIGER_FUSED = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False, "fused_linear_cross_entropy": False}
+#: What ``liger`` fuses: these switches of Liger's per-model patch function on, every other one of its
+#: switches (its losses among them) off.
+LIGER_FUSED = ("rope", "rms_norm", "swiglu")
 
 
 def check(settings: EngineSettings, device: torch.device) -> None:
@@ -56,8 +57,9 @@ def apply(settings: EngineSettings, model: Any) -> str:
     if patch is None:
         log.warning("TB_ENGINE_KERNELS=liger: Liger has no kernels for model type %r; this base runs unfused", model_type)
         return f"none (Liger has no kernels for {model_type!r})"
-    accepted = inspect.signature(patch).parameters
-    patch(model=model, **{k: v for k, v in LIGER_FUSED.items() if k in accepted})
-    fused = ", ".join(k for k, v in LIGER_FUSED.items() if v and k in accepted)
+    switches = {name: name in LIGER_FUSED for name, p in inspect.signature(patch).parameters.items()
+                if isinstance(p.default, bool)}
+    patch(model=model, **switches)
+    fused = ", ".join(name for name, on in switches.items() if on)
     log.info("TB_ENGINE_KERNELS=liger: %s fused (%s)", model_type, fused)
     return f"liger ({fused})"
