@@ -178,6 +178,8 @@ class Engine:
             parse_frame(body, f)
             if f.op == "sample_batch" and isinstance(f.args.get("requests"), list):
                 f.subject += f" requests={len(f.args['requests'])}"
+            if f.op == "forward_backward_group" and isinstance(f.args.get("members"), list):
+                f.subject += f" members={len(f.args['members'])}"
             if f.op in ("forward_backward", "forward_backward_group", "optim_step"):
                 self.registry.trained_since_release = True
             if stepped and f.op in self.stepped_ops:
