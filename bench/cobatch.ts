@@ -46,8 +46,12 @@ async function run(together: boolean, cobatch: number, cobatchWaitMs = 0): Promi
       models.push((await result(base, cm.request_id)).model_id);
     }
     const fbIds: string[] = [];
+    // Each model's seq_ids go on from its warm-up: a seq_id used again is a replay of that op, answered
+    // with its result without running it (before 2026-12-07 the timed steps restarted at 1, so the first
+    // three of each loop were replays of the warm-up's).
+    const seqs = new Map<string, number>();
     const loop = async (modelId: string, n: number, times: number[], timed = true) => {
-      let seq = 1;
+      let seq = seqs.get(modelId) ?? 1;
       for (let i = 0; i < n; i++) {
         const t = performance.now();
         const fb = await post(base, '/forward_backward', undefined, encodeForwardBackward({ modelId, seqId: seq++, data }));
@@ -57,6 +61,7 @@ async function run(together: boolean, cobatch: number, cobatchWaitMs = 0): Promi
         await result(base, opt.request_id);
         times.push(performance.now() - t);
       }
+      seqs.set(modelId, seq);
     };
     for (const m of models) await loop(m, 3, [], false); // warm-up
     const stepMs = models.map(() => [] as number[]);
