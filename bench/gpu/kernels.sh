@@ -19,9 +19,9 @@ if [ -z "$SHAPES" ]; then
 fi
 $TB_PYTHON -c "import liger_kernel, importlib.metadata as m; print('liger-kernel', m.version('liger-kernel'))" || stamp "liger-kernel is missing"
 for shape in $SHAPES; do
+  write_model "$shape" "$TB/models/qwen3-$shape" || { stamp "$shape: the model could not be written"; continue; }
   stamp "engine_vs_plain.py --model $shape --kernels none,liger --plain-kernels none,liger"
   $TB_PYTHON bench/gpu/engine_vs_plain.py --model "$shape" --steps "${2:-10}" --kernels none,liger --plain-kernels none,liger \
-    --sample-rounds 0 --keep "$TB/models/evp-$shape" 2>&1 | grep -v -i "warn" || stamp "$shape: the bench failed"
-  rm -rf "$TB/models/evp-$shape"
+    --sample-rounds 0 --keep "$TB/models/qwen3-$shape" 2>&1 | grep -v -i "warn" || stamp "$shape: the bench failed"
 done
 stamp "done"
