@@ -120,15 +120,6 @@ describe('sample share: BullMQ workers on real Redis', function () {
     expect(a.worker.concurrency).to.equal(CONCURRENCY);
   });
 
-  it('an agent alone exchanges its count at its beat only, not per job (nobody reads it)', async () => {
-    const a = await agent('a', { beatMs: 600_000 });
-    await burst(5, 'quiet');
-    await waitFor('all 5 held by a', async () => heldBy('a') === 5);
-    const field = parseEntry((await a.redis.hget(names.sampleShare(queueName), 'a'))!);
-    expect(field?.active, 'the count a published at its start, not rewritten by the 5 starts').to.equal(0);
-    expect(a.worker.concurrency).to.equal(CONCURRENCY);
-  });
-
   it('an agent alone ignores and removes a field older than the stale time (by Redis’s clock), or one it cannot read', async () => {
     const r = conn();
     const [sec] = await r.time();

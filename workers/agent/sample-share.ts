@@ -13,10 +13,7 @@ import type { Logger } from '../../queues/infra/logger.js';
  * weighted by each agent's configured concurrency, plus `slack` (`shareCap`). The cap is recomputed
  * as this agent's jobs start and end, every `beatMs`, and every `pollMs` while the agent is at its
  * cap (so a job never waits on the cap once another agent finishes, stops or dies: a dead agent's
- * field stops counting `staleMs` after its last write). An agent alone uses its whole concurrency,
- * and while its last read found no other live agent its jobs' starts and ends are not exchanged
- * (nobody reads its count): it writes and reads at its beat only, and an agent that joins is seen
- * within `beatMs` (until then the newcomer reads this agent's count as of its last beat).
+ * field stops counting `staleMs` after its last write). An agent alone uses its whole concurrency.
  *
  * Ages are told by Redis's clock (TIME, read with every write), so agents on hosts whose clocks
  * differ agree on which fields are stale.
@@ -106,8 +103,6 @@ export class SampleShare {
   private beat: NodeJS.Timeout | undefined;
   private poll: NodeJS.Timeout | undefined;
   private closed = false;
-  /** The last read found no other live agent's field (see the class's comment). */
-  private alone = false;
 
   constructor(private readonly o: SampleShareOptions) {
     this.t = { ...SHARE_TIMINGS, ...o.timings };
@@ -126,13 +121,13 @@ export class SampleShare {
   /** A job's processor started. */
   started(): void {
     this.active++;
-    if (!this.alone) this.schedule();
+    this.schedule();
   }
 
   /** A job's processor ended. */
   ended(): void {
     this.active--;
-    if (!this.alone) this.schedule();
+    this.schedule();
   }
 
   /** Jobs this agent may still take under its cap (for the gatherer's hint). */
@@ -214,7 +209,6 @@ export class SampleShare {
     }
     if (stale.length) void redis.hdel(key, ...stale).catch(() => undefined);
     if (this.closed) return;
-    this.alone = others.length === 0;
     this.apply(shareCap({ active: this.active, concurrency }, others, waiting, this.t.slack));
   }
 
