@@ -3,10 +3,9 @@ import os from 'node:os';
 import { Queue } from 'bullmq';
 import { Redis } from 'ioredis';
 import { Names } from '../queues/contract/names.js';
-import { decodeRequestId } from '../queues/contract/futures.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
 import { spawnAgent, stackEnv, startApi, stopAgent, waitFor, type AgentProc, type Api } from '../test/helpers/procs.js';
-import { call, deletePrefix, REDIS_URL } from '../test/helpers/stack.js';
+import { call, deletePrefix, REDIS_URL, takenBy } from '../test/helpers/stack.js';
 
 /**
  * Scale-out of sampling (issue 37, item 5): the sampled tokens/s of bursts of one-sample requests
@@ -57,17 +56,10 @@ async function burst(api: Api): Promise<{ seconds: number; tokens: number; ids: 
 }
 
 /** How many of the requests each agent took (BullMQ's processedBy of each request's job). */
-async function takenBy(redis: Redis, prefix: string, ids: string[], agentIds: string[]): Promise<number[]> {
+async function split(redis: Redis, prefix: string, ids: string[], agentIds: string[]): Promise<number[]> {
   const queues = new Map<string, Queue>();
   try {
-    const by = await Promise.all(
-      ids.map(async (id) => {
-        const ref = decodeRequestId(id)!;
-        let q = queues.get(ref.queue);
-        if (!q) queues.set(ref.queue, (q = new Queue(ref.queue, { connection: redis, prefix: new Names(prefix).bull })));
-        return (await q.getJob(ref.jobId))?.processedBy;
-      }),
-    );
+    const by = await takenBy(redis, prefix, ids, queues);
     return agentIds.map((a) => by.filter((x) => x === a).length);
   } finally {
     for (const q of queues.values()) await q.close();
@@ -95,8 +87,8 @@ async function measure(agentCount: number): Promise<number> {
     for (let r = 0; r < rounds; r++) {
       const b = await burst(api);
       rates.push(b.tokens / b.seconds);
-      const split = agentCount > 1 ? `, split ${(await takenBy(redis, st.prefix, b.ids, agents.map((a) => a.id))).join('/')}` : '';
-      console.log(`  ${agentCount} agent(s), round ${r + 1}: ${b.tokens} tokens in ${b.seconds.toFixed(2)} s = ${(b.tokens / b.seconds).toFixed(0)} tokens/s${split}`);
+      const shares = agentCount > 1 ? `, split ${(await split(redis, st.prefix, b.ids, agents.map((a) => a.id))).join('/')}` : '';
+      console.log(`  ${agentCount} agent(s), round ${r + 1}: ${b.tokens} tokens in ${b.seconds.toFixed(2)} s = ${(b.tokens / b.seconds).toFixed(0)} tokens/s${shares}`);
     }
     rates.sort((a, b) => a - b);
     return rates[Math.floor(rates.length / 2)]!;

@@ -23,31 +23,31 @@ import tinker
 from tinker import types
 
 
-def metrics_turns(base_url: str) -> dict[str, dict[str, float]]:
+def metrics(base_url: str, prefix: str) -> list[tuple[dict[str, str], float]]:
+    """The /metrics samples whose name starts with ``prefix``: (labels, value)."""
     req = urllib.request.Request(f"{base_url}/metrics", headers={"X-API-Key": os.environ.get("TINKER_API_KEY", "")})
-    text = urllib.request.urlopen(req, timeout=10).read().decode()
-    out: dict[str, dict[str, float]] = {}
-    for line in text.splitlines():
-        if line.startswith("tb_agent_gpu_turn"):
+    out = []
+    for line in urllib.request.urlopen(req, timeout=10).read().decode().splitlines():
+        if line.startswith(prefix):
             name, value = line.rsplit(" ", 1)
-            labels = dict(kv.split("=") for kv in name[name.index("{") + 1:-1].split(","))
-            agent = labels["agent"].strip('"')
-            key = labels.get("event", labels.get("phase", "")).strip('"')
-            out.setdefault(agent, {})[("n_" if "event" in labels else "s_") + key] = float(value)
+            labels = {k: v.strip('"') for k, v in (kv.split("=", 1) for kv in name[name.index("{") + 1:-1].split(","))}
+            out.append((labels, float(value)))
+    return out
+
+
+def metrics_turns(base_url: str) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for labels, value in metrics(base_url, "tb_agent_gpu_turn"):
+        key = labels.get("event", labels.get("phase", ""))
+        out.setdefault(labels["agent"], {})[("n_" if "event" in labels else "s_") + key] = value
     return out
 
 
 def metrics_engine_seconds(base_url: str) -> dict[str, float]:
     """Seconds the agents' engines spent per op so far (/metrics tb_job_duration_seconds_sum, phase engine:
     taken by an agent to finished), for the training ops' share of each step's train phase."""
-    req = urllib.request.Request(f"{base_url}/metrics", headers={"X-API-Key": os.environ.get("TINKER_API_KEY", "")})
-    out: dict[str, float] = {}
-    for line in urllib.request.urlopen(req, timeout=10).read().decode().splitlines():
-        if line.startswith("tb_job_duration_seconds_sum{") and 'phase="engine"' in line:
-            name, value = line.rsplit(" ", 1)
-            labels = dict(kv.split("=", 1) for kv in name[name.index("{") + 1:-1].split(","))
-            out[labels["op"].strip('"')] = float(value)
-    return out
+    return {labels["op"]: value for labels, value in metrics(base_url, "tb_job_duration_seconds_sum{")
+            if labels["phase"] == "engine"}
 
 
 async def main() -> int:

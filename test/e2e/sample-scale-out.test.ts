@@ -2,12 +2,11 @@ import { expect } from 'chai';
 import { rmSync } from 'node:fs';
 import { Queue } from 'bullmq';
 import { Redis } from 'ioredis';
-import { decodeRequestId } from '../../queues/contract/futures.js';
 import { Names } from '../../queues/contract/names.js';
 import { SHARE_TIMINGS } from '../../workers/agent/sample-share.js';
 import { TINY_MODEL_ALIAS } from '../../scripts/stack.js';
 import { sleep, spawnAgent, stackEnv, startApi, stopAgent, waitFor, type AgentProc, type Api } from '../helpers/procs.js';
-import { call, deletePrefix, REDIS_URL } from '../helpers/stack.js';
+import { call, deletePrefix, REDIS_URL, takenBy as jobsTakenBy } from '../helpers/stack.js';
 
 /**
  * Scale-out of sampling (issue 37, item 5): agents serving the same model share a burst of sample
@@ -89,16 +88,7 @@ describe('sample scale-out: agents serving one model share a burst by load', fun
   };
 
   /** The agent that took each request (its BullMQ job's `processedBy`). */
-  const takenBy = async (ids: string[]): Promise<string[]> => {
-    return Promise.all(
-      ids.map(async (id) => {
-        const ref = decodeRequestId(id)!;
-        let q = queues.get(ref.queue);
-        if (!q) queues.set(ref.queue, (q = new Queue(ref.queue, { connection: redis, prefix: new Names(st.prefix).bull })));
-        return (await q.getJob(ref.jobId))?.processedBy ?? '?';
-      }),
-    );
-  };
+  const takenBy = (ids: string[]): Promise<string[]> => jobsTakenBy(redis, st.prefix, ids, queues);
 
   const count = (by: string[], id: string) => by.filter((x) => x === id).length;
 

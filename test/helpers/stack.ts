@@ -2,8 +2,11 @@ import { randomUUID } from 'node:crypto';
 import { mkdtempSync, rmSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
+import { Queue } from 'bullmq';
 import { Redis } from 'ioredis';
 import { buildApp, listen, type BuiltApp } from '../../api/app.js';
+import { decodeRequestId } from '../../queues/contract/futures.js';
+import { Names } from '../../queues/contract/names.js';
 import { loadAgentConfig, loadApiConfig } from '../../queues/infra/config.js';
 import { Agent } from '../../workers/agent.js';
 import { defaultPython, ensureTinyModel, TINY_MODEL_ALIAS, TINY_MODEL_DIR } from '../../scripts/stack.js';
@@ -67,6 +70,21 @@ export async function startStack(
 }
 
 /** Removes every Redis key of a test's prefix (registries, gate, BullMQ queues). */
+/**
+ * The agent that took each sample request (its BullMQ job's `processedBy`), `?` where none did. The
+ * queues it opens stay in `queues`, for the next call; the caller closes them.
+ */
+export async function takenBy(redis: Redis, prefix: string, requestIds: string[], queues: Map<string, Queue>): Promise<string[]> {
+  return Promise.all(
+    requestIds.map(async (id) => {
+      const ref = decodeRequestId(id)!;
+      let q = queues.get(ref.queue);
+      if (!q) queues.set(ref.queue, (q = new Queue(ref.queue, { connection: redis, prefix: new Names(prefix).bull })));
+      return (await q.getJob(ref.jobId))?.processedBy ?? '?';
+    }),
+  );
+}
+
 export async function deletePrefix(prefix: string): Promise<void> {
   const r = new Redis(REDIS_URL);
   try {

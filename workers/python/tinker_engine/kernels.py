@@ -46,20 +46,19 @@ def check(settings: EngineSettings, device: torch.device) -> None:
                            "pip install liger-kernel, or set TB_ENGINE_KERNELS=none") from None
 
 
-def apply(settings: EngineSettings, model: Any) -> str:
-    """Fuses ``model``'s layers as the setting asks (after ``check``); returns what was done, for the log."""
+def apply(settings: EngineSettings, model: Any) -> None:
+    """Fuses ``model``'s layers as the setting asks (after ``check``); the engine's log says what was done."""
     if settings.kernels == "none":
-        return "none"
+        return
     from liger_kernel.transformers import monkey_patch
 
     model_type = getattr(model.config, "model_type", None)
     patch = monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
     if patch is None:
         log.warning("TB_ENGINE_KERNELS=liger: Liger has no kernels for model type %r; this base runs unfused", model_type)
-        return f"none (Liger has no kernels for {model_type!r})"
+        return
     switches = {name: name in LIGER_FUSED for name, p in inspect.signature(patch).parameters.items()
                 if isinstance(p.default, bool)}
     patch(model=model, **switches)
     fused = ", ".join(name for name, on in switches.items() if on)
     log.info("TB_ENGINE_KERNELS=liger: %s fused (%s)", model_type, fused)
-    return f"liger ({fused})"

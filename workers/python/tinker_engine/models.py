@@ -137,7 +137,7 @@ class BaseModel:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=placement.dtype, local_files_only=True)
         self.hf: PreTrainedModel = model.to(placement.device).eval()
         # Fused layers (TB_ENGINE_KERNELS), before any adapter wraps the projections.
-        self.kernels: str = kernels.apply(settings(), self.hf)
+        kernels.apply(settings(), self.hf)
         self.hf.requires_grad_(False)
         self.peft: PeftModel | None = None
         # (adapter, trainable) of the last ``activate``; None: unknown (PEFT changed it).
