@@ -86,6 +86,8 @@ export function planPreset(preset: Preset, presetDir: string, name: string, opts
             ...(engineOf(m.engine).capabilities.modelOptions.includes('strategy') ? { strategy: m.parallelism.strategy } : {}),
             ...(engineOf(m.engine).capabilities.modelOptions.includes('data') && m.parallelism.data !== undefined ? { dataParallel: m.parallelism.data } : {}),
             ...(engineOf(m.engine).capabilities.modelOptions.includes('offload') ? { offload: m.offload } : {}),
+            ...(m.remove_padding !== undefined ? { removePadding: m.remove_padding } : {}),
+            ...(m.gradient_checkpointing !== undefined ? { gradientCheckpointing: m.gradient_checkpointing } : {}),
             ...(m.load_format ? { loadFormat: m.load_format } : {}),
             roles: [],
           };

@@ -65,6 +65,17 @@ export const ModelSpec = z
     /** verl: parameters and optimizer state in CPU memory between steps (verl's param and optimizer offload). @defaultValue false */
     offload: z.boolean().default(false),
     /**
+     * verl: padding removed (verl's `use_remove_padding`: each micro-batch's rows packed into one, no
+     * padding computed). @defaultValue the agent's TB_VERL_REMOVE_PADDING (`auto`: on where a
+     * variable-length attention kernel runs)
+     */
+    remove_padding: z.boolean().optional(),
+    /**
+     * verl: gradient checkpointing. @defaultValue the agent's TB_VERL_GRAD_CKPT (`auto`: chosen from the
+     * model's size and the GPU's memory, printed as the model is built)
+     */
+    gradient_checkpointing: z.boolean().optional(),
+    /**
      * vllm: `dummy` starts the model from its config.json alone with random weights (`--load-format
      * dummy`): for benchmarks of a shape whose weights are not on disk; its answers are noise, and the
      * agent says so in its log. @defaultValue the weights in the directory
@@ -247,6 +258,8 @@ function parallelismProblems(m: ModelSpec, agents: { id: string; device: string;
   if (!uses('data') && par.data !== undefined && par.data !== 1) out.push([['parallelism', 'data'], `data parallelism applies to ${owners('data')}, not ${engine}`]);
   if (!uses('strategy') && par.strategy !== undefined) out.push([['parallelism', 'strategy'], `strategy applies to ${owners('strategy')}, not ${engine}`]);
   if (!uses('offload') && m.offload) out.push([['offload'], `offload applies to ${owners('offload')}, not ${engine}`]);
+  for (const o of ['remove_padding', 'gradient_checkpointing'] as const)
+    if (!uses(o) && m[o] !== undefined) out.push([[o], `${o} applies to ${owners(o)}, not ${engine}`]);
   if (!uses('load_format') && m.load_format !== undefined) out.push([['load_format'], `load_format applies to ${owners('load_format')}, not ${engine}`]);
   out.push(...(def.presetProblems?.(m, agents) ?? []));
   return out;

@@ -42,7 +42,7 @@ function enginePythonFiles(): string[] {
 /** Values tried for every setting: numbers well and badly written, flags, names of each kind, in several cases. */
 const PROBES = [
   '', '0', '1', '-1', '12', '007', '1.5', '1e3', ' 12', '+3', 'abc', 'true', 'false', 'TRUE', 'yes',
-  'info', 'INFO', 'warning', 'Debug', 'CRITICAL', 'float32', 'bfloat16', 'fp8', 'sdpa', 'eager', 'flash_attention_2', 'SDPA',
+  'auto', 'AUTO', 'info', 'INFO', 'warning', 'Debug', 'CRITICAL', 'float32', 'bfloat16', 'fp8', 'sdpa', 'eager', 'flash_attention_2', 'SDPA',
 ];
 
 type Described = Record<string, { default: unknown; choices: string[] | null }>;
@@ -120,8 +120,8 @@ describe('one source for the engine settings (queues/infra/config.ts → the eng
   });
 
   it('every variable the engines read is an agent setting, set by the agent from its models, or internal', () => {
-    const fromModels = Object.keys(verlLaunch('cuda', [spec({ offload: true })]).env).filter((n) => n.startsWith('TB_'));
-    expect(fromModels).to.have.members(['TB_VERL_STRATEGY', 'TB_VERL_OFFLOAD']);
+    const fromModels = Object.keys(verlLaunch('cuda', [spec({ offload: true, removePadding: true, gradientCheckpointing: true })]).env).filter((n) => n.startsWith('TB_'));
+    expect(fromModels).to.have.members(['TB_VERL_STRATEGY', 'TB_VERL_OFFLOAD', 'TB_VERL_REMOVE_PADDING', 'TB_VERL_GRAD_CKPT']);
     const read = Object.keys(described);
     const known = new Set([...AGENT_ENV_NAMES, ...fromModels, ...ENGINE_INTERNAL_ENV]);
     expect(read.filter((n) => !known.has(n)), 'read by the engines, unknown to the agent').to.deep.equal([]);
@@ -159,11 +159,18 @@ describe('one source for the engine settings (queues/infra/config.ts → the eng
   });
 
   it('the engine reads what the verl adapter sets from the models', () => {
-    const envs = VERL_STRATEGIES.flatMap((strategy) => [false, true].map((offload) => verlLaunch('cuda:0,1', [spec({ strategy, offload })]).env as Record<string, string>));
+    const envs = VERL_STRATEGIES.flatMap((strategy) => [false, true].map((on) => verlLaunch('cuda:0,1', [spec({ strategy, offload: on, removePadding: on, gradientCheckpointing: !on })]).env as Record<string, string>));
     const view = python(envs);
     view.loaded.forEach((l, i) => {
       expect(l.ok, JSON.stringify(l)).to.equal(true);
-      if (l.ok) expect([l.values.TB_VERL_STRATEGY, l.values.TB_VERL_OFFLOAD]).to.deep.equal([envs[i]!.TB_VERL_STRATEGY, envs[i]!.TB_VERL_OFFLOAD === '1']);
+      const e = envs[i]!;
+      if (l.ok)
+        expect([l.values.TB_VERL_STRATEGY, l.values.TB_VERL_OFFLOAD, l.values.TB_VERL_REMOVE_PADDING, l.values.TB_VERL_GRAD_CKPT]).to.deep.equal([
+          e.TB_VERL_STRATEGY,
+          e.TB_VERL_OFFLOAD === '1',
+          e.TB_VERL_REMOVE_PADDING === '1',
+          e.TB_VERL_GRAD_CKPT === '1',
+        ]);
     });
   });
 

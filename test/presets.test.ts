@@ -173,7 +173,7 @@ agents:
         'ignored.yaml',
         `name: t
 models:
-  - { name: a, path: /m/a, role: actor, offload: true, parallelism: { tensor: 2, pipeline: 2, data: 2, expert: 2, strategy: fsdp2 } }
+  - { name: a, path: /m/a, role: actor, offload: true, remove_padding: true, gradient_checkpointing: false, parallelism: { tensor: 2, pipeline: 2, data: 2, expert: 2, strategy: fsdp2 } }
   - { name: b, path: /m/b, role: teacher, engine: vllm, parallelism: { tensor: 4, expert: 2 } }
   - { name: c, path: /m/c, role: actor, engine: verl, parallelism: { data: 4, strategy: fsdp } }
 agents:
@@ -185,13 +185,15 @@ agents:
     );
     expect(r.status).to.equal(2);
     const lines = r.stderr.trim().split('\n').slice(1);
-    expect(lines, r.stderr).to.have.length(8);
+    expect(lines, r.stderr).to.have.length(10);
     expect(r.stderr).to.match(/models\[0\]\.parallelism\.pipeline: pipeline parallelism is not available/);
     expect(r.stderr).to.match(/models\[0\]\.parallelism\.tensor: tensor parallelism applies to engine 'vllm'; engine 'torch' runs a model on one device/);
     expect(r.stderr).to.match(/models\[0\]\.parallelism\.expert: expert parallelism applies to engine 'vllm', not engine 'torch'/);
     expect(r.stderr).to.match(/models\[0\]\.parallelism\.data: data parallelism applies to engine 'verl', not engine 'torch'/);
     expect(r.stderr).to.match(/models\[0\]\.parallelism\.strategy: strategy applies to engine 'verl'/);
     expect(r.stderr).to.match(/models\[0\]\.offload: offload applies to engine 'verl'/);
+    expect(r.stderr).to.match(/models\[0\]\.remove_padding: remove_padding applies to engine 'verl', not engine 'torch'/);
+    expect(r.stderr).to.match(/models\[0\]\.gradient_checkpointing: gradient_checkpointing applies to engine 'verl', not engine 'torch'/);
     expect(r.stderr).to.match(/models\[1\]\.parallelism\.expert: vLLM runs the experts over the tensor-parallel GPUs: expert is 1 \(off\) or equal to tensor \(4\), got 2/);
     expect(r.stderr).to.match(/models\[2\]\.parallelism\.data: data 4, but agent 'g2' runs this model on 2 GPU\(s\) \(cuda:5,6\)/);
     const megatron = cli('validate', write('megatron.yaml', `name: t\nmodels:\n  - { name: c, path: /m/c, role: actor, engine: verl, parallelism: { strategy: megatron } }\nagents:\n  - { id: g2, device: cuda, models: [c] }\n`));

@@ -43,6 +43,20 @@ describe('verl adapter', () => {
     expect(verlLaunch('cuda:1', [spec({ strategy: 'veomni' })]).env).to.include({ TB_VERL_STRATEGY: 'veomni' });
   });
 
+  it("passes the preset's padding and checkpointing levers, over the agent's settings, and only where a model sets them", () => {
+    expect(Object.keys(d0().env)).to.not.include.members(['TB_VERL_REMOVE_PADDING']);
+    expect(Object.keys(d0().env)).to.not.include.members(['TB_VERL_GRAD_CKPT']);
+    const l = verlLaunch('cuda:0', [spec({ removePadding: true, gradientCheckpointing: false }), spec({ name: '/m/b', path: '/m/b' })]);
+    expect(l.env).to.include({ TB_VERL_REMOVE_PADDING: '1', TB_VERL_GRAD_CKPT: '0' });
+    expect(() => verlLaunch('cuda', [spec({ removePadding: true }), spec({ name: '/m/b', path: '/m/b', removePadding: false })])).to.throw(/one remove_padding setting/);
+    // The adapter's engine environment: the agent's settings (auto by default), the models' levers over them.
+    const a = new VerlAdapter({ python: 'python3', device: 'cuda:0', log, models: [spec({ removePadding: false })] });
+    const env = (a as unknown as { opts: { env: Record<string, string> } }).opts.env;
+    expect(env).to.include({ TB_VERL_REMOVE_PADDING: '0', TB_VERL_GRAD_CKPT: 'auto' });
+  });
+
+  const d0 = () => verlLaunch('cuda', [spec()]);
+
   it('knows the strategies the Python engine runs, and the preset schema accepts exactly those', () => {
     const py = /^STRATEGIES = \(([^)]*)\)/m.exec(readFileSync('workers/python/tinker_engine_verl/settings.py', 'utf8'));
     expect(py, 'STRATEGIES in tinker_engine_verl/settings.py').to.not.equal(null);

@@ -54,7 +54,8 @@ export const ENGINE_LAYOUTS = ['auto', 'packed', 'padded'] as const;
 /** The torch engine's fused kernels (`TB_ENGINE_KERNELS`; tinker_engine/settings.py KERNELS). */
 export const ENGINE_KERNELS = ['none', 'liger'] as const;
 /** An engine flag: `true`/`1` or `false`/`0` (the agent passes `1`/`0`). */
-const engineFlag = z.enum(['true', 'false', '1', '0']).transform((v) => v === 'true' || v === '1');
+/** `auto` (the engine chooses) or a flag. */
+const engineAutoFlag = z.enum(['auto', 'true', 'false', '1', '0']).transform((v): 'auto' | boolean => (v === 'auto' ? v : v === 'true' || v === '1'));
 /** An engine count: decimal digits only, at least 1 (the engines read no sign, space or exponent). */
 const engineCount = z
   .string()
@@ -68,7 +69,8 @@ const engineCount = z
  * workers/adapters/), which reads them in one place per package (workers/python/tinker_engine/settings.py,
  * workers/python/tinker_engine_verl/settings.py, with these defaults for an engine started by hand;
  * test/one-source-engine-settings.test.ts compares the two sides). `TB_ENGINE_DEVICE`, which every
- * engine kind uses, is an agent setting below; the verl strategy and offload come from the preset's models.
+ * engine kind uses, is an agent setting below; the verl strategy and offload come from the preset's models, and
+ * so do its padding and checkpointing levers where a model sets them.
  */
 const EngineEnv = z.object({
   /** Torch engine: the base weights' dtype of a model whose preset entry names none (`float32`, `bfloat16`, `float16`). @defaultValue the engine's: `bfloat16` on a GPU, `float32` on the CPU */
@@ -91,8 +93,10 @@ const EngineEnv = z.object({
   TB_ENGINE_HEAD_CHUNK_TOKENS: engineCount.default(16_384),
   /** Torch engine: fused kernels in the base model's layers, `none` or `liger` (Liger's Triton RMSNorm, SwiGLU and rotary embedding; CUDA only, needs the liger-kernel package; a CPU engine refuses it at its start). @defaultValue `none` */
   TB_ENGINE_KERNELS: z.enum(ENGINE_KERNELS).default('none'),
-  /** verl engine: gradient checkpointing (`true`/`1`, `false`/`0`). @defaultValue true */
-  TB_VERL_GRAD_CKPT: engineFlag.default(true),
+  /** verl engine: gradient checkpointing (`true`/`1`, `false`/`0`), or `auto`: chosen from the model's size and the GPU's memory, printed as the model is built (workers/python/tinker_engine_verl/levers.py); on for CPU ranks. A model's preset `gradient_checkpointing` wins. @defaultValue `auto` */
+  TB_VERL_GRAD_CKPT: engineAutoFlag.default('auto'),
+  /** verl engine: padding removed (verl's `use_remove_padding`: a micro-batch's rows packed into one, no padding computed), `true`/`1`, `false`/`0`, or `auto`: on where a variable-length attention kernel runs (CUDA with flash-attn's attention, or torch's `varlen_attn` in place of `sdpa`). A model's preset `remove_padding` wins. @defaultValue `auto` */
+  TB_VERL_REMOVE_PADDING: engineAutoFlag.default('auto'),
   /** verl engine: the models' attention implementation (`sdpa`, `eager`, `flash_attention_2`, `flash_attention_3`, `flex_attention`; the flash ones need the flash-attn package). @defaultValue `sdpa` */
   TB_VERL_ATTN: z.enum(VERL_ATTENTIONS).default('sdpa'),
 });
@@ -325,6 +329,10 @@ export type BaseModelSpec = {
   strategy?: string | undefined;
   /** verl engine: the preset's `offload` (parameters and optimizer state in CPU memory between steps). */
   offload?: boolean | undefined;
+  /** verl engine: the preset's `remove_padding`, when set (else the agent's TB_VERL_REMOVE_PADDING). */
+  removePadding?: boolean | undefined;
+  /** verl engine: the preset's `gradient_checkpointing`, when set (else the agent's TB_VERL_GRAD_CKPT). */
+  gradientCheckpointing?: boolean | undefined;
   /** vLLM engine: the preset's `load_format`; `dummy`: random weights from the config alone (benchmarks only). */
   loadFormat?: 'dummy' | undefined;
 };

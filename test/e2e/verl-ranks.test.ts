@@ -23,6 +23,8 @@ import { E2E_KEY, freePort, PYTHON } from './server.js';
  *            probe, the next losses; the torch agent scores the saved version
  *   1 rank:  the same 4 steps; the 2-rank state resumed
  *   4 ranks: the same 4 steps; the 2-rank state resumed
+ *   packed:  2 ranks with the preset's remove_padding (and no checkpointing): the 1-rank losses, the
+ *            2-rank version's logprobs
  *   VeOmni:  verl's VeOmni engine over 2 ranks (where var/veomnisite exists): the same steps, a saved
  *            version the torch agent scores, the FSDP2 2-rank state resumed
  *   vLLM:    the torch agent stopped, vLLM scores the 2-rank version
@@ -151,8 +153,8 @@ describe('verl FSDP2 over 1, 2 and 4 CPU ranks through the product (real verl, g
     for (const k of ['TB_AGENT_ID', 'TB_AGENT_MODELS', 'TB_VLLM_URL', 'TB_ENGINE_DEVICE']) delete e[k];
     return e;
   };
-  const proc = (name: string, args: string[], site: string[] = []) => {
-    const p = new Proc(name, ['--preset', PRESET, ...args], env(site));
+  const proc = (name: string, args: string[], site: string[] = [], extra: NodeJS.ProcessEnv = {}) => {
+    const p = new Proc(name, ['--preset', PRESET, ...args], { ...env(site), ...extra });
     procs.push(p);
     p.start();
     return p;
@@ -169,8 +171,8 @@ describe('verl FSDP2 over 1, 2 and 4 CPU ranks through the product (real verl, g
   };
   const live = async () => (await registry.agents.live()).map((a) => a.agent_id).sort();
   /** Starts verl agent `verl-N` (or `veomni-N`) and waits until it serves its model with N engine ranks. */
-  const startVerl = async (n: number, strategy = 'verl'): Promise<Proc> => {
-    const p = proc(`${strategy}-${n}`, ['--agent', `${strategy}-${n}`, '--agents-only'], strategy === 'veomni' ? [VEOMNI_SITE] : []);
+  const startVerl = async (n: number, strategy = 'verl', extra: NodeJS.ProcessEnv = {}): Promise<Proc> => {
+    const p = proc(`${strategy}-${n}`, ['--agent', `${strategy}-${n}`, '--agents-only'], strategy === 'veomni' ? [VEOMNI_SITE] : [], extra);
     await until(`${strategy}-${n} serves`, async () => !!(await registry.agents.resolveBaseModel(`tiny-${strategy}-${n}`)), 600_000, [p]);
     const ranks = verlRanks(prefix);
     expect(ranks, `engine processes of verl-${n}`).to.deep.equal(Array.from({ length: n }, (_, rank) => ({ rank, world: n })));
@@ -258,6 +260,18 @@ describe('verl FSDP2 over 1, 2 and 4 CPU ranks through the product (real verl, g
     expectLossesClose('4 ranks vs 1 rank', r.losses, results.one.losses);
     const resumed = await ask({ cmd: 'resume', state: results.two.state });
     expectLossesClose('resume of 2 ranks at 4 ranks', resumed.next, results.two.next);
+    await stopVerl(verl);
+  });
+
+  it('2 ranks with padding removed and no checkpointing (the preset\'s levers): the same losses and trainer logprobs as padded', async function () {
+    if (!results.one) this.skip();
+    const verl = await startVerl(2, 'verl-packed', { TB_LOG_LEVEL: 'info' });
+    const r = await ask({ cmd: 'train', base: 'tiny-verl-packed-2', save: true });
+    expectLossesClose('2 ranks packed vs 1 rank padded', r.losses, results.one.losses);
+    observed['packed vs padded trainer max |dlp|'] = maxAbs(r.trainer_logprobs, results.two.trainer_logprobs);
+    expect(maxAbs(r.trainer_logprobs, results.two.trainer_logprobs), 'the same version as padded training').to.be.at.most(LOGPROB_ABS);
+    // The engine printed the levers the preset chose as it loaded the model.
+    expect(verl.log).to.match(/verl levers for .*tiny-qwen3.*padding removed \(TB_VERL_REMOVE_PADDING\), attention (sdpa with a block-diagonal mask|tb_varlen); gradient checkpointing off \(TB_VERL_GRAD_CKPT\)/);
     await stopVerl(verl);
   });
 

@@ -14,7 +14,7 @@ import type { EngineAdapter } from './adapter.js';
  */
 
 /** A preset model field that only some engines use; presets/schema.ts refuses it on the others. */
-export type ModelOption = 'tensor' | 'expert' | 'data' | 'strategy' | 'offload' | 'load_format';
+export type ModelOption = 'tensor' | 'expert' | 'data' | 'strategy' | 'offload' | 'remove_padding' | 'gradient_checkpointing' | 'load_format';
 
 export type EngineCapabilities = {
   /** Trains LoRA models (the training ops). An engine that does not serves its models frozen. */

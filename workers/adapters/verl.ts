@@ -44,7 +44,8 @@ export function cpuRanksOf(device: string | undefined, models: VerlModelSpec[]):
  *   the machine's cores split between them (OMP_NUM_THREADS, unless the operator set it).
  * The preset's strategy (fsdp2 by default; fsdp; veomni: verl's VeOmni engine, which needs the veomni
  * package beside verl, docs/engines/verl.md) and offload of the agent's models become
- * `TB_VERL_STRATEGY` / `TB_VERL_OFFLOAD`.
+ * `TB_VERL_STRATEGY` / `TB_VERL_OFFLOAD`; their `remove_padding` and `gradient_checkpointing`, where set,
+ * become `TB_VERL_REMOVE_PADDING` / `TB_VERL_GRAD_CKPT` (over the agent's settings of the same name).
  */
 export function verlLaunch(device: string | undefined, models: VerlModelSpec[]): VerlLaunch {
   const gpus = gpusOf(device);
@@ -56,6 +57,16 @@ export function verlLaunch(device: string | undefined, models: VerlModelSpec[]):
   const strategy = strategies[0] ?? 'fsdp2';
   if (!VERL_STRATEGIES.includes(strategy))
     throw new Error(`verl strategy '${strategy}' is not available in this version (${VERL_STRATEGIES.join(', ')} are)`);
+  // The padding and checkpointing levers a model's preset sets (else the agent's settings decide).
+  const levers: Record<string, string> = {};
+  for (const [variable, field, of] of [
+    ['TB_VERL_REMOVE_PADDING', 'remove_padding', (m: VerlModelSpec) => m.removePadding],
+    ['TB_VERL_GRAD_CKPT', 'gradient_checkpointing', (m: VerlModelSpec) => m.gradientCheckpointing],
+  ] as const) {
+    const set = [...new Set(models.map(of).filter((v): v is boolean => v !== undefined))];
+    if (set.length > 1) throw new Error(`one verl engine runs one ${field} setting; the agent's models ask for both`);
+    if (set.length) levers[variable] = set[0] ? '1' : '0';
+  }
   const nproc = gpus ? gpus.length : cpuRanks!;
   const threads = process.env.OMP_NUM_THREADS ?? (gpus ? '4' : String(Math.max(1, Math.floor(os.availableParallelism() / nproc))));
   return {
@@ -66,6 +77,7 @@ export function verlLaunch(device: string | undefined, models: VerlModelSpec[]):
       CUDA_VISIBLE_DEVICES: gpus ? gpus.join(',') : '',
       TB_VERL_STRATEGY: strategy,
       TB_VERL_OFFLOAD: models.some((m) => m.offload) ? '1' : '0',
+      ...levers,
       OMP_NUM_THREADS: threads,
     },
   };
@@ -82,7 +94,9 @@ export class VerlAdapter extends TorchAdapter {
   constructor(opts: { python: string; device?: string | undefined; log: Logger; models: BaseModelSpec[]; settings?: EngineSettings | undefined }) {
     const launch = verlLaunch(opts.device, opts.models);
     // The engine picks its device from CUDA_VISIBLE_DEVICES and LOCAL_RANK, not TB_ENGINE_DEVICE.
-    super({ python: opts.python, device: undefined, log: opts.log, launch, env: engineSettingsEnv(opts.settings) });
+    // The launch's levers, set by the models' presets, win over the agent's settings of the same name.
+    const fromModels = Object.fromEntries(Object.entries(launch.env).filter(([k]) => k.startsWith('TB_VERL_')));
+    super({ python: opts.python, device: undefined, log: opts.log, launch, env: { ...engineSettingsEnv(opts.settings), ...fromModels } });
   }
 
   override sample(_job: SampleJob): Promise<SampleResult> {
@@ -102,7 +116,7 @@ export const VERL_ENGINE = registerEngine({
     drains: false,
     gpuOnly: true,
     placement: "shards the model over its agent's GPUs (or parallelism.data CPU ranks) with FSDP",
-    modelOptions: ['data', 'strategy', 'offload'],
+    modelOptions: ['data', 'strategy', 'offload', 'remove_padding', 'gradient_checkpointing'],
   },
   create: (config, log) => new VerlAdapter({ python: config.python, device: config.engineDevice, log, models: config.models, settings: config.engineSettings }),
   // FSDP shards a model over every GPU of its agent: a preset's data size, when given, is their count

@@ -21,7 +21,8 @@ def test_defaults_when_unset_or_empty() -> None:
     assert load(EngineSettings, {"TB_ENGINE_SAMPLE_TOKENS": "", "TB_ENGINE_DEVICE": ""}) == EngineSettings()
     assert load(VerlSettings, {}) == VerlSettings()
     assert (EngineSettings().max_batch_tokens, EngineSettings().sampler_cache, EngineSettings().log_level) == (16384, 4, "INFO")
-    assert (VerlSettings().strategy, VerlSettings().offload, VerlSettings().grad_ckpt, VerlSettings().attn) == ("fsdp2", False, True, "sdpa")
+    v = VerlSettings()
+    assert (v.strategy, v.offload, v.grad_ckpt, v.remove_padding, v.attn) == ("fsdp2", False, None, None, "sdpa")
 
 
 def test_values_are_parsed() -> None:
@@ -32,9 +33,11 @@ def test_values_are_parsed() -> None:
                                sampler_cache=2, max_batch_tokens=12, check_results=True, memory_fraction=0.35)
     assert load(EngineSettings, {"TB_GPU_MEMORY": "1"}).memory_fraction == 1.0
     v = load(VerlSettings, {"TB_VERL_STRATEGY": "veomni", "TB_VERL_OFFLOAD": "1", "TB_VERL_GRAD_CKPT": "false",
-                            "TB_VERL_ATTN": "eager", "TB_VERL_RECORD": "/tmp/x", "TB_VERL_RECORD_MAX_TOKENS": "64"})
-    assert v == VerlSettings(strategy="veomni", offload=True, grad_ckpt=False, attn="eager", record="/tmp/x",
-                             record_max_tokens=64)
+                            "TB_VERL_REMOVE_PADDING": "1", "TB_VERL_ATTN": "eager", "TB_VERL_RECORD": "/tmp/x",
+                            "TB_VERL_RECORD_MAX_TOKENS": "64"})
+    assert v == VerlSettings(strategy="veomni", offload=True, grad_ckpt=False, remove_padding=True, attn="eager",
+                             record="/tmp/x", record_max_tokens=64)
+    assert (load(VerlSettings, {"TB_VERL_GRAD_CKPT": "auto", "TB_VERL_REMOVE_PADDING": "auto"}).grad_ckpt, load(VerlSettings, {"TB_VERL_GRAD_CKPT": "true"}).grad_ckpt) == (None, True)
 
 
 @pytest.mark.parametrize("cls, name, value, why", [
@@ -54,6 +57,8 @@ def test_values_are_parsed() -> None:
     (EngineSettings, "TB_ENGINE_KERNELS", "triton", "one of none, liger"),
     (VerlSettings, "TB_VERL_STRATEGY", "megatron", "one of fsdp2, fsdp, veomni"),
     (VerlSettings, "TB_VERL_OFFLOAD", "on", "1, 0, true or false"),
+    (VerlSettings, "TB_VERL_REMOVE_PADDING", "yes", "auto, 1, 0, true or false"),
+    (VerlSettings, "TB_VERL_GRAD_CKPT", "AUTO", "auto, 1, 0, true or false"),
     (VerlSettings, "TB_VERL_ATTN", "flash", "one of sdpa, eager"),
     (VerlSettings, "TB_VERL_RECORD_MAX_TOKENS", "-1", "a positive integer"),
 ])

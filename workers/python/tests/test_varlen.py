@@ -133,3 +133,35 @@ def test_packed_forward_backward_on_the_varlen_kernel(engine: Engine, monkeypatc
     for (name, want), got in zip(grads(engine, "padded").items(), grads(engine, "packed").values()):
         assert want is not None and got is not None, name
         assert_close_up_to_summation_order(got, want, f"grad {name}")
+
+
+def test_position_ids_give_the_bounds_when_none_are_staged(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl's padding-free forward passes one packed row with its position ids and no cumulative
+    lengths: the kernel gets the bounds read from the positions (each sequence starting at 0), one
+    host read per forward (the same bounds in every layer), and the row's logits equal each sequence's
+    own forward up to float32 summation order."""
+    monkeypatch.setattr(varlen, "kernel", lambda: later_api)
+    hf = engine.registry.base("tiny").hf
+    varlen.register()
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, engine.registry.base("tiny").vocab_size, (n,), generator=gen) for n in LENGTHS]
+    ids = torch.cat(seqs)[None]
+    pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    cu, longest = varlen.bounds_from_positions(pos)
+    assert cu.tolist() == [0, 7, 19, 23, 32, 35] and longest == 12 and cu.dtype == torch.int32
+    assert varlen.bounds_from_positions(pos)[0] is cu, "the same position ids: the bounds read once"
+    # A sequence whose positions do not restart at 0 (a continuation) still starts where they jump.
+    assert varlen.bounds_from_positions(torch.tensor([[5, 6, 7, 0, 1, 9]]))[0].tolist() == [0, 3, 5, 6]
+    own = hf.config._attn_implementation
+    CALLS.clear()
+    try:
+        hf.config._attn_implementation = varlen.NAME
+        with torch.no_grad():
+            packed = hf(input_ids=ids, position_ids=pos).logits[0]
+    finally:
+        hf.config._attn_implementation = own
+    layers = hf.config.num_hidden_layers
+    assert [c["tokens"] for c in CALLS] == [sum(LENGTHS)] * layers
+    with torch.no_grad():
+        alone = torch.cat([hf(input_ids=s[None]).logits[0] for s in seqs])
+    assert_close_up_to_summation_order(packed, alone, "packed row vs each sequence alone")

@@ -74,6 +74,16 @@ def flag(raw: str) -> bool:
     return raw in ("1", "true")
 
 
+def auto_flag(raw: str) -> bool | None:
+    """``auto`` (None: the engine chooses), or a ``flag``."""
+    if raw == "auto":
+        return None
+    try:
+        return flag(raw)
+    except ValueError:
+        raise ValueError("auto, 1, 0, true or false") from None
+
+
 def choice(*choices: str, upper: bool = False) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         value = raw.upper() if upper else raw

@@ -68,16 +68,38 @@ def call(fn: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torc
     return out[0] if isinstance(out, tuple) else out
 
 
+_bounds: list[Any] = [None, None]  # the last position ids seen and their bounds (every layer of a forward reads them)
+
+
+def bounds_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A packed row's cumulative lengths and longest sequence from its (1, T) position ids, a sequence
+    starting wherever a position is not its predecessor's plus one (as transformers reads packed rows):
+    how a caller that stages no ``cu_seq_lens`` (verl's padding-free forward) reaches this kernel. The
+    last row's bounds are kept (one host read per forward, not per layer)."""
+    if _bounds[0] is position_ids:
+        return _bounds[1]
+    pos = position_ids.reshape(-1)
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[1:] = pos[1:] != pos[:-1] + 1
+    edges = torch.cat([starts.nonzero().reshape(-1), pos.new_tensor([pos.numel()])]).to(torch.int32)
+    found = (edges, int(edges.diff().max()))
+    _bounds[0], _bounds[1] = position_ids, found
+    return found
+
+
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
               **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: query (1, heads, T, head_dim) of one packed row, key
     and value (1, kv heads, T, head_dim); the row's cumulative lengths in ``cu_seq_lens_q`` and the
-    longest in ``max_length_q`` (packing stages both); returns (1, T, heads, head_dim) and no weights."""
+    longest in ``max_length_q`` (packing stages both), else read from ``position_ids``
+    (``bounds_from_positions``); returns (1, T, heads, head_dim) and no weights."""
     cu, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    if cu is None and kwargs.get("position_ids") is not None and query.shape[0] == 1:
+        cu, max_len = bounds_from_positions(kwargs["position_ids"])
     if cu is None or max_len is None or query.shape[0] != 1:
-        raise ValueError(f"attention '{NAME}' runs packed rows only (one row, with cu_seq_lens_q and max_length_q); "
-                         f"got a batch of {query.shape[0]}")
+        raise ValueError(f"attention '{NAME}' runs packed rows only (one row, with cu_seq_lens_q and max_length_q "
+                         f"or position ids); got a batch of {query.shape[0]}")
     if dropout:
         raise ValueError(f"attention '{NAME}' has no dropout (the model asked for {dropout})")
     fn = kernel()

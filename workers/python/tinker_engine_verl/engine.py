@@ -14,7 +14,10 @@ Settings (settings.py, read once as the engine starts): the strategy (fsdp2 | fs
 veomni.py), offload (parameters and optimizer state in CPU memory between ops, verl's
 ``param_offload``/``optimizer_offload``), gradient checkpointing, the attention implementation, and
 a directory where small forward_backwards are recorded as JSON (the CI fixtures of
-test_verl_translate.py); verl's ``max_token_len_per_gpu`` is the torch engine's ``max_batch_tokens``.
+test_verl_translate.py). Padding removed or kept, gradient checkpointing and verl's
+``max_token_len_per_gpu`` (at most the torch engine's ``max_batch_tokens``) are chosen per base model at
+``load_base`` from its size and the GPU's memory, where the settings leave them to ``auto``, and logged
+(levers.py).
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ from tinker_engine.state import (MOMENTS, OPTIMIZER_META, OPTIMIZER_TENSORS, STA
 from tinker_engine.tensors import tensor_to_json, wire
 from tinker_engine.train import AdamParams, max_batch_tokens, parse_forward_backward
 
-from . import compat, cpu, translate, veomni
+from tinker_engine import varlen
+
+from . import compat, cpu, levers, translate, veomni
 from .settings import current as settings
 
 log = logging.getLogger("tinker_engine_verl")
@@ -102,6 +107,8 @@ class BaseInfo:
     arch: str
     max_context_length: int
     eos_token_id: int | None
+    #: How verl trains it: padding, checkpointing, micro-batch tokens (levers.py), chosen at load_base.
+    levers: levers.Levers | None = None
 
     def info(self) -> dict[str, Any]:
         return {"name": self.name, "vocab_size": self.vocab_size, "arch": self.arch,
@@ -178,9 +185,23 @@ class VerlEngine:
         base = BaseInfo(name=name, path=path, vocab_size=vocab, input_vocab_size=vocab,
                         arch=(config.architectures or [config.model_type])[0],
                         max_context_length=int(getattr(text, "max_position_embeddings", 0) or 0),
-                        eos_token_id=None if tok.eos_token_id is None else int(tok.eos_token_id))
+                        eos_token_id=None if tok.eos_token_id is None else int(tok.eos_token_id),
+                        levers=self._levers(config))
+        if self.rank == 0:
+            log.info("verl levers for %s: %s", name, base.levers.describe())  # type: ignore[union-attr]
         self.bases[name] = base
         return base.info()
+
+    def _levers(self, config: Any) -> levers.Levers:
+        """The levers for a base model of ``config`` on this rank's device (levers.py)."""
+        s = settings()
+        gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if torch.cuda.is_available() else None
+        device = torch.device("cuda") if gpu is not None else torch.device("cpu")
+        return levers.choose(
+            levers.Shape.of(config), gpu_bytes=gpu, ranks=self.world_size, remove_padding=s.remove_padding,
+            grad_ckpt=s.grad_ckpt, attn=s.attn, ceiling=max_batch_tokens(),
+            varlen=varlen.register() if varlen.available(device) else None,
+            unpackable="the VeOmni strategy: its packed path is not wired here" if s.strategy == "veomni" else None)
 
     def base(self, name: str) -> BaseInfo:
         base = self.bases.get(name)
@@ -221,17 +242,19 @@ class VerlEngine:
             from verl.trainer.config.config import CheckpointConfig
 
         s = settings()
+        lev = base.levers
+        assert lev is not None
         model_config = HFModelConfig(
             path=base.path, lora_rank=lora.rank, lora_alpha=lora.rank, target_modules=lora.target_modules(),
-            use_remove_padding=False, enable_gradient_checkpointing=s.grad_ckpt,
-            override_config={"attn_implementation": s.attn})
+            use_remove_padding=lev.remove_padding, enable_gradient_checkpointing=lev.grad_ckpt,
+            override_config={"attn_implementation": lev.attn})
         if s.strategy == "veomni":
-            engine_config = veomni.engine_config(self.world_size, s.offload, max_batch_tokens(), s.attn)
+            engine_config = veomni.engine_config(self.world_size, s.offload, lev.max_tokens, s.attn)
             optimizer_config = veomni.optimizer_config()
         else:
             engine_config = FSDPEngineConfig(
                 strategy=s.strategy, forward_only=False, use_dynamic_bsz=True,
-                max_token_len_per_gpu=max_batch_tokens(), use_remove_padding=False, use_torch_compile=False,
+                max_token_len_per_gpu=lev.max_tokens, use_remove_padding=lev.remove_padding, use_torch_compile=False,
                 param_offload=s.offload, optimizer_offload=s.offload,
                 mixed_precision=cpu.FP32 if cpu.on_cpu() else None)
             adam = initial_adam()
@@ -260,7 +283,7 @@ class VerlEngine:
         worker = TinkerTrainingWorker(self._worker_config(base, lora))
         # verl's VeOmni engine applies no LoRA itself: its builders get this model's (veomni.py).
         s = settings()
-        with (veomni.lora_build(lora, base.path, s.grad_ckpt) if s.strategy == "veomni" else contextlib.nullcontext()):
+        with (veomni.lora_build(lora, base.path, base.levers.grad_ckpt) if s.strategy == "veomni" else contextlib.nullcontext()):  # type: ignore[union-attr]
             worker.reset()
         if cpu.on_cpu():
             # verl's forward autocasts to the engine's _autocast_dtype (bf16 unless its FSDP build set
@@ -291,7 +314,9 @@ class VerlEngine:
         names = translate.input_names_for(spec, datums)
         rows = translate.shard_rows(len(datums), self.world_size, self.rank)
         fields = translate.build_fields(datums, rows, names)
-        meta = translate.non_tensor_fields(fields, max_batch_tokens())
+        lev = model.base.levers
+        assert lev is not None
+        meta = translate.non_tensor_fields(fields, lev.max_tokens, lev.remove_padding)
         td = tu.get_tensordict(tensor_dict=dict(fields), non_tensor_dict=dict(meta))
         loss_fn = translate.make_loss_fn(spec, config, names)
         model.worker.set_loss_fn(loss_fn)

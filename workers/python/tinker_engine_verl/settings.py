@@ -1,8 +1,9 @@
 """The verl engine's own settings, read from its environment once (``tinker_engine.settings`` says how).
 
 The agent sets ``TB_VERL_STRATEGY`` and ``TB_VERL_OFFLOAD`` from its models' preset entries
-(workers/adapters/verl.ts ``verlLaunch``) and passes the user's ``TB_VERL_GRAD_CKPT`` and
-``TB_VERL_ATTN`` from its configuration (queues/infra/config.ts); ``TB_VERL_RECORD`` and
+(workers/adapters/verl.ts ``verlLaunch``), and ``TB_VERL_GRAD_CKPT`` and ``TB_VERL_REMOVE_PADDING``
+from the models' preset fields where they set them, else the user's from its configuration, with
+``TB_VERL_ATTN`` (queues/infra/config.ts); ``TB_VERL_RECORD`` and
 ``TB_VERL_RECORD_MAX_TOKENS`` are internal (benches write CI fixtures with them). The settings it shares
 with the torch engine (``TB_ENGINE_MAX_BATCH_TOKENS``, the log level) are ``tinker_engine.settings``'.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tinker_engine.settings import Loaded, choice, flag, positive_int, variable
+from tinker_engine.settings import Loaded, auto_flag, choice, flag, positive_int, variable
 
 #: verl's FSDP2 (default) or FSDP engine, or its VeOmni engine (veomni.py).
 STRATEGIES = ("fsdp2", "fsdp", "veomni")
@@ -26,8 +27,12 @@ class VerlSettings:
     #: ``TB_VERL_OFFLOAD``: parameters and optimizer state in CPU memory between ops (verl's
     #: ``param_offload``/``optimizer_offload``).
     offload: bool = variable("TB_VERL_OFFLOAD", flag, False)
-    #: ``TB_VERL_GRAD_CKPT``: gradient checkpointing.
-    grad_ckpt: bool = variable("TB_VERL_GRAD_CKPT", flag, True)
+    #: ``TB_VERL_GRAD_CKPT``: gradient checkpointing; ``auto`` (None): chosen from the model's size and
+    #: the GPU's memory (levers.py), on for CPU ranks.
+    grad_ckpt: bool | None = variable("TB_VERL_GRAD_CKPT", auto_flag, None)
+    #: ``TB_VERL_REMOVE_PADDING``: verl's ``use_remove_padding`` (a micro-batch's rows packed into one,
+    #: no padding computed); ``auto`` (None): on where a variable-length attention kernel runs (levers.py).
+    remove_padding: bool | None = variable("TB_VERL_REMOVE_PADDING", auto_flag, None)
     #: ``TB_VERL_ATTN``: the models' attention implementation.
     attn: str = variable("TB_VERL_ATTN", choice(*ATTENTIONS), "sdpa", ATTENTIONS)
     #: ``TB_VERL_RECORD`` (internal): a directory; each forward_backward of at most ``record_max_tokens``

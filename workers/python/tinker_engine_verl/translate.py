@@ -120,12 +120,13 @@ def input_names_for(spec: LossSpec, datums: Sequence[Any]) -> list[str]:
     return names
 
 
-def non_tensor_fields(fields: Mapping[str, torch.Tensor], max_token_len: int) -> dict[str, Any]:
-    """The batch's metadata for verl's FSDP engine (``tu.assign_non_tensor`` values)."""
+def non_tensor_fields(fields: Mapping[str, torch.Tensor], max_token_len: int, remove_padding: bool = False) -> dict[str, Any]:
+    """The batch's metadata for verl's FSDP engine (``tu.assign_non_tensor`` values); ``remove_padding``:
+    the rows of a micro-batch packed into one (levers.py)."""
     lengths = fields["input_ids"].offsets().diff().tolist()
     return {
         "temperature": 1.0,
-        "use_remove_padding": False,
+        "use_remove_padding": bool(remove_padding),
         "use_dynamic_bsz": True,
         "max_token_len_per_gpu": int(max(max_token_len, max(lengths))),
         "global_token_num": [int(x) for x in lengths],
