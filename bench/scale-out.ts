@@ -17,10 +17,15 @@ import { call, deletePrefix, REDIS_URL, takenBy } from '../test/helpers/stack.js
  *
  *   node --import tsx bench/scale-out.ts [requests=128] [max_tokens=64] [rounds=3] [threads=cores/2 - 1]
  *
+ * SCALE_MODEL (a model directory) replaces the tiny model, served under the tiny model's name: a
+ * heavier stand-in whose decode steps are arithmetic rather than per-step Python work
+ * (bench/gpu/sampling_scale.sh writes one with SCALE_SHAPE=small).
+ *
  * On the 16-core GPU machine: the target is 2 agents >= 1.8x one agent (docs/benchmarks.md).
  */
 const [requests, maxTokens, rounds] = [128, 64, 3].map((d, i) => Number(process.argv[2 + i] ?? d)) as [number, number, number];
 const threads = Number(process.argv[5] ?? Math.max(1, Math.floor(os.availableParallelism() / 2) - 1));
+const model = process.env.SCALE_MODEL;
 
 async function burst(api: Api): Promise<{ seconds: number; tokens: number; ids: string[] }> {
   const session = (await call(api.baseUrl, 'POST', '/create_session', { tags: [] })).json.session_id as string;
@@ -74,7 +79,16 @@ async function measure(agentCount: number): Promise<number> {
   try {
     for (let i = 0; i < agentCount; i++) {
       const id = `scale-${i}-${st.prefix}`;
-      agents.push(spawnAgent({ ...st.env, TB_AGENT_ID: id, TB_ENGINE_DEVICE: 'cpu', TB_ENGINE_THREADS: String(threads), TB_SAMPLE_CONCURRENCY: String(requests) }));
+      agents.push(
+        spawnAgent({
+          ...st.env,
+          TB_AGENT_ID: id,
+          TB_ENGINE_DEVICE: 'cpu',
+          TB_ENGINE_THREADS: String(threads),
+          TB_SAMPLE_CONCURRENCY: String(requests),
+          ...(model ? { TB_AGENT_MODELS: `${model}=${TINY_MODEL_ALIAS}` } : {}),
+        }),
+      );
       await waitFor(`agent ${id}`, async () => (await api.built.ctx.registry.agents.live()).some((r) => r.agent_id === id && r.models.length > 0), 300_000, 250);
     }
     if (agentCount > 1)
@@ -101,7 +115,7 @@ async function measure(agentCount: number): Promise<number> {
   }
 }
 
-console.log(`scale-out: ${requests} one-sample requests x ${maxTokens} tokens per burst, ${rounds} rounds, ${threads} engine threads per agent, ${os.availableParallelism()} cores`);
+console.log(`scale-out: ${requests} one-sample requests x ${maxTokens} tokens per burst, ${rounds} rounds, ${threads} engine threads per agent, ${os.availableParallelism()} cores, model ${model ?? 'tiny'}`);
 const one = await measure(1);
 const two = await measure(2);
 console.log(`median tokens/s: one agent ${one.toFixed(0)}, two agents ${two.toFixed(0)}: ${(two / one).toFixed(2)}x`);

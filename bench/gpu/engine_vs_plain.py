@@ -59,6 +59,10 @@ MODELS: dict[str, dict[str, Any]] = {
                  num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
     "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+    # A stand-in between the two, for CPU engines whose decode steps should be arithmetic, not Python
+    # (bench/gpu/sampling_scale.sh's SCALE_SHAPE): ~26M parameters, the tiny tokenizer's vocabulary.
+    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=64, vocab_size=1536, tie_word_embeddings=True),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=1536, tie_word_embeddings=True),
 }

@@ -30,7 +30,13 @@ nproc
 # model is over in ~0.3 s and the front door bounds one agent (0.93x, 2026-12-06); 512 tokens make the
 # engines the bound.
 SCALE_ARGS=${SCALE_ARGS:-128 512 3 7}
-stamp "bench/scale-out.ts $SCALE_ARGS"
+# SCALE_SHAPE (e.g. small: bench/gpu/engine_vs_plain.py's ~26M-parameter stand-in, float32, random
+# weights) serves that shape instead of the tiny model, so that the engines' decode steps are arithmetic.
+if [ -n "${SCALE_SHAPE:-}" ]; then
+  export SCALE_MODEL=/tmp/scale-model-$SCALE_SHAPE
+  [ -f $SCALE_MODEL/config.json ] || python3 -c "import sys, torch; sys.path.insert(0, 'bench/gpu'); from pathlib import Path; from engine_vs_plain import write_model; write_model('$SCALE_SHAPE', Path('$SCALE_MODEL'), torch.device('cpu'), torch.float32)" 2>&1 | grep -v -i warn
+fi
+stamp "bench/scale-out.ts $SCALE_ARGS ${SCALE_SHAPE:+(shape $SCALE_SHAPE)}"
 timeout ${SCALE_S:-200} node --import tsx bench/scale-out.ts $SCALE_ARGS
 [ -n "${SKIP_RATIO:-}" ] || {
 stamp "bench/sampling.ts ratio 32 64 16 3 (tiny model, CPU engine, 7 threads)"
