@@ -121,7 +121,7 @@ export const AgentSpec = z
      * Co-batching (docs/architecture.md): up to `max` forward_backward ops of different models on one
      * base model in one engine pass (TB_COBATCH_MAX), a pass waiting up to `wait_ms` for the loops
      * training here to queue theirs (TB_COBATCH_WAIT_MS). For many users' small batches on one base.
-     * @defaultValue none (one op per pass)
+     * @defaultValue the agent's TB_COBATCH_MAX and TB_COBATCH_WAIT_MS (4 ops, no wait: only ops already queued)
      */
     cobatch: z
       .object({

@@ -144,7 +144,8 @@ agents:
     expect(plan.agents[1].vllm.sleepLevel).to.equal(2);
     // Co-batching is the torch engine's: the plan carries its bounds; another engine is told.
     plan = accepted(`  - { id: t, device: "cuda:0", models: [a], cobatch: { max: 4, wait_ms: 50 } }\n  - { id: r, device: "cuda:1", models: [r] }\n`);
-    expect([plan.agents[0].cobatchMax, plan.agents[0].cobatchWaitMs, plan.agents[1].cobatchMax]).to.deep.equal([4, 50, 1]);
+    // The vLLM agent keeps the agent default (4), which an engine without co-batching runs one op at a time.
+    expect([plan.agents[0].cobatchMax, plan.agents[0].cobatchWaitMs, plan.agents[1].cobatchMax]).to.deep.equal([4, 50, 4]);
     expect(refused(`  - { id: t, device: "cuda:0", models: [a] }\n  - { id: r, device: "cuda:1", models: [r], cobatch: { max: 4 } }\n  - { id: x, device: "cuda:2", models: [a], cobatch: { max: 4, wait_ms: 5000 } }\n`))
       .to.match(/agents\[1\]\.cobatch: cobatch applies to engine 'torch', not engine 'vllm'/)
       .and.to.match(/agents\[2\]\.cobatch\.wait_ms/);

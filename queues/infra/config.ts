@@ -245,9 +245,9 @@ const AgentEnv = CommonEnv.extend({
   /**
    * Co-batching (docs/architecture.md): at most this many forward_backward ops of different models on
    * one base model run in one engine pass, taken from those already queued (1: one at a time; an
-   * engine without co-batching: one at a time). @defaultValue 1
+   * engine without co-batching: one at a time). @defaultValue 4
    */
-  TB_COBATCH_MAX: z.coerce.number().int().min(1).max(COBATCH_LIMITS.max).default(1),
+  TB_COBATCH_MAX: z.coerce.number().int().min(1).max(COBATCH_LIMITS.max).default(4),
   /**
    * Co-batching's gather window (docs/architecture.md): a forward_backward whose turn comes waits at
    * most this many milliseconds for the models that trained here lately to queue theirs, then runs
