@@ -405,6 +405,8 @@ def main() -> int:
     ap.add_argument("--keep", help="write the model here and keep it (default: a temporary directory)")
     ap.add_argument("--kernels", default="none", help="engine runs, in order: comma-separated TB_ENGINE_KERNELS (none / liger)")
     ap.add_argument("--plain-kernels", default="none", help="plain runs, in order: comma-separated none / liger")
+    ap.add_argument("--batch", type=int, default=8, help="datums per step (GPU)")
+    ap.add_argument("--seq", type=int, default=1024, help="tokens per datum (GPU)")
     args = ap.parse_args()
     if args.tiny:
         args.model, args.device = "tiny", "cpu"
@@ -413,7 +415,7 @@ def main() -> int:
         if not torch.cuda.is_available():
             ap.error("no CUDA device; use --tiny for the CPU smoke test")
         args.device = "cuda"
-        w = dict(batch=8, seq=1024, rank=32, steps=args.steps, warmup=2, n=32, prompt=128, new=128,
+        w = dict(batch=args.batch, seq=args.seq, rank=32, steps=args.steps, warmup=2, n=32, prompt=128, new=128,
                  sample_rounds=args.sample_rounds)
     w["vocab"] = MODELS[args.model]["vocab_size"]
     t0 = time.perf_counter()

@@ -8,6 +8,7 @@
 # Here, once: `bash bench/gpu/snapshot_cost.sh prepare` (var/carry-snapshot: the engine's pinned peft
 # and this liger-kernel wheel); then one device call carrying var/carry-snapshot:
 #   bash bench/gpu/kernels.sh [shapes=1.7b, or 1.7b 8b where the GPU has over 100 GiB] [steps=10]
+# BATCH (8) and SEQ (1024) change the batch (e.g. BATCH=4 for the 8B shape on an 80 GB GPU).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp}
@@ -22,6 +23,6 @@ for shape in $SHAPES; do
   write_model "$shape" "$TB/models/qwen3-$shape" || { stamp "$shape: the model could not be written"; continue; }
   stamp "engine_vs_plain.py --model $shape --kernels none,liger --plain-kernels none,liger"
   $TB_PYTHON bench/gpu/engine_vs_plain.py --model "$shape" --steps "${2:-10}" --kernels none,liger --plain-kernels none,liger \
-    --sample-rounds 0 --keep "$TB/models/qwen3-$shape" 2>&1 | grep -v -i "warn" || stamp "$shape: the bench failed"
+    --batch "${BATCH:-8}" --seq "${SEQ:-1024}" --sample-rounds 0 --keep "$TB/models/qwen3-$shape" 2>&1 | grep -v -i "warn" || stamp "$shape: the bench failed"
 done
 stamp "done"
