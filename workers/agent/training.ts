@@ -196,7 +196,7 @@ export class TrainingPipeline {
         epoch = engine.epoch;
         if (!parsed.success) throw parsed.error;
         const d = parsed.data;
-        const partners = d.op === 'forward_backward' && this.cobatchMax > 1 ? await this.partners(d, started) : [];
+        const partners = d.op === 'forward_backward' && this.mayCobatch(d.model_id) ? await this.partners(d, started) : [];
         if (partners.length) cobatched = partners.length + 1;
         // An engine that died during the gather window: the op runs on its successor (and fails
         // there as an op of a model it lost), not as one whose engine died under it.
@@ -238,6 +238,18 @@ export class TrainingPipeline {
       endTurn();
       started();
     }
+  }
+
+  /**
+   * Whether a forward_backward of `lead` may find partners: with a gather window, always (the window
+   * may bring them); without, only when another model's forward_backward is already waiting. Decided
+   * without awaiting anything, so that a lone loop's forward_backward reaches the engine as directly
+   * as without co-batching (before its client's answer is written: docs/architecture.md, fast path).
+   */
+  private mayCobatch(lead: string): boolean {
+    if (this.cobatchMax <= 1) return false;
+    if ((this.o.cobatchWaitMs ?? 0) > 0) return true;
+    return this.waiting.some((w) => w.data?.op === 'forward_backward' && 'model_id' in w.data && !!w.data.model_id && w.data.model_id !== lead);
   }
 
   /**
