@@ -96,7 +96,7 @@ def lengths(n: int, lo: int, hi: int, scale: int, seed: int) -> list[int]:
     return [max(1, int(x) // scale) for x in torch.randint(lo, hi + 1, (n,), generator=gen)]
 
 
-def engine_case(args: argparse.Namespace, layout: str, head: str) -> dict[str, Any]:
+def engine_case(args: argparse.Namespace, layout: str, head: str, kernels: str = "none") -> dict[str, Any]:
     from tinker_engine.device import Placement
     from tinker_engine.engine import Engine
     from tinker_engine.settings import overridden
@@ -105,7 +105,8 @@ def engine_case(args: argparse.Namespace, layout: str, head: str) -> dict[str, A
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     eng = Engine(Placement(device=device, dtype=dtype), sampler_cache_size=1)
-    eng.call("load_base", {"name": "b", "path": args.path})
+    with overridden(kernels=kernels):  # TB_ENGINE_KERNELS: applied as the base model loads
+        eng.call("load_base", {"name": "b", "path": args.path})
     from tinker_engine import packing
 
     base = eng.registry.base("b")
@@ -142,7 +143,7 @@ def engine_case(args: argparse.Namespace, layout: str, head: str) -> dict[str, A
         peak = mem.peak
     times.sort()
     median = times[len(times) // 2]
-    return {"case": f"engine {layout}, head {head}", "real_tokens": sum(lens), "tokens_per_s": sum(lens) / median,
+    return {"case": f"engine {layout}, head {head}" + (f", {kernels}" if kernels != "none" else ""), "real_tokens": sum(lens), "tokens_per_s": sum(lens) / median,
             "ms": 1000 * median, "peak_mib": peak / 2**20, "loss": losses[-1], "lengths": lens, "attention": attention}
 
 
@@ -216,6 +217,7 @@ def main() -> int:
     p.add_argument("--head-tokens", type=int, default=0, help="tokens of the output-layer case (default: 1024 on the CPU, 16384 on CUDA)")
     p.add_argument("--head-chunk", type=int, default=0, help="tokens per output-layer chunk (default: 256 on the CPU, the engine's on CUDA)")
     p.add_argument("--head-hidden", type=int, default=0, help="hidden size of the output-layer case (default: 64 on tiny, else the shape's)")
+    p.add_argument("--kernels", default="none", help="liger: also the packed and padded cases with TB_ENGINE_KERNELS=liger (CUDA)")
     p.add_argument("--one", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     tiny = args.model == "tiny"
@@ -243,28 +245,34 @@ def main() -> int:
             write_model(args.model, Path(args.path), torch.device(args.device), torch.bfloat16)
     print(f"torch {torch.__version__}, device {args.device}, model {args.model} ({args.path}), LoRA rank {args.rank}, "
           f"{args.datums} datums, lengths uniform 64-2048 / {args.scale}")
-    cases = ("engine:padded:whole", "engine:padded:chunked", "engine:packed:chunked", "engine:packed:whole", "head:full", "head:chunked")
+    cases: tuple[str, ...] = ("engine:padded:whole", "engine:padded:chunked", "engine:packed:chunked", "engine:packed:whole", "head:full", "head:chunked")
+    if args.kernels != "none":
+        cases += (f"engine:padded:whole:{args.kernels}", f"engine:packed:whole:{args.kernels}")
     results = [child(args, one) for one in cases]
-    eng = results[:4]
+    eng = results[:4] + results[6:]
     first = next((r for r in eng if r), None)
     if first:
         print(f"lengths: {first['lengths']} ({first['real_tokens']} real tokens)")
-    for one, r in zip(cases, eng):
+    for one, r in zip(cases[:4] + cases[6:], eng):
         if r is None:
             print(f"{one:32s} failed (above)")
             continue
         print(f"{r['case']:32s} {r['tokens_per_s']:10.0f} tokens/s  {r['ms']:9.1f} ms/forward_backward  "
               f"peak {r['peak_mib']:8.1f} MiB  loss:sum {r['loss']:.4f}  attention {r['attention']}")
-    for a, b in ((2, 1), (3, 0)):  # the same forward_backward packed and padded: loss:sum agreement
-        if eng[a] and eng[b]:
+    for a, b in ((2, 1), (3, 0), (5, 0)):  # the same forward_backward packed and padded (fused or not): loss:sum agreement
+        if a < len(eng) and eng[a] and eng[b]:
             print(f"loss:sum {eng[a]['case']} vs {eng[b]['case']}: relative difference "
                   f"{abs(eng[a]['loss'] - eng[b]['loss']) / max(abs(eng[b]['loss']), 1e-30):.2e}")
     for a, b, what in ((2, 0, "packed, head chunked / padded, head whole (the engine before issue 35)"),
-                       (1, 0, "padded, head chunked / padded, head whole")):
+                       (1, 0, "padded, head chunked / padded, head whole"),
+                       (5, 0, f"packed, {args.kernels} / padded, no fused kernels (the engine before issue 35)"),
+                       (5, 4, f"packed / padded, both {args.kernels}")):
+        if a >= len(eng) or b >= len(eng):
+            continue
         if eng[a] and eng[b]:
             print(f"{what}: {eng[a]['tokens_per_s'] / eng[b]['tokens_per_s']:.2f}x tokens/s, "
                   f"{eng[a]['peak_mib'] / max(eng[b]['peak_mib'], 1e-9):.2f}x peak memory")
-    for r in results[4:]:
+    for r in results[4:6]:
         if r is None:
             continue
         print(f"{r['case']:16s} {r['tokens']} tokens x {r['vocab']} vocab (hidden {r['hidden']}, chunk {r['chunk']}): "

@@ -5,6 +5,9 @@
 # target logprobs over 16384 tokens, full logits vs chunked. Nothing but the device's python3 with torch,
 # transformers and peft; through the device tool, no carry needed:
 #   bash bench/gpu/packing.sh [shapes=1.7b,8b] [reps=5]
+# KERNELS=liger adds the padded and packed cases with Liger's fused kernels (TB_ENGINE_KERNELS=liger):
+# carry var/carry-snapshot (`bash bench/gpu/snapshot_cost.sh prepare`), whose liger-kernel and peft
+# wheels are installed first.
 # The packed rows run on a variable-length kernel (packing.flash_available): flash-attn's when
 # `import flash_attn` works on the device, else torch's own varlen_attn (tinker_engine/varlen.py);
 # with neither, on SDPA with a dense block-diagonal mask, which the output says (the engine's
@@ -19,6 +22,9 @@ DEVICE=${DEVICE:-cuda}
 PY=${TB_PYTHON:-python3}
 stamp() { echo "[$(date -u +%H:%M:%S)] $*"; }
 
+if [ -n "${KERNELS:-}" ] && compgen -G "var/carry-snapshot/whl/*.whl" > /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --target /tmp/pk-site var/carry-snapshot/whl/*.whl && export PYTHONPATH=/tmp/pk-site${PYTHONPATH:+:$PYTHONPATH}
+fi
 if compgen -G ".carry-fa/*.whl" > /dev/null; then
   $PY -m pip install -q --no-index --no-deps --target /tmp/fa-site .carry-fa/*.whl && export PYTHONPATH=/tmp/fa-site${PYTHONPATH:+:$PYTHONPATH}
 fi
@@ -31,6 +37,6 @@ $PY -c "import flash_attn; print('flash-attn', flash_attn.__version__, '(packed 
 
 for shape in ${SHAPES//,/ }; do
   stamp "bench/packing.py: Qwen3 $shape shape on $DEVICE"
-  $PY bench/packing.py --model "$shape" --device "$DEVICE" --reps "$REPS" --warmup 2 || stamp "$shape: the bench failed (exit $?)"
+  $PY bench/packing.py --model "$shape" --device "$DEVICE" --reps "$REPS" --warmup 2 --kernels "${KERNELS:-none}" || stamp "$shape: the bench failed (exit $?)"
 done
 stamp "done"
