@@ -36,9 +36,12 @@ a LoRA (so each layer's input is kept for its adapter's gradient), the base froz
   vocabulary entry;
 - the weights: float32 (verl's FSDP master copy), sharded over the ranks.
 
-The usable memory is ``USABLE`` of the GPU's total (the allocator's fragmentation, the attention and
-matmul workspaces, the CUDA context and NCCL buffers are not modelled). The estimate and the choice are
-logged when the model is built (engine.py), so an operator sees what was chosen and why.
+The usable memory is ``USABLE`` of the GPU's total (the CUDA context, NCCL buffers and the allocator's
+reserve), and the activations are counted ``HEADROOM`` times: what the model leaves out (the attention
+and matmul workspaces, a layer's gradients in flight during the backward, the allocator's
+fragmentation) is not measured here, and verl retries no micro-batch that runs out of memory, so the
+plan errs towards a smaller micro-batch. The estimate and the choice are logged when the model is
+loaded (engine.py), so an operator sees what was chosen and why.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ from typing import Any
 
 #: Share of the GPU's memory the estimate may fill.
 USABLE = 0.75
+#: How many times the modelled activations are counted (what the model leaves out, above).
+HEADROOM = 1.5
 #: The smallest micro-batch (tokens) worth keeping checkpointing off for.
 MIN_FAST_TOKENS = 4096
 #: The smallest micro-batch the plan goes down to.
@@ -155,7 +160,7 @@ def choose(shape: Shape, *, gpu_bytes: int | None, ranks: int, remove_padding: b
         return Levers(remove_padding, packed_attn, ckpt, ceiling, tuple(reasons))
 
     budget = int(gpu_bytes * USABLE) - shape.weight_bytes(ranks)
-    need = lambda tokens, ck: tokens * shape.token_bytes(ck)  # noqa: E731
+    need = lambda tokens, ck: int(HEADROOM * tokens * shape.token_bytes(ck))  # noqa: E731
 
     def largest(ck: bool, floor: int) -> int | None:
         tokens = ceiling
@@ -179,10 +184,10 @@ def choose(shape: Shape, *, gpu_bytes: int | None, ranks: int, remove_padding: b
         reasons.append(f"gradient checkpointing {'on' if ckpt else 'off'} (TB_VERL_GRAD_CKPT)")
     if tokens is None:
         tokens = min(MIN_TOKENS, ceiling)
-        reasons.append(f"micro-batches up to {tokens} tokens, estimated {need(tokens, ckpt) / GIB:.1f} GiB of activations: "
+        reasons.append(f"micro-batches up to {tokens} tokens, estimated {need(tokens, ckpt) / GIB:.1f} GiB of activations with headroom: "
                        f"over the memory left ({memory}): it may not fit; spread the model over more GPUs or turn on offload")
     else:
         bound = "the TB_ENGINE_MAX_BATCH_TOKENS ceiling" if tokens == ceiling else f"lowered from TB_ENGINE_MAX_BATCH_TOKENS={ceiling} to fit"
         reasons.append(f"micro-batches up to {tokens} tokens ({bound}; estimated {need(tokens, ckpt) / GIB:.1f} GiB "
-                       f"of activations, {memory})")
+                       f"of activations with headroom, {memory})")
     return Levers(remove_padding, packed_attn, ckpt, tokens, tuple(reasons))
