@@ -197,6 +197,10 @@ agents:
     expect(r.stderr).to.match(/models\[0\]\.gradient_checkpointing: gradient_checkpointing applies to engine 'verl', not engine 'torch'/);
     expect(r.stderr).to.match(/models\[1\]\.parallelism\.expert: vLLM runs the experts over the tensor-parallel GPUs: expert is 1 \(off\) or equal to tensor \(4\), got 2/);
     expect(r.stderr).to.match(/models\[2\]\.parallelism\.data: data 4, but agent 'g2' runs this model on 2 GPU\(s\) \(cuda:5,6\)/);
+    // verl's VeOmni strategy keeps padding: a model asking for it removed is told so.
+    const veomni = cli('validate', write('veomni.yaml', `name: t\nmodels:\n  - { name: c, path: /m/c, role: actor, engine: verl, remove_padding: true, parallelism: { strategy: veomni } }\nagents:\n  - { id: g2, device: cuda, models: [c] }\n`));
+    expect(veomni.status).to.equal(2);
+    expect(veomni.stderr).to.match(/models\[0\]\.remove_padding: verl's veomni strategy keeps padding in this version \(fsdp2 and fsdp remove it\)/);
     const megatron = cli('validate', write('megatron.yaml', `name: t\nmodels:\n  - { name: c, path: /m/c, role: actor, engine: verl, parallelism: { strategy: megatron } }\nagents:\n  - { id: g2, device: cuda, models: [c] }\n`));
     expect(megatron.stderr).to.match(/models\[0\]\.parallelism\.strategy: verl strategies available in this version: fsdp2, fsdp, veomni \(megatron is not\)/);
     // What the shipped multi-GPU preset sets is used: vLLM's expert parallelism, verl's data size and strategy.

@@ -54,7 +54,7 @@ export type EngineCapabilities = {
 };
 
 /** A preset model as an engine's own checks see it (presets/schema.ts ModelSpec). */
-export type PresetModel = { parallelism: { tensor: number; expert: number; data?: number | undefined; strategy?: string | undefined }; offload: boolean };
+export type PresetModel = { parallelism: { tensor: number; expert: number; data?: number | undefined; strategy?: string | undefined }; offload: boolean; remove_padding?: boolean | undefined };
 /** An agent serving a preset model: its id, device and how many GPUs that device names. */
 export type PresetAgent = { id: string; device: string; n: number };
 /** A problem with a preset field: its path below the model, and the message. */

@@ -122,10 +122,13 @@ export const VERL_ENGINE = registerEngine({
   // FSDP shards a model over every GPU of its agent: a preset's data size, when given, is their count
   // (on a `cpu` agent it is the number of CPU ranks, verlLaunch).
   presetProblems: (m, agents) => {
+    const out: PresetProblem[] = [];
+    // tinker_engine_verl/levers.py keeps padding under the VeOmni strategy (its packed path is not wired).
+    if (m.remove_padding && m.parallelism.strategy === 'veomni') out.push([['remove_padding'], "verl's veomni strategy keeps padding in this version (fsdp2 and fsdp remove it)"]);
     const data = m.parallelism.data;
-    if (data === undefined) return [];
-    return agents
+    if (data === undefined) return out;
+    return out.concat(agents
       .filter((a) => a.n > 0 && a.n !== data)
-      .map((a): PresetProblem => [['parallelism', 'data'], `data ${data}, but agent '${a.id}' runs this model on ${a.n} GPU(s) (${a.device}): verl shards it over every GPU of its agent`]);
+      .map((a): PresetProblem => [['parallelism', 'data'], `data ${data}, but agent '${a.id}' runs this model on ${a.n} GPU(s) (${a.device}): verl shards it over every GPU of its agent`]));
   },
 });
