@@ -3,15 +3,15 @@
 # bench/gpu/build_veomni_carry.sh too where it was carried as .veomnicarry) into /tmp/site, puts it on
 # PYTHONPATH, and checks that verl's Tinker worker imports. Expects $PY (the python to run).
 KIT="${VERL_KIT:-.verlcarry}"
-  t=$(date +%s)
-  # The VeOmni kit (bench/gpu/build_veomni_carry.sh) too when it was carried: TB_VERL_STRATEGY=veomni needs it.
-  VEOMNI_KIT="${VEOMNI_KIT:-.veomnicarry}"
-  EXTRA_WHEELS=(); compgen -G "$VEOMNI_KIT/*.whl" > /dev/null && EXTRA_WHEELS=("$VEOMNI_KIT"/*.whl)
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$KIT"/*.whl "${EXTRA_WHEELS[@]}" \
-    || { echo "[kit] pip install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  echo "[kit] $(ls "$KIT"/*.whl | wc -l) wheels installed in $(( $(date +%s) - t ))s"
-  "$PY" - <<'PYEOF' || exit 1
+t=$(date +%s)
+# The VeOmni kit (bench/gpu/build_veomni_carry.sh) too when it was carried: TB_VERL_STRATEGY=veomni needs it.
+VEOMNI_KIT="${VEOMNI_KIT:-.veomnicarry}"
+EXTRA_WHEELS=(); compgen -G "$VEOMNI_KIT/*.whl" > /dev/null && EXTRA_WHEELS=("$VEOMNI_KIT"/*.whl)
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$KIT"/*.whl "${EXTRA_WHEELS[@]}" \
+  || { echo "[kit] pip install failed"; exit 1; }
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+echo "[kit] $(ls "$KIT"/*.whl | wc -l) wheels installed in $(( $(date +%s) - t ))s"
+"$PY" - <<'PYEOF' || exit 1
 import importlib, time
 t = time.time()
 import torch, transformers, peft

@@ -69,7 +69,6 @@ export async function startStack(
   };
 }
 
-/** Removes every Redis key of a test's prefix (registries, gate, BullMQ queues). */
 /**
  * The agent that took each sample request (its BullMQ job's `processedBy`), `?` where none did. The
  * queues it opens stay in `queues`, for the next call; the caller closes them.
@@ -85,6 +84,7 @@ export async function takenBy(redis: Redis, prefix: string, requestIds: string[]
   );
 }
 
+/** Removes every Redis key of a test's prefix (registries, gate, BullMQ queues). */
 export async function deletePrefix(prefix: string): Promise<void> {
   const r = new Redis(REDIS_URL);
   try {

@@ -110,7 +110,9 @@ def test_row_logprobs_equal_log_softmax(dtype: torch.dtype, monkeypatch: pytest.
     """RowLogprobs, in chunks smaller than the row count, against ``log_softmax(x.float()).gather``:
     the forward and the logits' gradient. Both compute the same float32 terms per row; only the
     blocking of each row's sum over the vocabulary may differ (a log-sum-exp over V=1000 terms: a few
-    ulps of float32), hence 1e-5 relative and 1e-6 absolute on values of magnitude ~7."""
+    ulps of float32), hence 1e-5 relative and 1e-6 absolute on values of magnitude ~7. A bf16 input's
+    gradient is those float32 values rounded to bf16: two values a few float32 ulps apart may round to
+    neighbouring bf16 values, one bf16 step apart (2^-7 relative at most), so there the bound is 2^-7."""
     monkeypatch.setattr("tinker_engine_verl.compat.CHUNK_ELEMENTS", 3 * 1000)  # 3 rows per chunk
     gen = torch.Generator().manual_seed(0)
     logits = (torch.randn(10, 1000, generator=gen) * 3).to(dtype).requires_grad_()
@@ -124,4 +126,5 @@ def test_row_logprobs_equal_log_softmax(dtype: torch.dtype, monkeypatch: pytest.
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert got_grad.dtype == dtype
-    torch.testing.assert_close(got_grad.float(), logits.grad.float(), rtol=1e-5, atol=1e-6)
+    grad_rtol = 1e-5 if dtype == torch.float32 else 2.0**-7
+    torch.testing.assert_close(got_grad.float(), logits.grad.float(), rtol=grad_rtol, atol=1e-6)
