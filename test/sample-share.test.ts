@@ -120,6 +120,18 @@ describe('sample share: BullMQ workers on real Redis', function () {
     expect(a.worker.concurrency).to.equal(CONCURRENCY);
   });
 
+  it('an agent alone writes its field at its beat only, not at every job start and end', async () => {
+    const a = await agent('a', { beatMs: 600_000 });
+    const field = async () => parseEntry((await a.redis.hget(names.sampleShare(queueName), 'a')) ?? '');
+    expect((await field())?.active).to.equal(0);
+    await burst(32, 'quiet');
+    await waitFor('all 32 held by a', async () => heldBy('a') === 32);
+    releases.splice(0, 8).forEach((r) => r());
+    await waitFor('8 ended', async () => heldBy('a') === 24);
+    // Its start wrote 0; no job's start or end since has written the field.
+    expect((await field())?.active).to.equal(0);
+  });
+
   it('an agent alone ignores and removes a field older than the stale time (by Redis’s clock), or one it cannot read', async () => {
     const r = conn();
     const [sec] = await r.time();

@@ -13,7 +13,8 @@ import type { Logger } from '../../queues/infra/logger.js';
  * weighted by each agent's configured concurrency, plus `slack` (`shareCap`). The cap is recomputed
  * as this agent's jobs start and end, every `beatMs`, and every `pollMs` while the agent is at its
  * cap (so a job never waits on the cap once another agent finishes, stops or dies: a dead agent's
- * field stops counting `staleMs` after its last write). An agent alone uses its whole concurrency.
+ * field stops counting `staleMs` after its last write). An agent alone uses its whole concurrency;
+ * until a beat finds another agent, it reads and writes at the beat only.
  *
  * Ages are told by Redis's clock (TIME, read with every write), so agents on hosts whose clocks
  * differ agree on which fields are stale.
@@ -103,6 +104,14 @@ export class SampleShare {
   private beat: NodeJS.Timeout | undefined;
   private poll: NodeJS.Timeout | undefined;
   private closed = false;
+  /**
+   * The last read found no other live agent: the cap is the whole concurrency whatever this agent
+   * holds, so a job's start or end needs no read, and this agent's field is rewritten at the beat
+   * only (another agent reading it meanwhile sees a count up to `beatMs` old, and both caps settle at
+   * the next beats). Saves a round trip per job start and end of a lone agent's burst
+   * (bench/request-cost.ts).
+   */
+  private alone = false;
 
   constructor(private readonly o: SampleShareOptions) {
     this.t = { ...SHARE_TIMINGS, ...o.timings };
@@ -121,13 +130,13 @@ export class SampleShare {
   /** A job's processor started. */
   started(): void {
     this.active++;
-    this.schedule();
+    if (!this.alone) this.schedule();
   }
 
   /** A job's processor ended. */
   ended(): void {
     this.active--;
-    this.schedule();
+    if (!this.alone) this.schedule();
   }
 
   /** Jobs this agent may still take under its cap (for the gatherer's hint). */
@@ -209,6 +218,7 @@ export class SampleShare {
     }
     if (stale.length) void redis.hdel(key, ...stale).catch(() => undefined);
     if (this.closed) return;
+    this.alone = others.length === 0;
     this.apply(shareCap({ active: this.active, concurrency }, others, waiting, this.t.slack));
   }
 
