@@ -55,8 +55,9 @@ export async function ownsModel(ctx: ApiContext, req: Request, modelId: string):
   return !!m && owns(req, m.tenant);
 }
 
+/** The caller's sampling session (a read up to SESSION_REUSE_MS old may answer: SamplerRegistry.recent). */
 export async function requireSamplingSession(ctx: ApiContext, req: Request, id: string): Promise<SamplingSessionRecord> {
-  const s = await ctx.registry.samplers.get(id);
+  const s = await ctx.registry.samplers.recent(id);
   if (!s || !owns(req, s.tenant)) throw notFound(`unknown sampling_session_id '${id}'`);
   return s;
 }

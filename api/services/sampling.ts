@@ -113,9 +113,10 @@ export async function sample(ctx: ApiContext, req: Request, body: Body): Promise
     for (const t of c.tokens as number[]) tokens.push(t);
   }
   if (tokens.length === 0) throw invalid('prompt is empty');
-  // The served model and the sampler version (null: the base model; its LoRA rank decides which agents can serve it), read together.
+  // The served model and the sampler version (null: the base model; its LoRA rank decides which agents can serve it), read together;
+  // the agents' read is shared with the sample requests that asked while it is in flight.
   const [{ model, agents }, version] = await Promise.all([
-    ctx.registry.agents.resolveBaseModel(session.base_model),
+    ctx.registry.agents.resolveBaseModel(session.base_model, true),
     session.model_path ? ctx.registry.checkpoints.get(session.model_path) : null,
   ]);
   if (body.topk_prompt_logprobs > model.topk_max)

@@ -2,6 +2,7 @@ import { z } from 'zod';
 import { SAMPLE_FEATURES, type SampleFeature } from '../infra/config.js';
 import { BrokerError } from '../contract/errors.js';
 import { scripts } from '../runtime/scripts.js';
+import { RecentReads } from '../infra/recent.js';
 import { RedisRegistry } from './store.js';
 
 /**
@@ -143,12 +144,23 @@ export class AgentRegistry extends RedisRegistry {
     }
     return out;
   }
-  /** Resolve a `base_model` given by a client (canonical path or alias); a user error lists what is served. */
-  async resolveBaseModel(requested: string): Promise<Served> {
-    const served = await this.servedModels();
-    for (const e of served.values()) {
-      if (e.model.name === requested || e.model.aliases.includes(requested)) return e;
-    }
+  /** servedModels() reads in flight, shared on the sample path (resolveBaseModel's `share`). */
+  private readonly inFlight = new RecentReads<Map<string, Served>>(0, 1);
+
+  /**
+   * Resolve a `base_model` given by a client (canonical path or alias); a user error lists what is served.
+   * `share`: a read of the served models in flight is shared (its answer no older than one round
+   * trip), when it has the model; a model it lacks is looked up afresh. The sample path shares: a
+   * burst of sample requests reads the agents (a script, and a parse of every agent's record) once
+   * per round trip rather than once each. No answer is reused once it came: a sample routed by an
+   * old read would wait on the queue of an engine kind whose last agent left.
+   */
+  async resolveBaseModel(requested: string, share = false): Promise<Served> {
+    const find = (served: Map<string, Served>) => [...served.values()].find((e) => e.model.name === requested || e.model.aliases.includes(requested));
+    const read = share ? this.inFlight.get('', () => this.servedModels(), (m) => find(m) !== undefined) : this.servedModels();
+    const served = await read;
+    const hit = find(served);
+    if (hit) return hit;
     const list = [...served.values()].map((e) => [e.model.name, ...e.model.aliases].join(' | '));
     throw new BrokerError(
       'NOT_FOUND',

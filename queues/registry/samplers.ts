@@ -1,5 +1,9 @@
 import { z } from 'zod';
+import { RecentReads } from '../infra/recent.js';
 import { RedisRegistry } from './store.js';
+
+/** How old a read of a sampling session SamplerRegistry.recent may reuse. */
+export const SESSION_REUSE_MS = 100;
 
 /**
  * Sampling sessions (pinned to a base model, to one sampler version, or to a training model's
@@ -36,6 +40,16 @@ export class SamplerRegistry extends RedisRegistry {
   }
   async get(id: string): Promise<SamplingSessionRecord | null> {
     return this.getJson(this.names.samplingSession(id), SamplingSessionRecord);
+  }
+  /** Found records of `recent`, reused: each sample request of a burst names its session. */
+  private readonly found = new RecentReads<SamplingSessionRecord | null>(SESSION_REUSE_MS, 4096);
+  /**
+   * get, reusing a read at most SESSION_REUSE_MS old that found the record (a record never changes
+   * once written; it only expires, which a caller then sees that much later). A read that found
+   * nothing is not reused: a session created meanwhile is found at once.
+   */
+  async recent(id: string): Promise<SamplingSessionRecord | null> {
+    return this.found.get(id, () => this.get(id), (r) => r !== null);
   }
   /** A sample request through the session: it lives another `ttlS`. */
   async touch(id: string, ttlS: number): Promise<void> {
