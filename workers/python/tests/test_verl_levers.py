@@ -53,12 +53,19 @@ def test_cpu_ranks_keep_padding_and_checkpointing() -> None:
     assert "on CPU ranks" in lev.describe()
 
 
-def test_small_model_on_a_gpu_runs_packed_without_checkpointing() -> None:
+def test_small_model_on_a_gpu_runs_packed_checkpointing_only_where_the_ceiling_needs_it() -> None:
     # Qwen3-1.7B: ~3.3 MB of activations per token without checkpointing, counted 1.5 times: 16384 tokens
-    # (75 GiB) fit the H200 (98 GiB left after the weights), 8192 the H100 (52 GiB left).
-    for gpu, tokens in ((H100, 8192), (H200, 16384)):
+    # (75 GiB) fit the H200 (98 GiB left after the weights): checkpointing off at the ceiling. The H100
+    # (53 GiB left) would hold only 8192 tokens without it: checkpointing on, at the whole ceiling
+    # (1.1 MB per token counted 1.5 times: 25 GiB).
+    for gpu, ckpt in ((H100, True), (H200, False)):
         lev = choose(QWEN3_1_7B, gpu)
-        assert (lev.remove_padding, lev.attn, lev.grad_ckpt, lev.max_tokens) == (True, "tb_varlen", False, tokens), lev.describe()
+        assert (lev.remove_padding, lev.attn, lev.grad_ckpt, lev.max_tokens) == (True, "tb_varlen", ckpt, 16384), lev.describe()
+    assert "without it the micro-batch would be lowered" in choose(QWEN3_1_7B, H100).describe()
+    assert "the whole ceiling fits without it" in choose(QWEN3_1_7B, H200).describe()
+    # a smaller ceiling that fits without checkpointing on the H100: off
+    small = choose(QWEN3_1_7B, H100, ceiling=8192)
+    assert (small.grad_ckpt, small.max_tokens) == (False, 8192), small.describe()
     # flash-attn's own attention, where the operator chose it, is kept
     assert choose(QWEN3_1_7B, H200, attn="flash_attention_2").attn == "flash_attention_2"
     # no variable-length kernel (a torch without varlen_attn, eager attention): padding kept
@@ -66,21 +73,22 @@ def test_small_model_on_a_gpu_runs_packed_without_checkpointing() -> None:
     assert not choose(QWEN3_1_7B, H200, attn="eager").remove_padding
 
 
-def test_8b_trades_micro_batch_tokens_before_checkpointing() -> None:
-    # The 8B shape's activations are ~6.7 MB per token without checkpointing, counted 1.5 times: after
-    # the float32 weights (30.5 GiB), 4096 tokens (39 GiB) fit the H200's 75 GiB left, not 8192 (77 GiB);
-    # on the H100 (29 GiB left) not even 4096 do, so checkpointing goes on (2 MB per token counted: 8192).
+def test_8b_keeps_the_micro_batch_and_checkpoints() -> None:
+    # The 8B shape's activations are ~6.7 MB per token without checkpointing: 16384 tokens fit neither
+    # GPU without it, so checkpointing goes on (1.4 MB per token, counted 1.5 times): the whole ceiling
+    # on the H200 (75 GiB left after the float32 weights' 30.5 GiB), 8192 tokens on the H100 (29 GiB left).
     per_token = levers.Shape.of(QWEN3_8B).token_bytes(False)
     assert 6.5e6 < per_token < 7.0e6
     h200, h100 = choose(QWEN3_8B, H200), choose(QWEN3_8B, H100)
-    assert (h200.grad_ckpt, h200.max_tokens) == (False, 4096), h200.describe()
+    assert (h200.grad_ckpt, h200.max_tokens) == (True, 16384), h200.describe()
     assert (h100.grad_ckpt, h100.max_tokens) == (True, 8192), h100.describe()
-    assert "lowered from TB_ENGINE_MAX_BATCH_TOKENS=16384" in h200.describe()
-    # Two ranks halve the weights per rank (44.5 GiB left on an H100): 4096 tokens fit without checkpointing.
-    assert (choose(QWEN3_8B, H100, ranks=2).grad_ckpt, choose(QWEN3_8B, H100, ranks=2).max_tokens) == (False, 4096)
-    # Checkpointing asked for on the H100: the same 8192 tokens.
-    forced = choose(QWEN3_8B, H100, grad_ckpt=True)
-    assert (forced.grad_ckpt, forced.max_tokens) == (True, 8192), forced.describe()
+    assert "lowered from TB_ENGINE_MAX_BATCH_TOKENS=16384" in h100.describe()
+    # Two ranks halve the weights per rank (44.5 GiB left on an H100): the whole ceiling with checkpointing.
+    two = choose(QWEN3_8B, H100, ranks=2)
+    assert (two.grad_ckpt, two.max_tokens) == (True, 16384), two.describe()
+    # Checkpointing off asked for on the H200: the largest micro-batch that fits without it, 4096 tokens (39 GiB).
+    forced = choose(QWEN3_8B, H200, grad_ckpt=False)
+    assert (forced.grad_ckpt, forced.max_tokens) == (False, 4096), forced.describe()
 
 
 def test_too_large_for_the_gpu_says_so() -> None:
