@@ -21,9 +21,10 @@ micro-batch bound ``TB_ENGINE_MAX_BATCH_TOKENS`` is a ceiling the plan may lower
 - on a GPU, checkpointing off and the ceiling kept when the activations of a micro-batch of that many
   tokens fit the memory left after the weights; else checkpointing on, at the largest micro-batch that
   fits with it. Checkpointing is not turned off at the price of a smaller micro-batch: on the H100 at
-  the 1.7B shape, padding removed, off at 8192 tokens ran a step in 0.97-1.06x the time of on at 16384
-  (mixed and equal lengths, docs/benchmarks.md "The verl engine's levers") with 1.4-1.75x its peak
-  memory: the recomputed forward costs about what the smaller micro-batches cost;
+  the 1.7B shape, padding removed, off at 8192 tokens took 0.85-0.95x the step time of on at 16384 with
+  mixed lengths and 1.04-1.08x with equal ones, at 1.44-1.75x the peak memory, above the padded
+  engine's (docs/benchmarks.md "The verl engine's levers"): a few percent either way, bought with
+  memory a larger batch or a second model could use;
 - on CPU ranks (no device memory to plan against): checkpointing on, the ceiling kept.
 
 The memory model (``Shape``), per token of a micro-batch, 16-bit activations, every linear layer with
