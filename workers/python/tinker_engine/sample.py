@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
+from . import kv_cache
 from .errors import UserError
 from .models import BaseModel, Registry
 from .prompt_scores import alt_tokens, parse_targets, score_targets
@@ -291,9 +291,6 @@ def _compute_prompt_logprobs(base: BaseModel, req: SampleRequest) -> None:
         req.prompt_alt_tokens = alt_tokens(out.logits[0], req.alt_k, req.params.temperature, req.params.seed)
 
 
-def _joinable(cache: DynamicCache) -> bool:
-    """Rows of two caches can be merged: every layer a plain growing key/value layer."""
-    return all(isinstance(layer, DynamicLayer) for layer in cache.layers)
 
 
 def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
@@ -426,7 +423,7 @@ class Generation:
         return (len(self.row_seq) + sum(r.num_samples for r in reqs)) * (longest + max(rest, default=0))
 
     def _admit(self) -> None:
-        if self.row_seq and self.cache is not None and not _joinable(self.cache):
+        if self.row_seq and self.cache is not None and not kv_cache.plain_layers(self.cache):
             return  # joins need plain key/value layers; wait until the batch drains
         admit: list[SampleRequest] = []
         for r in self.waiting:
@@ -449,7 +446,7 @@ class Generation:
             ids[i, longest - len(r.prompt):] = torch.tensor(r.prompt, dtype=torch.int64)
             mask[i, longest - len(r.prompt):] = 1
         positions = (mask.cumsum(-1) - 1).clamp_(min=0)
-        cache = DynamicCache(config=base.hf.config)
+        cache = kv_cache.new_cache(base.hf.config)
         out = _forward(base, [r.adapter for r in admit], input_ids=ids.to(device), attention_mask=mask.to(device),
                        position_ids=positions.to(device), use_cache=True, logits_to_keep=1,
                        **{base.cache_kwarg: cache})
