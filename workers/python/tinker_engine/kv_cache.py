@@ -3,8 +3,8 @@
 transformers' ``DynamicLayer`` appends each decode step's keys and values with ``torch.cat``, which
 copies the whole cached sequence of every layer at every step: a step's cost grows with the cached
 length, and a generation of L tokens copies O(L²) per row. At the ~26M-parameter stand-in shape on
-this project's 2-core CPU, 64 rows, a decode step took 57 ms at 32 new tokens and 132 ms a step at 256
-(docs/benchmarks.md, "The sampler's key/value cache").
+a 2-core CPU, 128 rows, a decode step took 93 ms in a 64-token generation and 392 ms in a 512-token
+one; with this module's layers 83 and 125 ms (docs/benchmarks.md, "The sampler's key/value cache").
 
 ``GrowingLayer`` keeps each layer's keys and values in a buffer with room at the end: a step writes its
 token into that room and the layer's ``keys`` / ``values`` are views of the filled part, so a step copies
