@@ -291,8 +291,6 @@ def _compute_prompt_logprobs(base: BaseModel, req: SampleRequest) -> None:
         req.prompt_alt_tokens = alt_tokens(out.logits[0], req.alt_k, req.params.temperature, req.params.seed)
 
 
-
-
 def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     missing = length - t.shape[dim]
     if missing <= 0:
