@@ -5,7 +5,7 @@ values are compared element for element, with ``torch.equal``, through prefill, 
 selected away, caches merged and a crop. The sampler with it gives the same tokens and logprobs as
 with plain ``DynamicLayer``s, bit for bit on the CPU (the same kernels read the same values; only the
 strides of the key and value views differ, which the attention reads but does not sum in another
-order here).
+order here). Rows finishing at different lengths (max_tokens 40 to 120) exercise the selection.
 """
 
 from __future__ import annotations
@@ -57,26 +57,39 @@ def test_growing_layer_holds_what_dynamic_layer_holds_and_writes_in_place() -> N
         plain.update(k, v)
     same(grow, plain)
     assert grow.keys.data_ptr() != start  # type: ignore[union-attr]
-    # Rows finished (transformers replaces keys and values): the next update moves them into a new buffer.
+    # Rows finished: the buffers' rows are selected, room included, and the next steps still write in place.
     keep = torch.tensor([0, 2])
     grow.batch_select_indices(keep)
     plain.batch_select_indices(keep)
+    same(grow, plain)
+    selected = grow.keys.data_ptr()  # type: ignore[union-attr]
     for _ in range(3):
         k, v = kv(gen, 2, 1)
+        grow.update(k, v)
+        plain.update(k, v)
+        same(grow, plain)
+    assert grow.keys.data_ptr() == selected  # type: ignore[union-attr]
+    # Keys replaced from outside (as a merge of a joining batch does): the next update moves them.
+    extra_k, extra_v = kv(gen, 2, grow.get_seq_length())
+    for layer in (grow, plain):
+        layer.keys = torch.cat([layer.keys, extra_k])  # type: ignore[list-item]
+        layer.values = torch.cat([layer.values, extra_v])  # type: ignore[list-item]
+    for _ in range(3):
+        k, v = kv(gen, 4, 1)
         grow.update(k, v)
         plain.update(k, v)
         same(grow, plain)
     # A crop, then more steps.
     grow.crop(-2)
     plain.crop(-2)
-    k, v = kv(gen, 2, 1)
+    k, v = kv(gen, 4, 1)
     grow.update(k, v)
     plain.update(k, v)
     same(grow, plain)
-    # reset: empty again, and it grows from nothing like a new layer.
+    # reset (transformers 5.24 empties the layer, 5.17 zeroes it in place): then as the plain layer.
     grow.reset()
     plain.reset()
-    k, v = kv(gen, 2, 5)
+    k, v = kv(gen, 4, 5)
     grow.update(k, v)
     plain.update(k, v)
     same(grow, plain)

@@ -14,10 +14,10 @@ the memory held is at most an eighth (or ``MIN_ROOM`` positions) more than the c
 value cache is most of a sampler's memory, and the engine admits requests by their tokens, not by
 what the buffers reserve beyond them.
 
-Everything else that touches a layer (``batch_select_indices`` when rows finish, the sampler's merge
-of a joining batch (sample.py ``_merge_caches``), ``crop``, ``reset``) keeps replacing ``keys`` and
-``values`` as transformers does; the next ``update`` sees that they are no longer its views and moves
-them into a new buffer. The values a layer returns are the ones ``DynamicLayer`` returns, element for
+When rows finish, ``batch_select_indices`` selects the buffers' rows, room included, so the next step
+still writes in place. Everything else that touches a layer (the sampler's merge of a joining batch,
+sample.py ``_merge_caches``; ``crop``; ``reset``) replaces ``keys`` and ``values`` as transformers
+does; the next ``update`` sees that they are no longer its views and moves them into a new buffer. The values a layer returns are the ones ``DynamicLayer`` returns, element for
 element (tests/test_kv_cache.py).
 """
 
@@ -66,6 +66,18 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = buffers[0][..., :end, :], buffers[1][..., :end, :]
         self._views = (self.keys, self.values)
         return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Rows kept (the others finished): the buffers' rows are selected, room included, so the next
+        step still writes in place (one copy, as DynamicLayer's selection makes)."""
+        if self._buffers is None or self._views is None or self.keys is not self._views[0] or self.values is not self._views[1]:
+            super().batch_select_indices(indices)
+            return
+        length = self.keys.shape[-2]
+        kbuf, vbuf = self._buffers[0][indices, ...], self._buffers[1][indices, ...]
+        self._buffers = (kbuf, vbuf)
+        self.keys, self.values = kbuf[..., :length, :], vbuf[..., :length, :]
+        self._views = (self.keys, self.values)
 
     def reset(self) -> None:
         self._buffers = self._views = None
