@@ -98,7 +98,7 @@ def test_growing_layer_holds_what_dynamic_layer_holds_and_writes_in_place() -> N
 def test_buffer_room_is_bounded() -> None:
     """The buffer holds at most 1 / GROWTH (or MIN_ROOM positions) more than the cache, and a 1000-step
     generation is moved only a few times: from 16 positions by MIN_ROOM up to 8 * 64 = 512, then by an
-    eighth, 14 moves in all (against a copy of the whole cache at every step with torch.cat)."""
+    eighth, 13 moves in all (against a copy of the whole cache at every step with torch.cat)."""
     gen = torch.Generator().manual_seed(1)
     layer = GrowingLayer()
     layer.update(*kv(gen, 1, 16))

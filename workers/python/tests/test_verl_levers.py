@@ -86,6 +86,9 @@ def test_8b_keeps_the_micro_batch_and_checkpoints() -> None:
     # Two ranks halve the weights per rank (44.5 GiB left on an H100): the whole ceiling with checkpointing.
     two = choose(QWEN3_8B, H100, ranks=2)
     assert (two.grad_ckpt, two.max_tokens) == (True, 16384), two.describe()
+    # Checkpointing asked for on the H100: the same 8192 tokens.
+    asked = choose(QWEN3_8B, H100, grad_ckpt=True)
+    assert (asked.grad_ckpt, asked.max_tokens) == (True, 8192), asked.describe()
     # Checkpointing off asked for on the H200: the largest micro-batch that fits without it, 4096 tokens (39 GiB).
     forced = choose(QWEN3_8B, H200, grad_ckpt=False)
     assert (forced.grad_ckpt, forced.max_tokens) == (False, 4096), forced.describe()

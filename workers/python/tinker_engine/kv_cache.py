@@ -52,8 +52,7 @@ class GrowingLayer(DynamicLayer):
         length = keys.shape[-2] if keys.numel() else 0
         end = length + key_states.shape[-2]
         buffers = self._buffers
-        ours = self._views is not None and keys is self._views[0] and values is self._views[1]
-        if buffers is None or not ours or end > buffers[0].shape[-2]:
+        if buffers is None or not self._owns() or end > buffers[0].shape[-2]:
             room = max(MIN_ROOM, end // GROWTH)
             kbuf = key_states.new_empty((*key_states.shape[:-2], end + room, key_states.shape[-1]))
             vbuf = value_states.new_empty((*value_states.shape[:-2], end + room, value_states.shape[-1]))
@@ -70,14 +69,19 @@ class GrowingLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Rows kept (the others finished): the buffers' rows are selected, room included, so the next
         step still writes in place (one copy, as DynamicLayer's selection makes)."""
-        if self._buffers is None or self._views is None or self.keys is not self._views[0] or self.values is not self._views[1]:
+        if self._buffers is None or not self._owns():
             super().batch_select_indices(indices)
             return
+        assert self.keys is not None
         length = self.keys.shape[-2]
         kbuf, vbuf = self._buffers[0][indices, ...], self._buffers[1][indices, ...]
         self._buffers = (kbuf, vbuf)
         self.keys, self.values = kbuf[..., :length, :], vbuf[..., :length, :]
         self._views = (self.keys, self.values)
+
+    def _owns(self) -> bool:
+        """``keys`` and ``values`` are still the views this layer made (nothing outside replaced them)."""
+        return self._views is not None and self.keys is self._views[0] and self.values is self._views[1]
 
     def reset(self) -> None:
         self._buffers = self._views = None
