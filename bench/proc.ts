@@ -23,6 +23,11 @@ export function children(pid: number): number[] {
   }
 }
 
+/** CPU ms of a process and all its living descendants (each read as cpuMs; a process that is gone counts 0). */
+export function treeCpuMs(pid: number): number {
+  return (cpuMs(pid) ?? 0) + children(pid).reduce((sum, c) => sum + treeCpuMs(c), 0);
+}
+
 /** A process's command line, its arguments joined by spaces ('' when gone). */
 export function cmdline(pid: number): string {
   try {

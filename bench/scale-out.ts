@@ -6,6 +6,7 @@ import { Names } from '../queues/contract/names.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
 import { spawnAgent, stackEnv, startApi, stopAgent, waitFor, type AgentProc, type Api } from '../test/helpers/procs.js';
 import { call, deletePrefix, REDIS_URL, takenBy } from '../test/helpers/stack.js';
+import { cpuMs, treeCpuMs } from './proc.js';
 
 /**
  * Scale-out of sampling (issue 37, item 5): the sampled tokens/s of bursts of one-sample requests
@@ -13,7 +14,10 @@ import { call, deletePrefix, REDIS_URL, takenBy } from '../test/helpers/stack.js
  * on the CPU, each agent's engine on its own share of the cores: TB_ENGINE_THREADS), through the
  * API over HTTP as the SDK sends them; the API in this process, the agents as `workers/main.ts`
  * processes, real Redis under a prefix of its own. Prints tokens/s of each and their ratio, and how
- * each burst split between the two agents.
+ * each burst split between the two agents, and the CPU each part of the stack used during the burst
+ * (utime + stime: this process, which is the API and the client; each agent with its engine; the
+ * Redis server when it runs on this machine), as ms and as a share of one core over the burst: a
+ * part near 100% of a core (Node, Redis: one thread each) is what bounds the burst.
  *
  *   node --import tsx bench/scale-out.ts [requests=128] [max_tokens=64] [rounds=3] [threads=cores/2 - 1]
  *
@@ -97,12 +101,24 @@ async function measure(agentCount: number): Promise<number> {
         return keys.length === 1 && (await redis.hlen(keys[0]!)) === agentCount;
       }, 60_000, 250);
     await burst(api); // warm-up: first decode steps, connections
+    const redisPid = Number(/process_id:(\d+)/.exec(await redis.info('server'))?.[1] ?? 0);
+    const cpu = () => ({
+      self: (process.cpuUsage().user + process.cpuUsage().system) / 1000,
+      agents: agents.map((a) => treeCpuMs(a.child.pid!)),
+      redis: (redisPid && cpuMs(redisPid)) || 0,
+    });
     const rates: number[] = [];
     for (let r = 0; r < rounds; r++) {
+      const before = cpu();
       const b = await burst(api);
+      const after = cpu();
       rates.push(b.tokens / b.seconds);
+      const share = (ms: number) => `${ms.toFixed(0)} ms (${((ms / 10) / b.seconds).toFixed(0)}% of a core)`;
+      const parts = [`api+client ${share(after.self - before.self)}`, ...after.agents.map((c, i) => `agent ${i} with its engine ${share(c - before.agents[i]!)}`)];
+      if (redisPid) parts.push(`redis ${share(after.redis - before.redis)}`);
       const shares = agentCount > 1 ? `, split ${(await split(redis, st.prefix, b.ids, agents.map((a) => a.id))).join('/')}` : '';
       console.log(`  ${agentCount} agent(s), round ${r + 1}: ${b.tokens} tokens in ${b.seconds.toFixed(2)} s = ${(b.tokens / b.seconds).toFixed(0)} tokens/s${shares}`);
+      console.log(`    cpu: ${parts.join(', ')}`);
     }
     rates.sort((a, b) => a - b);
     return rates[Math.floor(rates.length / 2)]!;
