@@ -94,6 +94,22 @@ def test_8b_keeps_the_micro_batch_and_checkpoints() -> None:
     assert (forced.grad_ckpt, forced.max_tokens) == (False, 4096), forced.describe()
 
 
+def test_padding_kept_counts_the_padded_tokens() -> None:
+    # Padding kept, the micro-batch computes up to twice its real tokens (levers.PADDED_TOKENS). On the H100
+    # at the 1.7B shape without checkpointing, 8192 real tokens were measured at a 57.3 GiB peak, 2.3x the
+    # estimate of 8192 computed tokens (24.9 GiB): counted twice and with the headroom (74.6 GiB) they do
+    # not fit the 52 GiB left, so the plan lowers the micro-batch to 4096 (37.3 GiB).
+    nockpt = choose(QWEN3_1_7B, H100, remove_padding=False, grad_ckpt=False, ceiling=8192)
+    assert (nockpt.remove_padding, nockpt.grad_ckpt, nockpt.max_tokens) == (False, False, 4096), nockpt.describe()
+    assert "padded tokens counted 2x" in nockpt.describe()
+    # With checkpointing (measured 25.5 GiB at 16384 padded, mixed lengths), counted twice the whole ceiling
+    # still fits (50.8 of 52 GiB), and auto keeps checkpointing on.
+    ckpt = choose(QWEN3_1_7B, H100, remove_padding=False)
+    assert (ckpt.grad_ckpt, ckpt.max_tokens) == (True, 16384), ckpt.describe()
+    # Padding removed: no factor.
+    assert "padded tokens" not in choose(QWEN3_1_7B, H100).describe()
+
+
 def test_too_large_for_the_gpu_says_so() -> None:
     lev = choose(QWEN3_32B, H100)  # 131 GB of float32 weights on one 80 GB GPU
     assert (lev.grad_ckpt, lev.max_tokens) == (True, 1024)
