@@ -1,21 +1,24 @@
+import { spawn, type ChildProcess } from 'node:child_process';
 import { rmSync } from 'node:fs';
 import os from 'node:os';
 import { Queue } from 'bullmq';
 import { Redis } from 'ioredis';
 import { Names } from '../queues/contract/names.js';
+import { AgentRegistry } from '../queues/registry/agents.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
-import { spawnAgent, stackEnv, startApi, stopAgent, waitFor, type AgentProc, type Api } from '../test/helpers/procs.js';
-import { call, deletePrefix, REDIS_URL, takenBy } from '../test/helpers/stack.js';
+import { freePort } from '../test/e2e/server.js';
+import { spawnAgent, stackEnv, stopAgent, waitFor, type AgentProc } from '../test/helpers/procs.js';
+import { API_KEY, call, deletePrefix, REDIS_URL, takenBy } from '../test/helpers/stack.js';
 import { cpuMs, treeCpuMs } from './proc.js';
 
 /**
  * Scale-out of sampling (issue 37, item 5): the sampled tokens/s of bursts of one-sample requests
  * against one agent, then against two agents serving the same model (the tiny model, torch engine
  * on the CPU, each agent's engine on its own share of the cores: TB_ENGINE_THREADS), through the
- * API over HTTP as the SDK sends them; the API in this process, the agents as `workers/main.ts`
- * processes, real Redis under a prefix of its own. Prints tokens/s of each and their ratio, and how
+ * API over HTTP as the SDK sends them; the client in this process, the API (`api/main.ts`) and the
+ * agents (`workers/main.ts`) as processes of their own, real Redis under a prefix of its own. Prints tokens/s of each and their ratio, and how
  * each burst split between the two agents, and the CPU each part of the stack used during the burst
- * (utime + stime: this process, which is the API and the client; each agent with its engine; the
+ * (utime + stime: the client, which is this process; the API; each agent with its engine; the
  * Redis server when it runs on this machine), as ms and as a share of one core over the burst: a
  * part near 100% of a core (Node, Redis: one thread each) is what bounds the burst.
  *
@@ -30,6 +33,8 @@ import { cpuMs, treeCpuMs } from './proc.js';
 const [requests, maxTokens, rounds] = [128, 64, 3].map((d, i) => Number(process.argv[2 + i] ?? d)) as [number, number, number];
 const threads = Number(process.argv[5] ?? Math.max(1, Math.floor(os.availableParallelism() / 2) - 1));
 const model = process.env.SCALE_MODEL;
+
+type Api = { baseUrl: string; child: ChildProcess };
 
 async function burst(api: Api): Promise<{ seconds: number; tokens: number; ids: string[] }> {
   const session = (await call(api.baseUrl, 'POST', '/create_session', { tags: [] })).json.session_id as string;
@@ -77,15 +82,19 @@ async function split(redis: Redis, prefix: string, ids: string[], agentIds: stri
 
 async function measure(agentCount: number): Promise<number> {
   const st = stackEnv(REDIS_URL);
-  const api = await startApi({ ...st.env, TB_LONG_POLL_MS: '25000' });
+  const port = await freePort();
+  const env = { ...st.env, TB_API_KEYS: API_KEY, TB_LONG_POLL_MS: '25000', TB_LOG_LEVEL: process.env.TB_LOG_LEVEL ?? 'warn' };
+  const child = spawn(process.execPath, ['--import', 'tsx', 'api/main.ts'], { env: { ...process.env, ...env, TB_PORT: String(port) }, stdio: ['ignore', 'inherit', 'inherit'] });
+  const api: Api = { baseUrl: `http://127.0.0.1:${port}`, child };
   const redis = new Redis(REDIS_URL);
+  const registry = new AgentRegistry(redis, new Names(st.prefix));
   const agents: AgentProc[] = [];
   try {
     for (let i = 0; i < agentCount; i++) {
       const id = `scale-${i}-${st.prefix}`;
       agents.push(
         spawnAgent({
-          ...st.env,
+          ...env,
           TB_AGENT_ID: id,
           TB_ENGINE_DEVICE: 'cpu',
           TB_ENGINE_THREADS: String(threads),
@@ -93,8 +102,9 @@ async function measure(agentCount: number): Promise<number> {
           ...(model ? { TB_AGENT_MODELS: `${model}=${TINY_MODEL_ALIAS}` } : {}),
         }),
       );
-      await waitFor(`agent ${id}`, async () => (await api.built.ctx.registry.agents.live()).some((r) => r.agent_id === id && r.models.length > 0), 300_000, 250);
+      await waitFor(`agent ${id}`, async () => (await registry.live()).some((r) => r.agent_id === id && r.models.length > 0), 300_000, 250);
     }
+    await waitFor('the API', async () => (await call(api.baseUrl, 'GET', '/healthz').catch(() => null))?.json?.status === 'ready', 120_000, 250);
     if (agentCount > 1)
       await waitFor('the agents to share the queue', async () => {
         const keys = await redis.keys(`${new Names(st.prefix).sampleShare('')}*`);
@@ -104,6 +114,7 @@ async function measure(agentCount: number): Promise<number> {
     const redisPid = Number(/process_id:(\d+)/.exec(await redis.info('server'))?.[1] ?? 0);
     const cpu = () => ({
       self: (process.cpuUsage().user + process.cpuUsage().system) / 1000,
+      api: cpuMs(child.pid!) ?? 0,
       agents: agents.map((a) => treeCpuMs(a.child.pid!)),
       redis: (redisPid && cpuMs(redisPid)) || 0,
     });
@@ -114,7 +125,7 @@ async function measure(agentCount: number): Promise<number> {
       const after = cpu();
       rates.push(b.tokens / b.seconds);
       const share = (ms: number) => `${ms.toFixed(0)} ms (${((ms / 10) / b.seconds).toFixed(0)}% of a core)`;
-      const parts = [`api+client ${share(after.self - before.self)}`, ...after.agents.map((c, i) => `agent ${i} with its engine ${share(c - before.agents[i]!)}`)];
+      const parts = [`client ${share(after.self - before.self)}`, `api ${share(after.api - before.api)}`, ...after.agents.map((c, i) => `agent ${i} with its engine ${share(c - before.agents[i]!)}`)];
       if (redisPid) parts.push(`redis ${share(after.redis - before.redis)}`);
       const shares = agentCount > 1 ? `, split ${(await split(redis, st.prefix, b.ids, agents.map((a) => a.id))).join('/')}` : '';
       console.log(`  ${agentCount} agent(s), round ${r + 1}: ${b.tokens} tokens in ${b.seconds.toFixed(2)} s = ${(b.tokens / b.seconds).toFixed(0)} tokens/s${shares}`);
@@ -124,7 +135,10 @@ async function measure(agentCount: number): Promise<number> {
     return rates[Math.floor(rates.length / 2)]!;
   } finally {
     for (const a of agents) await stopAgent(a, 'SIGTERM');
-    await api.stop();
+    if (child.exitCode === null) {
+      child.kill('SIGTERM');
+      await new Promise((r) => child.once('exit', r));
+    }
     redis.disconnect();
     await deletePrefix(st.prefix);
     rmSync(st.storage, { recursive: true, force: true });
