@@ -31,6 +31,11 @@ SHAPES: dict[str, dict] = {
     "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
                  max_position_embeddings=40960, rope_theta=1_000_000.0),
+    # Qwen3-8B's dimensions (issue 31's publish timing at 8B: bench/gpu/turns_check.sh with SHAPE=8b); about
+    # 16 GB of bf16 weights.
+    "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+               max_position_embeddings=40960, rope_theta=1_000_000.0),
     # Qwen3-30B-A3B's dimensions (mixture of experts: 128 experts, 8 per token): config only
     # (--config-only), for vLLM's --load-format dummy (a preset's load_format: dummy); its bf16 weights
     # (about 61 GB) are more than the device's disk holds beside the rest.
