@@ -26,7 +26,7 @@ python3 -c "import socket; socket.create_connection(('127.0.0.1', 6379), 1)" 2>/
 sleep 1
 export TB_PYTHON=python3 TB_LOG_LEVEL=warn
 nproc
-# SCALE_ARGS: bench/scale-out.ts's requests, max_tokens, rounds, threads. At 64 tokens a burst of the tiny
+# SCALE_ARGS: bench/scale-out.ts's requests, max_tokens, rounds, threads (several runs: separated by ';'). At 64 tokens a burst of the tiny
 # model is over in ~0.3 s and the front door bounds one agent (0.93x, 2026-12-06); 512 tokens make the
 # engines the bound.
 SCALE_ARGS=${SCALE_ARGS:-128 512 3 7}
@@ -36,8 +36,12 @@ if [ -n "${SCALE_SHAPE:-}" ]; then
   export SCALE_MODEL=/tmp/scale-model-$SCALE_SHAPE
   [ -f $SCALE_MODEL/config.json ] || python3 -c "import sys, torch; sys.path.insert(0, 'bench/gpu'); from pathlib import Path; from engine_vs_plain import write_model; write_model('$SCALE_SHAPE', Path('$SCALE_MODEL'), torch.device('cpu'), torch.float32)" 2>&1 | grep -v -i warn
 fi
-stamp "bench/scale-out.ts $SCALE_ARGS ${SCALE_SHAPE:+(shape $SCALE_SHAPE)}"
-timeout ${SCALE_S:-200} node --import tsx bench/scale-out.ts $SCALE_ARGS
+# Several runs: SCALE_ARGS separated by ';' (e.g. "256 64 2 4;1024 64 2 4"), each limited to SCALE_S.
+IFS=';' read -ra SCALE_RUNS <<< "$SCALE_ARGS"
+for args in "${SCALE_RUNS[@]}"; do
+  stamp "bench/scale-out.ts $args ${SCALE_SHAPE:+(shape $SCALE_SHAPE)}"
+  timeout ${SCALE_S:-200} node --import tsx bench/scale-out.ts $args
+done
 [ -n "${SKIP_RATIO:-}" ] || {
 stamp "bench/sampling.ts ratio 32 64 16 3 (tiny model, CPU engine, 7 threads)"
 TB_ENGINE_DEVICE=cpu TB_ENGINE_THREADS=7 timeout ${RATIO_S:-120} node --import tsx bench/sampling.ts ratio 32 64 16 3
