@@ -16,11 +16,12 @@ import { cpuMs, treeCpuMs } from './proc.js';
  * against one agent, then against two agents serving the same model (the tiny model, torch engine
  * on the CPU, each agent's engine on its own share of the cores: TB_ENGINE_THREADS), through the
  * API over HTTP as the SDK sends them; the client in this process, the API (`api/main.ts`) and the
- * agents (`workers/main.ts`) as processes of their own, real Redis under a prefix of its own. Prints tokens/s of each and their ratio, and how
- * each burst split between the two agents, and the CPU each part of the stack used during the burst
- * (utime + stime: the client, which is this process; the API; each agent with its engine; the
- * Redis server when it runs on this machine), as ms and as a share of one core over the burst: a
- * part near 100% of a core (Node, Redis: one thread each) is what bounds the burst.
+ * agents (`workers/main.ts`) as processes of their own, real Redis under a prefix of its own. Prints
+ * tokens/s of each and their ratio, how each burst split between the two agents, and the CPU each
+ * part of the stack used during the burst (utime + stime: the client, which is this process; the
+ * API; each agent with its engine; the Redis server when it runs on this machine), as ms and as a
+ * share of one core over the burst: a part near 100% of a core (Node, Redis: one thread each) is
+ * what bounds the burst.
  *
  *   node --import tsx bench/scale-out.ts [requests=128] [max_tokens=64] [rounds=3] [threads=cores/2 - 1]
  *
@@ -132,7 +133,7 @@ async function measure(agentCount: number): Promise<number> {
       console.log(`    cpu: ${parts.join(', ')}`);
     }
     rates.sort((a, b) => a - b);
-    return rates[Math.floor(rates.length / 2)]!;
+    return rates[Math.floor(rates.length / 2)]!; // the median; of an even count, the upper middle round
   } finally {
     for (const a of agents) await stopAgent(a, 'SIGTERM');
     if (child.exitCode === null) {

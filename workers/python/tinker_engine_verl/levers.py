@@ -48,8 +48,9 @@ plan errs towards a smaller micro-batch. With padding kept, the tokens computed 
 row to its longest, so a micro-batch of lengths spread evenly up to its longest computes about twice
 its real tokens (16 datums of 64-2048 tokens: 32,592 padded of 16,858 real). Measured on the H100 at
 the 1.7B shape, padded, 8192-token micro-batches without checkpointing: a 57.3 GiB peak against 24.9
-GiB estimated without the headroom (2.3x), docs/benchmarks.md "The verl engine's levers". The estimate and the choice are logged when the model is
-loaded (engine.py), so an operator sees what was chosen and why.
+GiB estimated without the headroom (2.3x; docs/benchmarks.md "The verl engine's levers"). The
+estimate and the choice are logged when the model is loaded (engine.py), so an operator sees what was
+chosen and why.
 """
 
 from __future__ import annotations
@@ -179,7 +180,8 @@ def choose(shape: Shape, *, gpu_bytes: int | None, ranks: int, remove_padding: b
             tokens //= 2
         return None
 
-    memory = ("" if remove_padding else f"padded tokens counted {PADDED_TOKENS}x, ") + (f"{shape.params / 1e9:.1f}B parameters, weights {shape.weight_bytes(ranks) / GIB:.1f} GiB per rank, "
+    padded = "" if remove_padding else f"padded tokens counted {PADDED_TOKENS}x, "
+    memory = (f"{padded}{shape.params / 1e9:.1f}B parameters, weights {shape.weight_bytes(ranks) / GIB:.1f} GiB per rank, "
               f"{budget / GIB:.1f} GiB left of {USABLE:.0%} of {gpu_bytes / GIB:.0f} GiB")
     if grad_ckpt is None:
         ckpt = need(ceiling, False) > budget
