@@ -5,7 +5,9 @@ import { SampleGatherer } from '../workers/sample-gather.js';
 /**
  * The gatherer while a batch is in the engine (workers/sample-gather.ts): the jobs of a burst that
  * arrive one by one after it join it in one engine call, not one call each, and the queue is not
- * asked meanwhile. No Redis and no engine: the gatherer's own rules, with a run that the test ends.
+ * asked meanwhile; and, with a hold, the first job to reach an idle engine waiting for the rest of
+ * its burst. No Redis and no engine: the gatherer's own rules, with a run that the test ends. The
+ * waits order timers (a wait longer than the timer it follows), they time nothing.
  */
 function job(first: number): SampleJob {
   return {
@@ -73,5 +75,49 @@ describe('sample gathering while a batch is in the engine', () => {
     expect(asked).to.equal(2);
     ends[2]!();
     await again;
+  });
+
+  it('holds the first job to reach an idle engine for company, without asking the queue', async () => {
+    const batches: number[][] = [];
+    const ends: (() => void)[] = [];
+    let asked = 0;
+    const g = new SampleGatherer({
+      windowMs: 20,
+      maxWaitMs: 100,
+      holdMs: 30,
+      tokenBudget: 1_000,
+      waiting: async () => {
+        asked++;
+        return 0;
+      },
+      run: (jobs) => {
+        batches.push(jobs.map((j) => j.prompt[0]!));
+        return new Promise((resolve) => ends.push(() => resolve(jobs.map(answer))));
+      },
+    });
+    // The first job of a burst is held: nothing goes at once (without the hold it would go alone).
+    const burst = [g.submit(job(1))];
+    await new Promise((r) => setImmediate(r));
+    expect(batches).to.deep.equal([]);
+    // The rest of the burst arrives one by one within the hold: all go in one call.
+    for (const k of [2, 3]) {
+      burst.push(g.submit(job(k)));
+      await new Promise((r) => setImmediate(r));
+    }
+    expect(batches).to.deep.equal([]);
+    await new Promise((r) => setTimeout(r, 150)); // past the hold, the window and the longest wait
+    expect(batches).to.deep.equal([[1, 2, 3]]);
+    ends[0]!();
+    expect((await Promise.all(burst)).map((r) => r.sequences[0]!.tokens[0])).to.deep.equal([1, 2, 3]);
+    // A lone job is held too, and goes alone once the hold has passed.
+    const lone = g.submit(job(4));
+    await new Promise((r) => setImmediate(r));
+    expect(batches).to.deep.equal([[1, 2, 3]]);
+    await new Promise((r) => setTimeout(r, 60));
+    expect(batches).to.deep.equal([[1, 2, 3], [4]]);
+    ends[1]!();
+    await lone;
+    // With a hold the queue is never asked (whatever waits there, the job waits anyway).
+    expect(asked).to.equal(0);
   });
 });

@@ -3,8 +3,12 @@ import type { SampleJob, SampleResult } from '../queues/contract/schemas.js';
 /**
  * Gathers the sample jobs an agent holds for one base model into batches for one engine call.
  *
- * - A job that arrives when nothing else is gathering, no batch of this gatherer is in the engine
- *   and no job waits in the model's queue goes out at once (no added latency).
+ * - A job that arrives when nothing else is gathering and no batch of this gatherer is in the engine
+ *   waits up to `holdMs` for company before its batch goes: a client's burst of concurrent requests
+ *   arrives one by one over tens of milliseconds, and a generation started by the first alone lasts
+ *   as long as the burst's spread plus its own length, every decode step costing what a full one
+ *   does (docs/benchmarks.md, "Holding the first job of a burst"). With `holdMs` 0 such a job goes
+ *   out at once unless jobs wait in the model's queue (one look at it).
  * - Otherwise the batch stays open while jobs keep arriving: it closes `windowMs` after the last
  *   arrival, `maxWaitMs` after the first, or as soon as the next job would push it past
  *   `tokenBudget` (prompt + max_tokens, times num_samples, summed). While a batch is in the engine
@@ -17,6 +21,8 @@ import type { SampleJob, SampleResult } from '../queues/contract/schemas.js';
 export type GatherOptions = {
   windowMs: number;
   maxWaitMs: number;
+  /** How long the first job to reach an idle engine waits for company (at most `maxWaitMs`); 0: it goes at once if the queue is empty. @defaultValue 0 */
+  holdMs?: number;
   tokenBudget: number;
   /**
    * Jobs waiting in the queue that this agent may still take: not beyond its share of the queue
@@ -59,10 +65,11 @@ export class SampleGatherer {
     });
   }
 
-  /** First job of a batch: go now unless a batch is in the engine or others wait in the queue. */
+  /** First job of a batch: wait for company (`holdMs`), else go now unless a batch is in the engine or others wait in the queue. */
   private async decide(): Promise<void> {
     if (this.opts.windowMs <= 0) return this.flush();
     if (this.running > 0) return this.arm();
+    if ((this.opts.holdMs ?? 0) > 0) return this.arm(this.opts.holdMs);
     this.deciding = true;
     let waiting = 0;
     try {
@@ -77,10 +84,11 @@ export class SampleGatherer {
     this.arm();
   }
 
-  private arm(): void {
+  /** Closes the open batch `afterMs` from now (default: the window after the last arrival), at most `maxWaitMs` after its first job. */
+  private arm(afterMs = this.opts.windowMs): void {
     clearTimeout(this.timer);
     const left = this.firstAt + this.opts.maxWaitMs - Date.now();
-    this.timer = setTimeout(() => this.flush(), Math.max(0, Math.min(this.opts.windowMs, left)));
+    this.timer = setTimeout(() => this.flush(), Math.max(0, Math.min(afterMs, left)));
   }
 
   private flush(): void {

@@ -187,6 +187,14 @@ const AgentEnv = CommonEnv.extend({
   TB_SAMPLE_CONCURRENCY: z.coerce.number().int().positive().default(64),
   /** Torch engine: a sample batch stays open this long after its last arrival while jobs wait (0: no gathering). @defaultValue 10 */
   TB_SAMPLE_GATHER_MS: z.coerce.number().int().nonnegative().default(10),
+  /**
+   * Torch engine: how long the first sample job to reach an idle engine waits for company (the other
+   * requests of a burst, which a client sends one after another) before its batch goes; the batch then
+   * closes as any other (TB_SAMPLE_GATHER_MS after the last arrival, at most five times that after the
+   * first). 0: a lone job on an idle engine goes at once. Figures: docs/benchmarks.md, "Holding the
+   * first job of a burst". @defaultValue 10
+   */
+  TB_SAMPLE_HOLD_MS: z.coerce.number().int().nonnegative().default(10),
   /** Torch engine: a sample batch holds at most this many tokens (num_samples × (prompt + max_tokens), summed). @defaultValue 131072 */
   TB_SAMPLE_BATCH_TOKENS: z.coerce.number().int().positive().default(131072),
   /** Restart the engine process when it dies. @defaultValue true */
@@ -350,6 +358,8 @@ export type AgentConfig = {
   sampleConcurrency: number;
   /** Sample gathering window in ms (torch engine). @defaultValue 10 */
   sampleGatherMs?: number | undefined;
+  /** How long a lone sample job on an idle engine waits for company (torch engine; TB_SAMPLE_HOLD_MS). @defaultValue 10 */
+  sampleHoldMs?: number | undefined;
   /** Token budget of one sample batch (torch engine). @defaultValue 131072 */
   sampleBatchTokens?: number | undefined;
   engineRestart: boolean;
@@ -490,6 +500,7 @@ export function loadAgentConfig(
     engineDevice: e.TB_ENGINE_DEVICE || undefined,
     sampleConcurrency: e.TB_SAMPLE_CONCURRENCY,
     sampleGatherMs: e.TB_SAMPLE_GATHER_MS,
+    sampleHoldMs: e.TB_SAMPLE_HOLD_MS,
     sampleBatchTokens: e.TB_SAMPLE_BATCH_TOKENS,
     engineRestart: e.TB_ENGINE_RESTART,
     engineThreads: e.TB_ENGINE_THREADS ?? (e.TB_ENGINE_DEVICE === 'cpu' && !env.OMP_NUM_THREADS ? Math.max(1, os.availableParallelism() - 1) : undefined),

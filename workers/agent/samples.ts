@@ -28,7 +28,7 @@ import { SampleShare } from './sample-share.js';
  */
 
 export type SampleWorkersOptions = {
-  config: Pick<AgentConfig, 'agentId' | 'sampleConcurrency' | 'sampleGatherMs' | 'sampleBatchTokens' | 'retentionS'>;
+  config: Pick<AgentConfig, 'agentId' | 'sampleConcurrency' | 'sampleGatherMs' | 'sampleHoldMs' | 'sampleBatchTokens' | 'retentionS'>;
   log: Logger;
   names: Names;
   redis: Redis;
@@ -109,6 +109,7 @@ export class SampleWorkers {
     return new SampleGatherer({
       windowMs,
       maxWaitMs: windowMs * 5,
+      holdMs: config.sampleHoldMs ?? 10,
       tokenBudget: config.sampleBatchTokens ?? 131072,
       // Only the waiting jobs this agent may still take under its share.
       waiting: async () => Math.min(await queue.getWaitingCount(), share ? share.room() : Infinity),
