@@ -191,8 +191,8 @@ const AgentEnv = CommonEnv.extend({
    * Torch engine: how long the first sample job to reach an idle engine waits for company (the other
    * requests of a burst, which a client sends one after another) before its batch goes; the batch then
    * closes as any other (TB_SAMPLE_GATHER_MS after the last arrival, at most five times that after the
-   * first). 0: a lone job on an idle engine goes at once. Figures: docs/benchmarks.md, "Holding the
-   * first job of a burst". @defaultValue 10
+   * first; the hold too is capped there). 0, or TB_SAMPLE_GATHER_MS=0: a lone job on an idle engine
+   * goes at once. Figures: docs/benchmarks.md, "Holding the first job of a burst". @defaultValue 10
    */
   TB_SAMPLE_HOLD_MS: z.coerce.number().int().nonnegative().default(10),
   /** Torch engine: a sample batch holds at most this many tokens (num_samples × (prompt + max_tokens), summed). @defaultValue 131072 */
