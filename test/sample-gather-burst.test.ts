@@ -31,30 +31,40 @@ const answer = (j: SampleJob): SampleResult => ({
   topk_prompt_logprobs: null,
 });
 
+/**
+ * A gatherer (window 20 ms, longest wait 100 ms, the given hold) whose engine calls are recorded by
+ * their jobs' first prompt tokens and stay in the engine until the test ends them; the queue it
+ * asks is always empty, and the asks are counted.
+ */
+function recording(holdMs = 0) {
+  const batches: number[][] = [];
+  const ends: (() => void)[] = [];
+  const counts = { asked: 0 };
+  const g = new SampleGatherer({
+    windowMs: 20,
+    maxWaitMs: 100,
+    holdMs,
+    tokenBudget: 1_000,
+    waiting: async () => {
+      counts.asked++;
+      return 0;
+    },
+    run: (jobs) => {
+      batches.push(jobs.map((j) => j.prompt[0]!));
+      return new Promise((resolve) => ends.push(() => resolve(jobs.map(answer))));
+    },
+  });
+  return { g, batches, ends, counts };
+}
+
 describe('sample gathering while a batch is in the engine', () => {
   it('gathers the jobs that arrive one by one into one call, without asking the queue', async () => {
-    const batches: number[][] = [];
-    const ends: (() => void)[] = [];
-    let asked = 0;
-    const g = new SampleGatherer({
-      windowMs: 20,
-      maxWaitMs: 100,
-      tokenBudget: 1_000,
-      waiting: async () => {
-        asked++;
-        return 0;
-      },
-      // Each call stays in the engine until the test ends it.
-      run: (jobs) => {
-        batches.push(jobs.map((j) => j.prompt[0]!));
-        return new Promise((resolve) => ends.push(() => resolve(jobs.map(answer))));
-      },
-    });
+    const { g, batches, ends, counts } = recording();
     const first = g.submit(job(1));
     await new Promise((r) => setImmediate(r));
     // Nothing waited and nothing ran: the lone job went at once, after one look at the queue.
     expect(batches).to.deep.equal([[1]]);
-    expect(asked).to.equal(1);
+    expect(counts.asked).to.equal(1);
     // Three more arrive one by one while it runs: each would have gone alone before.
     const rest: Promise<SampleResult>[] = [];
     for (const k of [2, 3, 4]) {
@@ -64,7 +74,7 @@ describe('sample gathering while a batch is in the engine', () => {
     expect(batches).to.deep.equal([[1]]);
     await new Promise((r) => setTimeout(r, 60)); // past the window after the last arrival
     expect(batches).to.deep.equal([[1], [2, 3, 4]]);
-    expect(asked).to.equal(1);
+    expect(counts.asked).to.equal(1);
     ends.forEach((end) => end());
     expect((await first).sequences[0]!.tokens).to.deep.equal([1, 2]);
     expect((await Promise.all(rest)).map((r) => r.sequences[0]!.tokens[0])).to.deep.equal([2, 3, 4]);
@@ -72,29 +82,13 @@ describe('sample gathering while a batch is in the engine', () => {
     const again = g.submit(job(5));
     await new Promise((r) => setImmediate(r));
     expect(batches).to.deep.equal([[1], [2, 3, 4], [5]]);
-    expect(asked).to.equal(2);
+    expect(counts.asked).to.equal(2);
     ends[2]!();
     await again;
   });
 
   it('holds the first job to reach an idle engine for company, without asking the queue', async () => {
-    const batches: number[][] = [];
-    const ends: (() => void)[] = [];
-    let asked = 0;
-    const g = new SampleGatherer({
-      windowMs: 20,
-      maxWaitMs: 100,
-      holdMs: 30,
-      tokenBudget: 1_000,
-      waiting: async () => {
-        asked++;
-        return 0;
-      },
-      run: (jobs) => {
-        batches.push(jobs.map((j) => j.prompt[0]!));
-        return new Promise((resolve) => ends.push(() => resolve(jobs.map(answer))));
-      },
-    });
+    const { g, batches, ends, counts } = recording(30);
     // The first job of a burst is held: nothing goes at once (without the hold it would go alone).
     const burst = [g.submit(job(1))];
     await new Promise((r) => setImmediate(r));
@@ -118,6 +112,6 @@ describe('sample gathering while a batch is in the engine', () => {
     ends[1]!();
     await lone;
     // With a hold the queue is never asked (whatever waits there, the job waits anyway).
-    expect(asked).to.equal(0);
+    expect(counts.asked).to.equal(0);
   });
 });
