@@ -114,7 +114,7 @@ async function measure(agentCount: number): Promise<number> {
     await burst(api); // warm-up: first decode steps, connections
     const redisPid = Number(/process_id:(\d+)/.exec(await redis.info('server'))?.[1] ?? 0);
     const cpu = () => ({
-      self: (process.cpuUsage().user + process.cpuUsage().system) / 1000,
+      self: ((u) => (u.user + u.system) / 1000)(process.cpuUsage()),
       api: cpuMs(child.pid!) ?? 0,
       agents: agents.map((a) => treeCpuMs(a.child.pid!)),
       redis: (redisPid && cpuMs(redisPid)) || 0,

@@ -20,55 +20,12 @@ import sys
 import time
 
 import tinker
+from procstat import settle, snapshot
 from tinker import types
 
-TICK_MS = 1000 / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_ms(pid: int) -> float:
-    """utime + stime of a process so far, in ms."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * TICK_MS
-
-
-def tree(pid: int, named: set[int]) -> list[int]:
-    """A process and its descendants, less those in `named` (counted under their own name)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for t in os.listdir(f"/proc/{p}/task"):
-                todo += [int(c) for c in open(f"/proc/{p}/task/{t}/children").read().split() if int(c) not in named]
-        except OSError:
-            pass
-    return out
-
-
-def snapshot(pids: dict[str, int]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    named = set(pids.values())
-    for name, pid in pids.items():
-        total = 0.0
-        for p in tree(pid, named):
-            try:
-                total += cpu_ms(p)
-            except OSError:
-                pass
-        out[name] = total
-    return out
-
-
-def settle(pids: dict[str, int]) -> None:
-    """Waits until the stack used no CPU tick over 50 ms (the ends of a request — its metrics, its
-    signal — land after the client has its answer), at most 1 s."""
-    last = snapshot(pids)
-    for _ in range(20):
-        time.sleep(0.05)
-        now = snapshot(pids)
-        if sum(now.values()) - sum(last.values()) == 0:
-            return
-        last = now
+# A half ends once the stack used no CPU tick over 50 ms (the ends of a request, its metrics and its
+# signal, land after the client has its answer), waiting at most this long.
+SETTLE_S = 1.0
 
 
 def ratio(base_model: str, n: int, max_tokens: int, prompt_len: int, rounds: int) -> dict:
@@ -95,11 +52,11 @@ def ratio(base_model: str, n: int, max_tokens: int, prompt_len: int, rounds: int
     order = ["A", "B", "B", "A"]
     for i in range(2 * rounds):
         half = order[i % 4]
-        settle(pids)
+        settle(pids, SETTLE_S)
         before, t = snapshot(pids), time.perf_counter()
         tokens[half].add((half_a if half == "A" else half_b)(i))
         wall[half].append(time.perf_counter() - t)
-        settle(pids)
+        settle(pids, SETTLE_S)
         after = snapshot(pids)
         cpu[half].append({k: after[k] - before[k] for k in pids})
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731

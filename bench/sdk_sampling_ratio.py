@@ -17,13 +17,8 @@ import sys
 import time
 
 import tinker
+from procstat import cpu_ms
 from tinker import types
-
-
-def cpu_ms(pid: int) -> float:
-    """User + system CPU of a process so far, in ms (Linux /proc)."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:

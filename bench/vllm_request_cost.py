@@ -27,36 +27,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from procstat import settle
+
 ROOT = Path(__file__).resolve().parent.parent
-TICK_MS = 1000 / os.sysconf("SC_CLK_TCK")
-
-
-def tree_cpu_ms(pid: int) -> float:
-    """utime + stime of ``pid`` and its living descendants, in ms."""
-    total = 0.0
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        fields = stat[stat.rindex(")") + 2 :].split()
-        total += (int(fields[11]) + int(fields[12])) * TICK_MS
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            for child in (task / "children").read_text().split():
-                total += tree_cpu_ms(int(child))
-    except (FileNotFoundError, ProcessLookupError, ValueError):
-        pass
-    return total
-
-
-def settled(pid: int) -> float:
-    """The tree's CPU once it has used no tick for 50 ms."""
-    last = tree_cpu_ms(pid)
-    while True:
-        time.sleep(0.05)
-        now = tree_cpu_ms(pid)
-        if now == last:
-            return now
-        last = now
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -105,9 +78,10 @@ def main() -> int:
                     "ignore_eos": True, "seed": seed}
 
         pool = ThreadPoolExecutor(max_workers=args.n)
+        server_tree = {"server": server.pid}
 
         def half(kind: str, seed: int) -> tuple[float, float, int]:
-            before = settled(server.pid)
+            before = sum(settle(server_tree).values())
             t0 = time.perf_counter()
             if kind == "A":
                 outs = [post(f"{base}/v1/completions", body(args.n, seed))]
@@ -115,7 +89,7 @@ def main() -> int:
                 outs = list(pool.map(lambda i: post(f"{base}/v1/completions", body(1, seed + i)), range(args.n)))
             wall = (time.perf_counter() - t0) * 1000
             tokens = sum(c["usage"]["completion_tokens"] for c in outs)
-            return settled(server.pid) - before, wall, tokens
+            return sum(settle(server_tree).values()) - before, wall, tokens
 
         half("A", 0)
         half("B", 0)  # warm-up

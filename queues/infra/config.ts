@@ -133,6 +133,9 @@ const CommonEnv = z.object({
   TB_FUTURE_RETENTION_S: z.coerce.number().int().positive().default(86_400),
 });
 
+/** The torch engine's sample-gathering defaults (TB_SAMPLE_GATHER_MS, TB_SAMPLE_HOLD_MS, TB_SAMPLE_BATCH_TOKENS), for configs built without them too. */
+export const SAMPLE_GATHER_DEFAULTS = { gatherMs: 10, holdMs: 10, batchTokens: 131072 } as const;
+
 const ApiEnv = CommonEnv.extend({
   /** Interface the API listens on. @defaultValue `127.0.0.1` */
   TB_HOST: z.string().default('127.0.0.1'),
@@ -186,7 +189,7 @@ const AgentEnv = CommonEnv.extend({
   /** Sample jobs one agent holds at once (per base model); the torch engine generates them as batches. @defaultValue 64 */
   TB_SAMPLE_CONCURRENCY: z.coerce.number().int().positive().default(64),
   /** Torch engine: a sample batch stays open this long after its last arrival while jobs wait (0: no gathering). @defaultValue 10 */
-  TB_SAMPLE_GATHER_MS: z.coerce.number().int().nonnegative().default(10),
+  TB_SAMPLE_GATHER_MS: z.coerce.number().int().nonnegative().default(SAMPLE_GATHER_DEFAULTS.gatherMs),
   /**
    * Torch engine: how long the first sample job to reach an idle engine waits for company (the other
    * requests of a burst, which a client sends one after another) before its batch goes; the batch then
@@ -194,9 +197,9 @@ const AgentEnv = CommonEnv.extend({
    * first; the hold too is capped there). 0, or TB_SAMPLE_GATHER_MS=0: a lone job on an idle engine
    * goes at once. Figures: docs/benchmarks.md, "Holding the first job of a burst". @defaultValue 10
    */
-  TB_SAMPLE_HOLD_MS: z.coerce.number().int().nonnegative().default(10),
+  TB_SAMPLE_HOLD_MS: z.coerce.number().int().nonnegative().default(SAMPLE_GATHER_DEFAULTS.holdMs),
   /** Torch engine: a sample batch holds at most this many tokens (num_samples × (prompt + max_tokens), summed). @defaultValue 131072 */
-  TB_SAMPLE_BATCH_TOKENS: z.coerce.number().int().positive().default(131072),
+  TB_SAMPLE_BATCH_TOKENS: z.coerce.number().int().positive().default(SAMPLE_GATHER_DEFAULTS.batchTokens),
   /** Restart the engine process when it dies. @defaultValue true */
   TB_ENGINE_RESTART: bool.default(true),
   /**

@@ -1,6 +1,6 @@
 import { Queue, UnrecoverableError, Worker, type Job } from 'bullmq';
 import type { Redis } from 'ioredis';
-import type { AgentConfig, SampleFeature } from '../../queues/infra/config.js';
+import { SAMPLE_GATHER_DEFAULTS, type AgentConfig, type SampleFeature } from '../../queues/infra/config.js';
 import type { Logger } from '../../queues/infra/logger.js';
 import { decodeJobFailure, encodeJobFailure } from '../../queues/contract/errors.js';
 import type { Names } from '../../queues/contract/names.js';
@@ -105,12 +105,12 @@ export class SampleWorkers {
     const queue = new Queue(names.sampleQueue(base, adapter.kind), { connection: redis, prefix: names.bull });
     this.queues.push(queue);
     const share = this.shares.get(queue.name);
-    const windowMs = config.sampleGatherMs ?? 10;
+    const windowMs = config.sampleGatherMs ?? SAMPLE_GATHER_DEFAULTS.gatherMs;
     return new SampleGatherer({
       windowMs,
       maxWaitMs: windowMs * 5,
-      holdMs: config.sampleHoldMs ?? 10,
-      tokenBudget: config.sampleBatchTokens ?? 131072,
+      holdMs: config.sampleHoldMs ?? SAMPLE_GATHER_DEFAULTS.holdMs,
+      tokenBudget: config.sampleBatchTokens ?? SAMPLE_GATHER_DEFAULTS.batchTokens,
       // Only the waiting jobs this agent may still take under its share.
       waiting: async () => Math.min(await queue.getWaitingCount(), share ? share.room() : Infinity),
       run: async (jobs) => {
