@@ -33,7 +33,8 @@ nproc
 # docs/benchmarks.md ("Two agents serving one model"): bursts of 512 and 1,024 one-sample requests,
 # 4 engine threads per agent. At 128 requests a CPU decode step's fixed part (reading the weights,
 # per-step Python) is most of a step and does not halve with the rows: two agents gave 1.46x there.
-SCALE_ARGS=${SCALE_ARGS:-512 64 2 4;1024 64 2 4}
+# SCALE_ARGS="" (set and empty): no scale-out run.
+SCALE_ARGS=${SCALE_ARGS-512 64 2 4;1024 64 2 4}
 SCALE_SHAPE=${SCALE_SHAPE:-small}
 if [ "$SCALE_SHAPE" != tiny ]; then
   export SCALE_MODEL=/tmp/scale-model-$SCALE_SHAPE
@@ -45,11 +46,18 @@ for args in "${SCALE_RUNS[@]}"; do
   stamp "bench/scale-out.ts $args (shape $SCALE_SHAPE)"
   timeout ${SCALE_S:-280} node --import tsx bench/scale-out.ts $args
 done
+# RATIO_ARGS: bench/sampling.ts ratio's n, max_tokens, prompt_len, rounds (several: separated by ';'),
+# each run with the engine on the CPU (7 threads), then on cuda:0. A burst's fixed costs (the client's
+# and the API's per request) weigh less as the generation grows.
 [ -n "${SKIP_RATIO:-}" ] || {
-stamp "bench/sampling.ts ratio 32 64 16 3 (tiny model, CPU engine, 7 threads)"
-TB_ENGINE_DEVICE=cpu TB_ENGINE_THREADS=7 timeout ${RATIO_S:-120} node --import tsx bench/sampling.ts ratio 32 64 16 3
-stamp "bench/sampling.ts ratio 32 64 16 3 (tiny model, cuda:0)"
-TB_ENGINE_DEVICE=cuda:0 timeout ${RATIO_S:-120} node --import tsx bench/sampling.ts ratio 32 64 16 3
+IFS=';' read -ra RATIO_RUNS <<< "${RATIO_ARGS:-32 64 16 3;32 512 16 3}"
+for args in "${RATIO_RUNS[@]}"; do
+  for dev in cpu cuda:0; do
+    stamp "bench/sampling.ts ratio $args (tiny model, engine on $dev; 7 threads on the CPU)"
+    THREADS=(); [ $dev = cpu ] && THREADS=(TB_ENGINE_THREADS=7)
+    env "${THREADS[@]}" TB_ENGINE_DEVICE=$dev timeout ${RATIO_S:-120} node --import tsx bench/sampling.ts ratio $args
+  done
+done
 }
 if [ -n "${MEMBERS:-}" ]; then
   stamp "profile_train.py --members $MEMBERS (1.7B shape, 2 x 256 tokens per member)"

@@ -8,6 +8,9 @@
 #          trains (bench/gpu/inprocess_rl.py, the anchor of issue 31 item 5)
 #   trl    no broker: TRL's GRPOTrainer with vLLM colocated and sleeping while it trains
 #          (bench/gpu/trl_grpo.py; needs .carry-cb, bench/gpu/build_cookbook_carry.sh, carried in the call)
+#   direct not the loop: the split preset with vLLM's CUDA graphs on (no --enforce-eager), then
+#          bench/gpu/vllm_direct.py: DIRECT_N (32) concurrent one-sample requests of DIRECT_TOKENS (128)
+#          through the broker against the same requests sent to the vLLM server itself (issue 36)
 # Each prints per-step phase times and the time from save_weights_for_sampler to the first token of
 # the new version; nvidia-smi is sampled every 100 ms meanwhile (GPU busy fraction, memory).
 # On the device, after the vLLM kit was carried into /tmp/tb/parts (bench/gpu/build_vllm_sdk_carry.sh
@@ -51,11 +54,22 @@ for way in ${WAYS//,/ }; do
   fi
   if [ "$way" = turns ]; then PRESET=presets/gpu/one_gpu_rl.yaml; export TB_ENGINE_MAX_BATCH_TOKENS=${TURNS_BATCH_TOKENS:-8192}
   else PRESET=presets/gpu/one_gpu_rl_split.yaml; export TB_ENGINE_MAX_BATCH_TOKENS=${SPLIT_BATCH_TOKENS:-4096}; fi
+  VLLM_ARGS=$TB_VLLM_EXTRA_ARGS
+  [ "$way" = direct ] && VLLM_ARGS=${TB_VLLM_EXTRA_ARGS//--enforce-eager/}
   export TB_PORT=$PORT TB_PREFIX=turns-$way TB_STORAGE_DIR=/tmp/tb/storage-$way
-  stamp "$way: starting $PRESET (one command; TB_ENGINE_MAX_BATCH_TOKENS=$TB_ENGINE_MAX_BATCH_TOKENS)"
-  start_stack "$OUT/$way.log" --preset $PRESET
+  stamp "$way: starting $PRESET (one command; TB_ENGINE_MAX_BATCH_TOKENS=$TB_ENGINE_MAX_BATCH_TOKENS; vLLM: $VLLM_ARGS)"
+  TB_VLLM_EXTRA_ARGS=$VLLM_ARGS start_stack "$OUT/$way.log" --preset $PRESET
   if ! wait_for "$way: healthz ready" ${READY_S:-300} "http_has $URL/api/v1/healthz ready" ${PIDS[-1]}; then
     grep -v 'path=/healthz' "$OUT/$way.log" | tail -40 | cut -c1-400; kill -TERM ${PIDS[-1]}; sleep 5; continue
+  fi
+  if [ "$way" = direct ]; then
+    grep -o '"\?ready_s"\?[=:][0-9]*' "$OUT/$way.log" | head -2
+    TINKER_BASE_URL=$URL TINKER_API_KEY=tml-local PYTHONUNBUFFERED=1 timeout ${LOOP_S:-200} $SDK_PY bench/gpu/vllm_direct.py \
+      --rollout qwen3-1.7b-rollout --agent-log "$OUT/$way.log" --n ${DIRECT_N:-32} --tokens ${DIRECT_TOKENS:-128} \
+      --rounds ${DIRECT_ROUNDS:-6} --out "$OUT/summary-direct.json"
+    stamp "direct: exited $?"
+    kill -TERM ${PIDS[-1]}; for _ in $(seq 60); do kill -0 ${PIDS[-1]} 2>/dev/null || break; sleep 1; done
+    continue
   fi
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
   nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader,nounits -lms 100 > "$OUT/smi-$way.csv" &
