@@ -24,7 +24,7 @@ fi
 python3 -c "import socket; socket.create_connection(('127.0.0.1', 6379), 1)" 2>/dev/null \
   || redis-server --port 6379 --save '' --appendonly no --daemonize yes --logfile /tmp/redis-scale.log
 sleep 1
-export TB_PYTHON=python3 TB_LOG_LEVEL=warn
+export TB_PYTHON=python3 TB_LOG_LEVEL=${TB_LOG_LEVEL:-warn}
 nproc
 # SCALE_ARGS: bench/scale-out.ts's requests, max_tokens, rounds, threads (several runs: separated by ';').
 # SCALE_SHAPE: the model the agents serve: `small` (the default: bench/gpu/engine_vs_plain.py's
@@ -49,10 +49,11 @@ done
 # RATIO_ARGS: bench/sampling.ts ratio's n, max_tokens, prompt_len, rounds (several: separated by ';'),
 # each run with the engine on the CPU (7 threads), then on cuda:0. A burst's fixed costs (the client's
 # and the API's per request) weigh less as the generation grows.
+# RATIO_DEVICES: the engine devices of those runs ("cpu cuda:0").
 [ -n "${SKIP_RATIO:-}" ] || {
 IFS=';' read -ra RATIO_RUNS <<< "${RATIO_ARGS:-32 64 16 3;32 512 16 3}"
 for args in "${RATIO_RUNS[@]}"; do
-  for dev in cpu cuda:0; do
+  for dev in ${RATIO_DEVICES:-cpu cuda:0}; do
     stamp "bench/sampling.ts ratio $args (tiny model, engine on $dev; 7 threads on the CPU)"
     THREADS=(); [ $dev = cpu ] && THREADS=(TB_ENGINE_THREADS=7)
     env "${THREADS[@]}" TB_ENGINE_DEVICE=$dev timeout ${RATIO_S:-120} node --import tsx bench/sampling.ts ratio $args
