@@ -79,6 +79,7 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's own)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="then cProfile one more run of the 'joins' way (top 20 by own time)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -113,6 +114,13 @@ def main() -> int:
         toks = runs[0][2]
         print(f"  {name:9s}: {wall * 1000:8.1f} ms, {steps:5.0f} steps, {wall * 1000 / steps:6.2f} ms/step, "
               f"{toks / wall:9.0f} tokens/s, one / this {base / wall:.2f}", flush=True)
+    if args.profile:
+        import cProfile
+        import pstats
+        calls, every = ways(99_000)["joins"]
+        prof = cProfile.Profile()
+        prof.runcall(drive, engine, calls, every, device)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
     return 0
 
 
