@@ -4,6 +4,8 @@
 #     stand-in model, torch engines on the CPU, each agent's engine on 4 of the 16 cores);
 #   - issue 36: 32 concurrent one-sample requests against one 32-sample request (bench/sampling.ts
 #     ratio), the tiny model on the CPU, then on cuda:0;
+#   - issue 36 (when JOINS is set): a burst joining a running generation on cuda:0, in one process and in
+#     the engine as a child (bench/sample_joins.py, bench/engine_joins.py);
 #   - issue 34 (when MEMBERS is set, e.g. 1,2,4,8): a co-batched pass of N members at the 1.7B shape,
 #     in-process (bench/gpu/profile_train.py --members).
 # Needs node, redis-server and the production node_modules: either on a warm machine after
@@ -60,6 +62,18 @@ for args in "${RATIO_RUNS[@]}"; do
   done
 done
 }
+# JOINS=1: the torch engine's sampler when a burst joins a running generation, on cuda:0 (issue 36: the
+# ratio on cuda:0 fell to 0.06-0.07 on 2026-12-07, docs/benchmarks.md): in one process
+# (bench/sample_joins.py), then as the agent runs it, a child on its pipes, under cProfile
+# (bench/engine_joins.py; the child's 25 costliest functions by own time).
+if [ -n "${JOINS:-}" ]; then
+  [ -f models/tiny-qwen3/config.json ] || python3 scripts/make_tiny_model.py --out models/tiny-qwen3 >/dev/null 2>&1
+  stamp "bench/sample_joins.py on cuda: 1 then 31 joining 20 steps later"
+  python3 bench/sample_joins.py --device cuda --rounds 3 --groups 1,31 --every 20 2>&1 | grep -v -i -E "warn|Loading"
+  stamp "bench/engine_joins.py on cuda (the engine as a child, under cProfile)"
+  python3 bench/engine_joins.py --device cuda --rounds 4 --gap-ms 30 --profile /tmp/engine-joins.prof 2>&1 | grep -v -E "INFO|Loading|[Ww]arn"
+  python3 -c "import pstats; pstats.Stats('/tmp/engine-joins.prof').sort_stats('tottime').print_stats(25)" | tail -34 | cut -c1-200
+fi
 if [ -n "${MEMBERS:-}" ]; then
   stamp "profile_train.py --members $MEMBERS (1.7B shape, 2 x 256 tokens per member)"
   timeout ${MEMBERS_S:-150} python3 bench/gpu/profile_train.py --model 1.7b --batch 2 --seq 256 --steps 5 --members "$MEMBERS" 2>&1 | grep -v -i warn | head -60
