@@ -79,6 +79,8 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's own)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--vary", action="store_true",
+                    help="the 'joins' way's calls come --every + round steps apart: shapes not seen in the warm-up or an earlier round")
     ap.add_argument("--profile", action="store_true", help="then cProfile one more run of the 'joins' way (top 20 by own time)")
     args = ap.parse_args()
     if args.threads:
@@ -104,9 +106,9 @@ def main() -> int:
     got: dict[str, list[tuple[float, int, int]]] = {k: [] for k in ways(0)}
     for r in range(args.rounds):
         for name, (calls, every) in ways(1000 * (r + 1)).items():
-            got[name].append(drive(engine, calls, every, device))
+            got[name].append(drive(engine, calls, every + (r + 1 if args.vary and name == "joins" else 0), device))
     print(f"torch {torch.__version__}, {args.model}, device {args.device}, {args.rows} rows x {args.tokens} tokens, "
-          f"joins: calls of {args.groups} every {args.every} steps; median of {args.rounds} rounds")
+          f"joins: calls of {args.groups} every {args.every}{' + round' if args.vary else ''} steps; median of {args.rounds} rounds")
     base = statistics.median(w for w, _, _ in got["one"])
     for name, runs in got.items():
         wall = statistics.median(w for w, _, _ in runs)

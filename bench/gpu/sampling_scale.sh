@@ -70,6 +70,8 @@ if [ -n "${JOINS:-}" ]; then
   [ -f models/tiny-qwen3/config.json ] || python3 scripts/make_tiny_model.py --out models/tiny-qwen3 >/dev/null 2>&1
   stamp "bench/sample_joins.py on cuda: 1 then 31 joining 20 steps later"
   python3 bench/sample_joins.py --device cuda --rounds 3 --groups 1,31 --every 20 2>&1 | grep -v -i -E "warn|Loading"
+  stamp "bench/sample_joins.py on cuda: the same, joining at another step each round (shapes not seen before)"
+  python3 bench/sample_joins.py --device cuda --rounds 3 --groups 1,31 --every 7 --vary 2>&1 | grep -v -i -E "warn|Loading"
   stamp "bench/engine_joins.py on cuda (the engine as a child, under cProfile)"
   python3 bench/engine_joins.py --device cuda --rounds 4 --gap-ms 30 --profile /tmp/engine-joins.prof 2>&1 | grep -v -E "INFO|Loading|[Ww]arn"
   python3 -c "import pstats; pstats.Stats('/tmp/engine-joins.prof').sort_stats('tottime').print_stats(25)" | tail -34 | cut -c1-200
