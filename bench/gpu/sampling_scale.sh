@@ -72,6 +72,8 @@ if [ -n "${JOINS:-}" ]; then
   python3 bench/sample_joins.py --device cuda --rounds 3 --groups 1,31 --every 20 2>&1 | grep -v -i -E "warn|Loading"
   stamp "bench/sample_joins.py on cuda: the same, joining at another step each round (shapes not seen before)"
   python3 bench/sample_joins.py --device cuda --rounds 3 --groups 1,31 --every 7 --vary 2>&1 | grep -v -i -E "warn|Loading"
+  # The agent reads its engine's GPU memory with nvidia-smi at every heartbeat (workers/stats.ts): how long one takes here.
+  nvidia-smi -q | grep -i -m1 persistence; stamp "nvidia-smi --query-compute-apps"; nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader; stamp "done"
   stamp "bench/engine_joins.py on cuda (the engine as a child, under cProfile)"
   python3 bench/engine_joins.py --device cuda --rounds 4 --gap-ms 30 --profile /tmp/engine-joins.prof 2>&1 | grep -v -E "INFO|Loading|[Ww]arn"
   python3 -c "import pstats; pstats.Stats('/tmp/engine-joins.prof').sort_stats('tottime').print_stats(25)" | tail -34 | cut -c1-200
