@@ -56,8 +56,8 @@ done
 IFS=';' read -ra RATIO_RUNS <<< "${RATIO_ARGS:-32 64 16 3;32 512 16 3}"
 for args in "${RATIO_RUNS[@]}"; do
   for dev in ${RATIO_DEVICES:-cpu cuda:0}; do
-    stamp "bench/sampling.ts ratio $args (tiny model, engine on $dev; 7 threads on the CPU)"
     THREADS=(); [ $dev = cpu ] && THREADS=(TB_ENGINE_THREADS=7)
+    stamp "bench/sampling.ts ratio $args (tiny model, engine on $dev ${THREADS[*]})"
     env "${THREADS[@]}" TB_ENGINE_DEVICE=$dev timeout ${RATIO_S:-120} node --import tsx bench/sampling.ts ratio $args
   done
 done
