@@ -56,9 +56,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gc", choices=("on", "off", "log"), default="on",
                     help="the child's garbage collector: as is, disabled, or each collection of generation 2 logged with its time")
+    ap.add_argument("--cudnn-attention", action="store_true", help="the child with TB_ENGINE_CUDNN_ATTENTION=1")
     ap.add_argument("--profile", default="", help="run the child under cProfile, its stats written to this file")
     args = ap.parse_args()
-    env = {**os.environ, "TB_ENGINE_DEVICE": args.device, "PYTHONPATH": str(ROOT / "workers" / "python")}
+    env = {**os.environ, "TB_ENGINE_DEVICE": args.device, "PYTHONPATH": str(ROOT / "workers" / "python"),
+           "TB_ENGINE_CUDNN_ATTENTION": "1" if args.cudnn_attention else "0"}
     boot = {"on": "", "off": "gc.disable()\n", "log": GC_LOG}[args.gc]
     run = f"runpy.run_module('tinker_engine', run_name='__main__')"
     if args.profile:
@@ -95,7 +97,7 @@ def main() -> int:
 
     i, _ = send("load_base", {"name": "b", "path": args.model})
     wait([i])
-    print(f"engine child on {args.device}: load_base {replies[i][1].get('ok', replies[i][1])}", flush=True)
+    print(f"engine child on {args.device}{' (TB_ENGINE_CUDNN_ATTENTION=1)' if args.cudnn_attention else ''}: load_base {replies[i][1].get('ok', replies[i][1])}", flush=True)
 
     def one_way(seed: int) -> float:
         i, t = send("sample_batch", {"base_model": "b", "requests": [request(args.rows, args.tokens, seed, 0)]})

@@ -79,6 +79,9 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's own)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cudnn-attention", action="store_true",
+                    help="on CUDA, leave cuDNN's attention in scaled_dot_product_attention (the engine leaves it out "
+                         "unless TB_ENGINE_CUDNN_ATTENTION=1)")
     ap.add_argument("--vary", action="store_true",
                     help="the 'joins' way's calls come --every + round steps apart: shapes not seen in the warm-up or an earlier round")
     ap.add_argument("--profile", action="store_true", help="then cProfile one more run of the 'joins' way (top 20 by own time)")
@@ -90,6 +93,8 @@ def main() -> int:
         sys.exit(f"--groups add up to {sum(groups)}, not --rows {args.rows}")
     device = torch.device(args.device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(args.cudnn_attention)
     engine = Engine(Placement(device=device, dtype=dtype), sampler_cache_size=1)
     engine.call("load_base", {"name": "b", "path": args.model})
 
@@ -107,7 +112,8 @@ def main() -> int:
     for r in range(args.rounds):
         for name, (calls, every) in ways(1000 * (r + 1)).items():
             got[name].append(drive(engine, calls, every + (r + 1 if args.vary and name == "joins" else 0), device))
-    print(f"torch {torch.__version__}, {args.model}, device {args.device}, {args.rows} rows x {args.tokens} tokens, "
+    print(f"torch {torch.__version__}, {args.model}, device {args.device}"
+          f"{' (cuDNN attention on)' if args.cudnn_attention else ''}, {args.rows} rows x {args.tokens} tokens, "
           f"joins: calls of {args.groups} every {args.every}{' + round' if args.vary else ''} steps; median of {args.rounds} rounds")
     base = statistics.median(w for w, _, _ in got["one"])
     for name, runs in got.items():

@@ -72,6 +72,8 @@ if [ -n "${JOINS:-}" ]; then
   python3 bench/sample_joins.py --device cuda --rounds 3 --groups 1,31 --every 20 2>&1 | grep -v -i -E "warn|Loading"
   stamp "bench/sample_joins.py on cuda: the same, joining at another step each round (shapes not seen before)"
   python3 bench/sample_joins.py --device cuda --rounds 3 --groups 1,31 --every 7 --vary 2>&1 | grep -v -i -E "warn|Loading"
+  stamp "the same with cuDNN's attention left in (torch's own order; the engine leaves it out since 2026-12-07)"
+  python3 bench/sample_joins.py --device cuda --rounds 3 --groups 1,31 --every 7 --vary --cudnn-attention 2>&1 | grep -v -i -E "warn|Loading"
   # The agent reads its engine's GPU memory with nvidia-smi at every heartbeat (workers/stats.ts): how long one takes here.
   nvidia-smi -q | grep -i -m1 persistence; stamp "nvidia-smi --query-compute-apps"; nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader; stamp "done"
   stamp "bench/engine_joins.py on cuda (the engine as a child, under cProfile)"

@@ -55,6 +55,8 @@ export const ENGINE_LAYOUTS = ['auto', 'packed', 'padded'] as const;
 export const ENGINE_KERNELS = ['none', 'liger'] as const;
 /** An engine flag, `true`/`1` or `false`/`0` (the agent passes `1`/`0`), or `auto` (the engine chooses). */
 const engineAutoFlag = z.enum(['auto', 'true', 'false', '1', '0']).transform((v): 'auto' | boolean => (v === 'auto' ? v : v === 'true' || v === '1'));
+/** An engine flag, `true`/`1` or `false`/`0` (the agent passes `1`/`0`). */
+const engineFlag = z.enum(['true', 'false', '1', '0']).transform((v) => v === 'true' || v === '1');
 /** An engine count: decimal digits only, at least 1 (the engines read no sign, space or exponent). */
 const engineCount = z
   .string()
@@ -92,6 +94,8 @@ const EngineEnv = z.object({
   TB_ENGINE_HEAD_CHUNK_TOKENS: engineCount.default(16_384),
   /** Torch engine: fused kernels in the base model's layers, `none` or `liger` (Liger's Triton RMSNorm, SwiGLU and rotary embedding; CUDA only, needs the liger-kernel package; a CPU engine refuses it at its start). @defaultValue `none` */
   TB_ENGINE_KERNELS: z.enum(ENGINE_KERNELS).default('none'),
+  /** Torch engine on CUDA: let `scaled_dot_product_attention` use cuDNN's attention (`true`/`1`). Off by default: torch 2.11 tries cuDNN first on Hopper and newer GPUs, and cuDNN builds an execution plan for every new (batch, length) shape, tens of milliseconds each; a decode step's cache length is new at every step of a batch whose rows joined at another step, and a micro-batch's length with every datum mix (docs/benchmarks.md, "32 concurrent requests … on the 16-core GPU machine"). Off, torch picks flash, memory-efficient or math attention. @defaultValue false */
+  TB_ENGINE_CUDNN_ATTENTION: engineFlag.default(false),
   /** verl engine: gradient checkpointing (`true`/`1`, `false`/`0`), or `auto`: chosen from the model's size and the GPU's memory, printed as the model is built (workers/python/tinker_engine_verl/levers.py); on for CPU ranks. A model's preset `gradient_checkpointing` wins. @defaultValue `auto` */
   TB_VERL_GRAD_CKPT: engineAutoFlag.default('auto'),
   /** verl engine: padding removed (verl's `use_remove_padding`: a micro-batch's rows packed into one, no padding computed), `true`/`1`, `false`/`0`, or `auto`: on where a variable-length attention kernel runs (CUDA with flash-attn's attention, or torch's `varlen_attn` in place of `sdpa`). A model's preset `remove_padding` wins. @defaultValue `auto` */

@@ -55,6 +55,7 @@ def test_values_are_parsed() -> None:
     (EngineSettings, "TB_GPU_MEMORY", "-0.5", "a number above 0 and at most 1"),
     (EngineSettings, "TB_LOSS_CATALOGUE", "/nonexistent/losses.json", "a file that exists"),
     (EngineSettings, "TB_ENGINE_KERNELS", "triton", "one of none, liger"),
+    (EngineSettings, "TB_ENGINE_CUDNN_ATTENTION", "on", "1, 0, true or false"),
     (VerlSettings, "TB_VERL_STRATEGY", "megatron", "one of fsdp2, fsdp, veomni"),
     (VerlSettings, "TB_VERL_OFFLOAD", "on", "1, 0, true or false"),
     (VerlSettings, "TB_VERL_REMOVE_PADDING", "yes", "auto, 1, 0, true or false"),
@@ -92,3 +93,28 @@ def test_fused_kernels_on_the_cpu_stop_the_engine_at_its_start_saying_why() -> N
     run = subprocess.run([sys.executable, "-m", "tinker_engine"], input=b"", capture_output=True, env=env, timeout=120)
     assert run.returncode != 0
     assert "TB_ENGINE_KERNELS=liger needs a CUDA device" in run.stderr.decode()
+
+
+@pytest.mark.parametrize("env, device, calls", [
+    ({"TB_ENGINE_DEVICE": "cuda:0"}, "cuda:0", [False]),
+    ({"TB_ENGINE_DEVICE": "cuda", "TB_ENGINE_CUDNN_ATTENTION": "0"}, "cuda:0", [False]),
+    ({"TB_ENGINE_DEVICE": "cuda:0", "TB_ENGINE_CUDNN_ATTENTION": "1"}, "cuda:0", []),
+    ({"TB_ENGINE_DEVICE": "cpu"}, "cpu", []),
+])
+def test_cudnn_attention_is_left_out_on_cuda_unless_asked_for(monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
+                                                            device: str, calls: list[bool]) -> None:
+    """cuDNN's attention builds an execution plan per new (batch, length) shape; concurrent sample requests
+    joining a running batch make every decode step a new shape (measured 2.3 s per joining call on an H100,
+    docs/benchmarks.md). The engine leaves it out of SDPA on CUDA (device.py) unless
+    TB_ENGINE_CUDNN_ATTENTION=1; on the CPU there is nothing to change. CUDA is stood in for here: the
+    placement only names the device, and the backend switch is recorded instead of made."""
+    import torch
+
+    from tinker_engine import device as device_mod
+
+    made: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", made.append)
+    placement = device_mod.placement_from_env(load(EngineSettings, env))
+    assert str(placement.device) == device
+    assert made == calls

@@ -3,6 +3,8 @@
 - device (``TB_ENGINE_DEVICE``): ``cpu``, ``cuda`` or ``cuda:N``; default cuda:0 when available, else cpu.
 - dtype (``TB_ENGINE_DTYPE``): base weights' dtype, ``float32`` | ``bfloat16`` | ``float16``; default
   float32 on CPU and bfloat16 on CUDA. LoRA weights and all logprob/loss math are float32 regardless.
+- on CUDA, cuDNN's attention is left out of ``scaled_dot_product_attention`` unless
+  ``TB_ENGINE_CUDNN_ATTENTION`` asks for it (settings.py).
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ def placement_from_env(settings: EngineSettings | None = None) -> Placement:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
+    if device.type == "cuda" and not s.cudnn_attention:
+        # cuDNN's attention builds an execution plan per new (batch, length) shape (tens of ms each):
+        # every decode step of a batch that requests joined is a new shape (TB_ENGINE_CUDNN_ATTENTION).
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if device.type == "cuda" and s.memory_fraction is not None:
         # Agents sharing the GPU (a preset's gpu_memory): this process's allocator stops at its share.
         torch.cuda.set_per_process_memory_fraction(s.memory_fraction, device)

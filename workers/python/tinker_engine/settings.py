@@ -169,6 +169,11 @@ class EngineSettings:
     #: ``TB_ENGINE_KERNELS``: fused kernels in the base model's layers (kernels.py): ``none``, or ``liger``
     #: (Liger's Triton RMSNorm, SwiGLU and rotary embedding; CUDA only, the liger-kernel package installed).
     kernels: str = variable("TB_ENGINE_KERNELS", choice(*KERNELS), "none", KERNELS)
+    #: ``TB_ENGINE_CUDNN_ATTENTION``: on CUDA, let ``scaled_dot_product_attention`` use cuDNN's attention.
+    #: Off by default (device.py): cuDNN builds an execution plan for every new (batch, length) shape,
+    #: tens of milliseconds each, and a decode step's cache length is new at every step once rows joined
+    #: a running batch at another step; off, torch picks flash, memory-efficient or math attention.
+    cudnn_attention: bool = variable("TB_ENGINE_CUDNN_ATTENTION", flag, False)
     #: ``TB_GPU_MEMORY`` (the agent's): the share of the GPU this engine may use, 0 < x <= 1 (a preset's
     #: ``gpu_memory``, when agents share a GPU): the CUDA allocator is capped there (device.py); unset: no cap.
     memory_fraction: float | None = variable("TB_GPU_MEMORY", fraction, None)
