@@ -21,6 +21,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "workers" / "python"))
+sys.path.insert(0, str(ROOT / "bench"))
+from sample_joins import request  # noqa: E402
 from tinker_engine.channel import Channel, decode_frame, encode_frame  # noqa: E402
 
 
@@ -35,15 +37,6 @@ def _cb(phase, info):
         print(f"gc: generation 2, {(time.perf_counter() - _t[0]) * 1000:.0f} ms, collected {info['collected']}", file=sys.stderr, flush=True)
 gc.callbacks.append(_cb)
 """
-
-
-def request(n: int, tokens: int, seed: int, k: int) -> dict[str, Any]:
-    # Distinct prompts of 16 tokens, as bench/sampling.ts ratio sends them.
-    return {"adapter_dir": None, "prompt": [5 + ((k * 31 + j * 7) % 1000) for j in range(16)], "num_samples": n,
-            "sampling_params": {"max_tokens": tokens, "temperature": 1.0, "top_k": -1, "top_p": 1.0, "seed": seed,
-                                "stop_tokens": [], "stop_strings": [], "stop_at_eos": False},
-            "prompt_logprobs": False, "topk_prompt_logprobs": 0, "target_prompt_logprobs": None,
-            "topk_sample_logprobs": 0, "prompt_alt_tokens_k": 0}
 
 
 def main() -> int:
@@ -62,7 +55,7 @@ def main() -> int:
     env = {**os.environ, "TB_ENGINE_DEVICE": args.device, "PYTHONPATH": str(ROOT / "workers" / "python"),
            "TB_ENGINE_CUDNN_ATTENTION": "1" if args.cudnn_attention else "0"}
     boot = {"on": "", "off": "gc.disable()\n", "log": GC_LOG}[args.gc]
-    run = f"runpy.run_module('tinker_engine', run_name='__main__')"
+    run = "runpy.run_module('tinker_engine', run_name='__main__')"
     if args.profile:
         run = f"import cProfile; cProfile.run({run!r}, {args.profile!r})"
     cmd = [sys.executable, "-c", f"import gc, runpy, sys, time\n{boot}{run}"]
@@ -94,6 +87,9 @@ def main() -> int:
     def wait(ids: list[int]) -> None:
         with done:
             done.wait_for(lambda: all(i in replies for i in ids), timeout=600)
+        for i in ids:
+            if i not in replies or not replies[i][1].get("ok"):
+                sys.exit(f"request {i}: {replies[i][1] if i in replies else 'no reply in 600 s'}")
 
     i, _ = send("load_base", {"name": "b", "path": args.model})
     wait([i])

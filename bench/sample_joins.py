@@ -35,10 +35,16 @@ from tinker_engine.device import Placement  # noqa: E402
 from tinker_engine.engine import Engine  # noqa: E402
 
 
-def request(n: int, tokens: int, seed: int) -> dict[str, Any]:
-    return {"adapter_dir": None, "prompt": list(range(5, 21)), "num_samples": n,
-            "sampling_params": {"max_tokens": tokens, "temperature": 1.0, "seed": seed, "stop_at_eos": False},
-            "prompt_logprobs": False, "topk_prompt_logprobs": 0}
+def request(n: int, tokens: int, seed: int, k: int | None = None) -> dict[str, Any]:
+    """One sample request of 16 prompt tokens, EOS off, with every field the agent sends (the engine's
+    protocol requires them on its channel); ``k``: the k-th of distinct prompts, as bench/sampling.ts
+    ratio sends them (None: the same prompt for every request)."""
+    prompt = list(range(5, 21)) if k is None else [5 + ((k * 31 + j * 7) % 1000) for j in range(16)]
+    return {"adapter_dir": None, "prompt": prompt, "num_samples": n,
+            "sampling_params": {"max_tokens": tokens, "temperature": 1.0, "top_k": -1, "top_p": 1.0, "seed": seed,
+                                "stop_tokens": [], "stop_strings": [], "stop_at_eos": False},
+            "prompt_logprobs": False, "topk_prompt_logprobs": 0, "target_prompt_logprobs": None,
+            "topk_sample_logprobs": 0, "prompt_alt_tokens_k": 0}
 
 
 def drive(engine: Engine, calls: list[list[dict[str, Any]]], every: int, device: torch.device) -> tuple[float, int, int]:

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import random
-import re
 import statistics
 import sys
 import time
@@ -40,20 +39,8 @@ from concurrent.futures import ThreadPoolExecutor
 import tinker
 from tinker import types
 
+from vllm_prompt_logprobs_probe import server_of
 from vllm_sdk_check import jobs_by_engine, say
-
-
-def server_of(agent_log: str) -> tuple[str, str]:
-    """The vLLM server's URL and served model name from the agent's last ``vLLM serving`` line."""
-    text = open(agent_log, encoding="utf8", errors="replace").read()
-    lines = re.findall(r"vLLM serving .*", text)
-    if not lines:
-        sys.exit(f"no 'vLLM serving' line in {agent_log}")
-    url = re.search(r"url=(\S+)", lines[-1])
-    served = re.search(r"served_as=(\S+)", lines[-1])
-    if not url or not served:
-        sys.exit(f"cannot read url= and served_as= from: {lines[-1][:300]}")
-    return url.group(1).strip('"'), served.group(1).strip('"')
 
 
 def direct_body(model: str, prompt: list[int], max_tokens: int) -> dict:

@@ -17,10 +17,24 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+
+
+def server_of(agent_log: str) -> tuple[str, str]:
+    """The vLLM server's URL and served model name from the agent's last ``vLLM serving`` line."""
+    text = open(agent_log, encoding="utf8", errors="replace").read()
+    lines = re.findall(r"vLLM serving .*", text)
+    if not lines:
+        sys.exit(f"no 'vLLM serving' line in {agent_log}")
+    url = re.search(r"url=(\S+)", lines[-1])
+    served = re.search(r"served_as=(\S+)", lines[-1])
+    if not url or not served:
+        sys.exit(f"cannot read url= and served_as= from: {lines[-1][:300]}")
+    return url.group(1).strip('"'), served.group(1).strip('"')
 
 
 def post(url: str, body: dict, timeout: float = 300) -> tuple[int | str, object]:
@@ -46,8 +60,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     log = open(args.agent_log, encoding="utf8", errors="replace").read()
-    url = re.findall(r"vLLM serving .*?url=(\S+)", log)[-1]
-    served = re.findall(r"served_as=(\S+)", log)[-1]
+    url, served = server_of(args.agent_log)
     loras = dict.fromkeys(re.findall(r"loaded sampler adapter .*?lora=(\S+)", log))
     prompt = [int(x) for x in args.prompt.split(",")]
     targets = {"base": served, **{name: name for name in loras}}

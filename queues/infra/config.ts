@@ -53,10 +53,13 @@ export const VERL_ATTENTIONS = ['sdpa', 'eager', 'flash_attention_2', 'flash_att
 export const ENGINE_LAYOUTS = ['auto', 'packed', 'padded'] as const;
 /** The torch engine's fused kernels (`TB_ENGINE_KERNELS`; tinker_engine/settings.py KERNELS). */
 export const ENGINE_KERNELS = ['none', 'liger'] as const;
-/** An engine flag, `true`/`1` or `false`/`0` (the agent passes `1`/`0`), or `auto` (the engine chooses). */
-const engineAutoFlag = z.enum(['auto', 'true', 'false', '1', '0']).transform((v): 'auto' | boolean => (v === 'auto' ? v : v === 'true' || v === '1'));
-/** An engine flag, `true`/`1` or `false`/`0` (the agent passes `1`/`0`). */
-const engineFlag = z.enum(['true', 'false', '1', '0']).transform((v) => v === 'true' || v === '1');
+/** An engine flag's values (tinker_engine/settings.py `flag`): `true`/`1` or `false`/`0` (the agent passes `1`/`0`). */
+const ENGINE_FLAG_VALUES = ['true', 'false', '1', '0'] as const;
+const flagOn = (v: string): boolean => v === 'true' || v === '1';
+/** An engine flag. */
+const engineFlag = z.enum(ENGINE_FLAG_VALUES).transform(flagOn);
+/** An engine flag, or `auto` (the engine chooses). */
+const engineAutoFlag = z.enum(['auto', ...ENGINE_FLAG_VALUES]).transform((v): 'auto' | boolean => (v === 'auto' ? v : flagOn(v)));
 /** An engine count: decimal digits only, at least 1 (the engines read no sign, space or exponent). */
 const engineCount = z
   .string()
