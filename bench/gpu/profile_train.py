@@ -19,6 +19,10 @@ the CPU): per N, N models with the same LoRA, each --batch datums of --seq token
 forward_backward ops one after another against one forward_backward_group of the N, with the
 grouped LoRA product and with each adapter on its own: median ms over --steps alternating rounds and
 cudaLaunchKernel per pass; then the ops with the most CPU self time in the largest group's pass.
+
+``--cudnn-attention on`` lets SDPA use cuDNN's attention, as torch does by default on compute
+capability 9 and 10 (the engine leaves it out since 2026-12-07: TB_ENGINE_CUDNN_ATTENTION); the
+default ``off`` is the engine's way. Both in one device call give the change's effect on training.
 """
 
 from __future__ import annotations
@@ -64,8 +68,12 @@ def main() -> int:
     ap.add_argument("--members", default="", metavar="N,...",
                     help="co-batching instead: forward_backward_group of N models at --batch x --seq each, per N "
                          "(see the docstring)")
+    ap.add_argument("--cudnn-attention", choices=["on", "off"], default="off",
+                    help="SDPA may use cuDNN's attention (torch's default order) or not (the engine's default)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
+    torch.backends.cuda.enable_cudnn_sdp(args.cudnn_attention == "on")
+    print(f"cuDNN attention {args.cudnn_attention}", flush=True)
     w = dict(batch=args.batch, seq=args.seq, rank=32, vocab=evp.MODELS[args.model]["vocab_size"])
     with tempfile.TemporaryDirectory(prefix="tb-prof-") as tmp:
         path = Path(tmp) / "model"
