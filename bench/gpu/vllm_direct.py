@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -40,7 +41,19 @@ import tinker
 from tinker import types
 
 from vllm_prompt_logprobs_probe import server_of
-from vllm_sdk_check import jobs_by_engine, say
+from vllm_sdk_check import jobs_by_engine, metrics_text, say
+
+
+def sample_phases() -> dict[str, tuple[float, int]]:
+    """The API's /metrics: per phase of the sample jobs (queue_wait, engine, total), the seconds summed and the count."""
+    out: dict[str, list[float]] = {}
+    for m in re.finditer(r'^tb_job_duration_seconds_(sum|count)\{([^}]*)\} (\S+)', metrics_text(), re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+        if labels.get("op") != "sample":
+            continue
+        acc = out.setdefault(labels.get("phase", "?"), [0.0, 0])
+        acc[0 if m.group(1) == "sum" else 1] += float(m.group(3))
+    return {k: (v[0], int(v[1])) for k, v in out.items()}
 
 
 def direct_body(model: str, prompt: list[int], max_tokens: int) -> dict:
@@ -53,18 +66,24 @@ def direct_body(model: str, prompt: list[int], max_tokens: int) -> dict:
     }
 
 
-def post(url: str, body: dict) -> int:
-    """One completion; the number of tokens it generated."""
+def post(url: str, body: dict) -> tuple[int, float]:
+    """One completion; the number of tokens it generated and its latency (s)."""
+    t0 = time.perf_counter()
     req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
         out = json.loads(r.read())
-    return len(out["choices"][0]["token_ids"])
+    return len(out["choices"][0]["token_ids"]), time.perf_counter() - t0
+
+
+# Latencies of the direct requests of the timed rounds (s), for the comparison with the broker's phases.
+DIRECT_LATENCIES: list[float] = []
 
 
 def run_direct(pool: ThreadPoolExecutor, url: str, model: str, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
     t0 = time.perf_counter()
-    counts = list(pool.map(lambda p: post(url, direct_body(model, p, max_tokens)), prompts))
-    return sum(counts), time.perf_counter() - t0
+    done = list(pool.map(lambda p: post(url, direct_body(model, p, max_tokens)), prompts))
+    DIRECT_LATENCIES.extend(lat for _, lat in done)
+    return sum(n for n, _ in done), time.perf_counter() - t0
 
 
 def run_broker(client, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
@@ -104,6 +123,8 @@ def main() -> None:
     rows: dict[str, list[float]] = {"broker": [], "direct": []}
     short: list[str] = []
     before = jobs_by_engine()
+    DIRECT_LATENCIES.clear()
+    phases_before = sample_phases()
     for r in range(args.rounds):
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.n)]
         order = ("broker", "direct") if r % 2 == 0 else ("direct", "broker")
@@ -117,6 +138,18 @@ def main() -> None:
         say(f"round {r}: " + "; ".join(line) + f"; broker / direct {rows['broker'][-1] / rows['direct'][-1]:.3f}")
     after = jobs_by_engine()
     jobs = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
+    # Where a broker request's time goes, as means over the timed rounds' sample jobs: queue_wait (the
+    # API stored the job → the agent took it), engine (taken → the agent had vLLM's answer recorded),
+    # against a direct request's latency. What the burst adds beyond these is the client's and the
+    # API's side (sending, the answer's trip back through retrieve_futures).
+    phases_after = sample_phases()
+    phase_ms = {}
+    for k, (total, count) in phases_after.items():
+        t0, c0 = phases_before.get(k, (0.0, 0))
+        if count > c0:
+            phase_ms[k] = round(1000 * (total - t0) / (count - c0), 1)
+    direct_ms = round(1000 * statistics.mean(DIRECT_LATENCIES), 1) if DIRECT_LATENCIES else None
+    say(f"broker sample jobs, mean ms by phase: {phase_ms}; direct requests, mean latency {direct_ms} ms")
     med = {k: statistics.median(v) for k, v in rows.items()}
     summary = {
         "n": args.n, "tokens": args.tokens, "prompt_len": args.prompt_len, "rounds": args.rounds,
@@ -125,6 +158,8 @@ def main() -> None:
         "ratio_of_medians": round(med["broker"] / med["direct"], 3),
         "median_of_round_ratios": round(statistics.median(b / d for b, d in zip(rows["broker"], rows["direct"])), 3),
         "sample_jobs_by_engine": jobs,
+        "broker_phase_mean_ms": phase_ms,
+        "direct_mean_latency_ms": direct_ms,
         "short": short,
     }
     say("SUMMARY " + json.dumps(summary))
