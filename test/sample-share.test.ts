@@ -190,8 +190,13 @@ describe('sample share: BullMQ workers on real Redis', function () {
     void b.worker.close();
     expect(await a.redis.hkeys(names.sampleShare(queueName))).to.deep.equal(['a']);
     await burst(30, 'y');
-    await waitFor('a to take all 30', async () => heldBy('a') === 40 - bHeld + 30, 10_000, 10);
-    expect(heldBy('b')).to.equal(bHeld);
+    // BullMQ's close drops b's blocking fetch, but the drop is asynchronous: a fetch already waiting
+    // when close began may still wake on this burst and take one job (bullmq 6.7 Worker._getNextJob
+    // does not look at `closing` after the wait; CI on a loaded box saw it). b then runs that job
+    // before its close ends, so nothing is lost; every other job is a's, above its old share.
+    await waitFor('all 30 taken, by a but for one that b’s closing fetch may take', async () => heldBy('a') + heldBy('b') === 70, 10_000, 10);
+    expect(heldBy('b') - bHeld).to.be.within(0, 1);
+    expect(heldBy('a')).to.be.at.least(40 - bHeld + 29);
     expect(a.worker.concurrency).to.equal(CONCURRENCY);
   });
 });
