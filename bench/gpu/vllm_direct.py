@@ -75,15 +75,11 @@ def post(url: str, body: dict) -> tuple[int, float]:
     return len(out["choices"][0]["token_ids"]), time.perf_counter() - t0
 
 
-# Latencies of the direct requests of the timed rounds (s), for the comparison with the broker's phases.
-DIRECT_LATENCIES: list[float] = []
-
-
-def run_direct(pool: ThreadPoolExecutor, url: str, model: str, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+def run_direct(pool: ThreadPoolExecutor, url: str, model: str, prompts: list[list[int]], max_tokens: int) -> tuple[int, float, list[float]]:
+    """The tokens generated, the half's wall time, and each request's latency (s)."""
     t0 = time.perf_counter()
     done = list(pool.map(lambda p: post(url, direct_body(model, p, max_tokens)), prompts))
-    DIRECT_LATENCIES.extend(lat for _, lat in done)
-    return sum(n for n, _ in done), time.perf_counter() - t0
+    return sum(n for n, _ in done), time.perf_counter() - t0, [lat for _, lat in done]
 
 
 def run_broker(client, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
@@ -123,14 +119,18 @@ def main() -> None:
     rows: dict[str, list[float]] = {"broker": [], "direct": []}
     short: list[str] = []
     before = jobs_by_engine()
-    DIRECT_LATENCIES.clear()
+    direct_latencies: list[float] = []
     phases_before = sample_phases()
     for r in range(args.rounds):
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.n)]
         order = ("broker", "direct") if r % 2 == 0 else ("direct", "broker")
         line = []
         for way in order:
-            toks, dt = run_broker(client, prompts, args.tokens) if way == "broker" else run_direct(pool, url, served, prompts, args.tokens)
+            if way == "broker":
+                toks, dt = run_broker(client, prompts, args.tokens)
+            else:
+                toks, dt, lats = run_direct(pool, url, served, prompts, args.tokens)
+                direct_latencies += lats
             if toks != want:
                 short.append(f"round {r} {way}: {toks} tokens of {want}")
             rows[way].append(toks / dt)
@@ -148,7 +148,7 @@ def main() -> None:
         t0, c0 = phases_before.get(k, (0.0, 0))
         if count > c0:
             phase_ms[k] = round(1000 * (total - t0) / (count - c0), 1)
-    direct_ms = round(1000 * statistics.mean(DIRECT_LATENCIES), 1) if DIRECT_LATENCIES else None
+    direct_ms = round(1000 * statistics.mean(direct_latencies), 1) if direct_latencies else None
     say(f"broker sample jobs, mean ms by phase: {phase_ms}; direct requests, mean latency {direct_ms} ms")
     med = {k: statistics.median(v) for k, v in rows.items()}
     summary = {
