@@ -1,5 +1,5 @@
 import type { Redis } from 'ioredis';
-import { Completions, handOverExpected, takeKept, type ReadOnceExpiry, type Wake } from '../queues/runtime/completions.js';
+import { Completions, expectSampleEnd, handOverExpected, takeKept, takeKeptSample, type ReadOnceExpiry, type Wake } from '../queues/runtime/completions.js';
 import { decodeJobFailure, failure, outcomeUnknownMessage, recordedFailure, type Failure } from '../queues/contract/errors.js';
 import { decodeRequestId, encodeRequestId, type FutureRef } from '../queues/contract/futures.js';
 import type { OrderingGate } from '../queues/runtime/gate.js';
@@ -129,8 +129,8 @@ export class FutureResolver {
 
   /**
    * The state of a training op handed over a moment ago by this process's agent with no one waiting
-   * here then, as `tenant` sees it: its answer from the record kept here (taken: a second read goes
-   * to Redis), or undefined.
+   * here then, or of a sample submitted here whose end was signalled (expectSample), as `tenant`
+   * sees it: its answer from the record kept here (taken: a second read goes to Redis), or undefined.
    */
   kept(requestId: string, tenant: string): FutureState | undefined {
     const ref = decodeRequestId(requestId);
@@ -138,9 +138,25 @@ export class FutureResolver {
   }
 
   private keptState(ref: FutureRef, tenant: string): FutureState | undefined {
-    if (!ref.queue.startsWith('train-') || !QUEUE_NAME.test(ref.queue) || !JOB_ID.test(ref.jobId)) return undefined;
+    if (!QUEUE_NAME.test(ref.queue) || !JOB_ID.test(ref.jobId)) return undefined;
+    if (ref.queue.startsWith('sample-')) {
+      const record = takeKeptSample(this.names.outcomesChannel(), ref.jobId, tenant);
+      return record === undefined ? undefined : this.answered(ref, Outcome.parse(JSON.parse(record)), Promise.resolve());
+    }
     const kept = takeKept(this.names.outcomesChannel(), ref.jobId, tenant);
     return kept && this.answered(ref, kept.record, kept.written);
+  }
+
+  /**
+   * A sample submitted through this process for `tenant`, whose client learns of its end from the
+   * session poller (retrieve_futures) and then fetches its result: the end's record, when its
+   * signal carries it, is kept here for that fetch (queues/runtime/completions.ts expectSampleEnd),
+   * which then answers without reading Redis. The subscription that hears the signal is made now
+   * if it is not yet.
+   */
+  expectSample(ref: FutureRef, tenant: string): void {
+    expectSampleEnd(this.names.outcomesChannel(), ref.jobId, tenant);
+    this.completions.listen().catch((e) => logger.debug('completion subscription failed', { error: String(e) }));
   }
 
   /** A training op's future: its owner, its outcome, else what keeps it pending or failed, read in one round trip. */

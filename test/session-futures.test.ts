@@ -1,7 +1,7 @@
 import { rmSync } from 'node:fs';
 import { Queue, Worker, type Job } from 'bullmq';
 import { expect } from 'chai';
-import { Completions, signalLocally } from '../queues/runtime/completions.js';
+import { Completions, EXPECTED_SAMPLES_MAX, expectSampleEnd, KEPT_RECORD_MS, KEPT_SAMPLE_BYTES_MAX, keepSampleEnd, keptSampleStats, sampleEndSignal, signalLocally, takeKeptSample } from '../queues/runtime/completions.js';
 import { decodeRequestId } from '../queues/contract/futures.js';
 import { Names, jobIds } from '../queues/contract/names.js';
 import type { AgentRecord, ServedModel } from '../queues/registry/agents.js';
@@ -198,6 +198,96 @@ describe('retrieve_futures (the session poller)', function () {
       const r = await call(s.baseUrl, 'POST', '/retrieve_futures', body);
       expect(r.status, JSON.stringify(r.json)).to.equal(400);
       expect(r.json.error).to.match(/invalid retrieve_futures request/);
+    }
+  });
+
+  it("answers the client's fetch of a sample the poller reported from the end this API was signalled, once, to its tenant only", async () => {
+    const session = await newSamplingSession();
+    const [mine, other] = [await sample(session, 0), await sample(session, 1)];
+    const seen = new Set<string>();
+    while (seen.size < 2) for (const c of ok(await poll(session, 0, { timeout: null })).json.completions) seen.add(c.request_id);
+    const { redis, names, queues } = s.built.ctx;
+    const keysOf = (id: string) => {
+      const ref = decodeRequestId(id)!;
+      return { job: queues.jobKey(ref.queue, ref.jobId), owner: names.futureOwner(id) };
+    };
+    // What Redis holds of the first sample; then nothing: an answer now can only come from this process.
+    const stored = JSON.parse((await redis.hget(keysOf(mine).job, 'returnvalue'))!);
+    expect(stored.sequences).to.have.length(1);
+    await redis.del(keysOf(mine).job, keysOf(mine).owner);
+    // Another tenant's fetch is refused as for an unknown future, and leaves the record to its owner.
+    const stranger = await call(s.baseUrl, 'POST', '/retrieve_future', { request_id: mine }, { key: API_KEY_B });
+    expect(stranger.status).to.equal(404);
+    const answer = ok(await call(s.baseUrl, 'POST', '/retrieve_future', { request_id: mine })).json;
+    expect(answer).to.deep.include({ type: 'sample', sequences: stored.sequences });
+    // Taken by that read: a second one reads Redis, which has nothing left.
+    expect((await call(s.baseUrl, 'POST', '/retrieve_future', { request_id: mine })).status).to.equal(404);
+    // A fetch answered from here still lets the sample's job and owner record leave soon, as a read of Redis does.
+    const before = await redis.pttl(keysOf(other).job);
+    expect(before, 'a finished sample not read yet').to.equal(-1);
+    expect(ok(await call(s.baseUrl, 'POST', '/retrieve_future', { request_id: other })).json.sequences).to.have.length(1);
+    let ttl = -1;
+    for (let i = 0; i < 100 && ttl === -1; i++) {
+      await new Promise((r) => setTimeout(r, 10));
+      ttl = await redis.pttl(keysOf(other).job);
+    }
+    expect(ttl).to.be.within(1, s.built.ctx.config.retentionS * 1000);
+    expect(await redis.pttl(keysOf(other).owner)).to.be.within(1, 300_000);
+  });
+
+  it('keeps sample ends for the first fetch only within their bounds: expected samples, bytes, time', () => {
+    // Synchronous: the stack in this process does nothing meanwhile.
+    const channel = new Names(`${s.prefix}-keptsamples`).outcomesChannel();
+    const t0 = Date.now();
+    const record = (i: number, pad = 0) => JSON.stringify({ state: 'done', op: 'sample', agent_id: 'a', token: 't', at: 'now', result: { i, pad: 'x'.repeat(pad) } });
+    const keep = (jobId: string, r: string, now = t0) => keepSampleEnd(channel, jobId, 'k1', r, now);
+    // Past its time: not answered.
+    keep('s-late', record(1));
+    expect(takeKeptSample(channel, 's-late', 'k1', t0 + KEPT_RECORD_MS)).to.equal(undefined);
+    // Bytes: the oldest record goes once the total passes the bound.
+    const big = Math.floor(KEPT_SAMPLE_BYTES_MAX / 2.5);
+    for (const i of [1, 2, 3]) keep(`s-big-${i}`, record(i, big));
+    expect(keptSampleStats().bytes).to.be.at.most(KEPT_SAMPLE_BYTES_MAX);
+    expect(takeKeptSample(channel, 's-big-1', 'k1', t0), 'the oldest past the bound').to.equal(undefined);
+    expect(takeKeptSample(channel, 's-big-2', 'k2', t0), 'another tenant').to.equal(undefined);
+    expect(JSON.parse(takeKeptSample(channel, 's-big-2', 'k1', t0)!).result.i).to.equal(2);
+    expect(takeKeptSample(channel, 's-big-2', 'k1', t0), 'taken once').to.equal(undefined);
+    expect(JSON.parse(takeKeptSample(channel, 's-big-3', 'k1', t0)!).result.i).to.equal(3);
+    // Expectations: the newest EXPECTED_SAMPLES_MAX; each kept record past its time leaves as the next comes.
+    for (let i = 0; i <= EXPECTED_SAMPLES_MAX; i++) expectSampleEnd(channel, `s-many-${i}`, 'k1', t0);
+    expect(keptSampleStats().expected).to.equal(EXPECTED_SAMPLES_MAX);
+    for (let i = 0; i < 100; i++) keep(`s-old-${i}`, record(i));
+    expect(keptSampleStats().kept).to.be.at.least(100);
+    keep('s-new', record(0), t0 + KEPT_RECORD_MS);
+    expect(keptSampleStats().kept).to.equal(1);
+    expect(takeKeptSample(channel, 's-new', 'k1', t0 + KEPT_RECORD_MS)).to.be.a('string');
+    expect(keptSampleStats()).to.deep.include({ kept: 0, bytes: 0 });
+  });
+
+  it("keeps no sample end its client's retrieve_future waited for, and none of a sample submitted elsewhere", async () => {
+    const { names } = s.built.ctx;
+    const channel = names.outcomesChannel();
+    const c = new Completions(() => new Redis(REDIS_URL), names);
+    try {
+      const end = (jobId: string) => sampleEndSignal(names, jobId, 'agent-x', { state: 'done', result: { sequences: [] } })[1];
+      // Submitted elsewhere (no expectation here): not kept.
+      c.deliver(end('s-elsewhere-1'));
+      expect(takeKeptSample(channel, 's-elsewhere-1', 'k1')).to.equal(undefined);
+      // Its tenant's retrieve_future waits here: woken with the record, nothing kept.
+      expectSampleEnd(channel, 's-waited-1', 'k1');
+      const w = await c.watch({ queue: 'sample-x', jobId: 's-waited-1' }, 'k1');
+      c.deliver(end('s-waited-1'));
+      expect((await w.woken).record).to.be.a('string');
+      w.cancel();
+      expect(takeKeptSample(channel, 's-waited-1', 'k1')).to.equal(undefined);
+      // Another tenant's waits: the owner's record is kept.
+      expectSampleEnd(channel, 's-stranger-1', 'k1');
+      const x = await c.watch({ queue: 'sample-x', jobId: 's-stranger-1' }, 'k2');
+      c.deliver(end('s-stranger-1'));
+      x.cancel();
+      expect(JSON.parse(takeKeptSample(channel, 's-stranger-1', 'k1')!)).to.deep.include({ state: 'done', op: 'sample' });
+    } finally {
+      await c.close();
     }
   });
 

@@ -187,6 +187,10 @@ export async function sample(ctx: ApiContext, req: Request, body: Body): Promise
   // every sample with retrieve_future, and nothing would read the record.
   const ref = { id: jobId, queue, sampling_session_id: sessionId, seq_id: seqId ?? -1 };
   const tracked = ctx.config.sampleRetrieveFutures ? trackPendingSample(ctx.redis, ctx.names, ref, ctx.config.retentionS) : Promise.resolve();
+  // Its end, signalled to this process, is kept for the client's fetch of the result after the
+  // poller reports it (api/futures.ts expectSample). Before the submit, so an end that comes
+  // first is not missed; a request refused below leaves an expectation no end will meet (it ages out).
+  if (ctx.config.sampleRetrieveFutures) ctx.futures.expectSample({ queue, jobId }, tenantOf(req));
   // One round trip: the job queued (unless the queue is full), its owner recorded, the session's
   // lifetime restarted (a sampling client in use does not expire: a teacher's may sample for days).
   // A (sampling session, seq_id) names one request: a replay with another payload would silently

@@ -176,6 +176,81 @@ export function takeKept(channel: string, jobId: string, tenant: string, now = D
   return k.until > now ? { record: k.record, written: k.written } : undefined;
 }
 
+/**
+ * Samples submitted through this process while their clients poll retrieve_futures (the SDK's
+ * session poller reports a sample's end, then the client fetches its result with retrieve_future).
+ * By `<channel> <job id>`, the tenant its future was issued to; the newest EXPECTED_SAMPLES_MAX
+ * (an older one forgotten is read from Redis, as without this). When one's end comes with its
+ * record (`Completions.deliver`: the agent sends it once BullMQ has recorded the end, so Redis
+ * holds the same) and no retrieve_future of its tenant waits here for it, the record is kept for
+ * the first read of its future here (`takeKeptSample`), for at most KEPT_RECORD_MS, within
+ * KEPT_SAMPLE_BYTES_MAX of records in all (the oldest go first): that read answers without the
+ * state script's round trip.
+ */
+const expectedSamples = new Map<string, string>();
+const keptSamples = new Map<string, { tenant: string; record: string; until: number }>();
+let keptSampleBytes = 0;
+export const EXPECTED_SAMPLES_MAX = 16_384;
+export const KEPT_SAMPLE_BYTES_MAX = 32 * 1024 * 1024;
+
+/** A sample submitted here by `tenant`, whose result its client will fetch after the session poller reports its end. */
+export function expectSampleEnd(channel: string, jobId: string, tenant: string, now = Date.now()): void {
+  const key = `${channel} ${jobId}`;
+  expectedSamples.delete(key);
+  expectedSamples.set(key, tenant);
+  if (expectedSamples.size > EXPECTED_SAMPLES_MAX) expectedSamples.delete(expectedSamples.keys().next().value!);
+  sweepKeptSamples(now);
+}
+
+/** The tenant of a sample submitted here whose end is expected (expectSampleEnd); it is then expected no longer. */
+function takeExpectedSample(channel: string, jobId: string): string | undefined {
+  const key = `${channel} ${jobId}`;
+  const tenant = expectedSamples.get(key);
+  expectedSamples.delete(key);
+  return tenant;
+}
+
+/** Keeps a signalled sample end's record (JSON) for the first read of its future here by `tenant`. */
+export function keepSampleEnd(channel: string, jobId: string, tenant: string, record: string, now = Date.now()): void {
+  const key = `${channel} ${jobId}`;
+  dropKeptSample(key);
+  keptSamples.set(key, { tenant, record, until: now + KEPT_RECORD_MS });
+  keptSampleBytes += record.length;
+  sweepKeptSamples(now);
+}
+
+/** The kept sample records past their time, and the oldest beyond KEPT_SAMPLE_BYTES_MAX, leave. */
+function sweepKeptSamples(now: number): void {
+  for (const [k, v] of keptSamples) {
+    if (keptSampleBytes <= KEPT_SAMPLE_BYTES_MAX && v.until > now) break;
+    dropKeptSample(k);
+  }
+}
+
+function dropKeptSample(key: string): void {
+  const k = keptSamples.get(key);
+  if (!k) return;
+  keptSamples.delete(key);
+  keptSampleBytes -= k.record.length;
+}
+
+/**
+ * The final record (JSON) of a sample submitted here, for the first read of its future, when
+ * `tenant` is the one its future was issued to (it is then no longer kept).
+ */
+export function takeKeptSample(channel: string, jobId: string, tenant: string, now = Date.now()): string | undefined {
+  const key = `${channel} ${jobId}`;
+  const k = keptSamples.get(key);
+  if (!k || k.tenant !== tenant) return undefined;
+  dropKeptSample(key);
+  return k.until > now ? k.record : undefined;
+}
+
+/** What this process keeps of sample ends: expected ends, records kept, and their bytes (record lengths). */
+export function keptSampleStats(): { expected: number; kept: number; bytes: number } {
+  return { expected: expectedSamples.size, kept: keptSamples.size, bytes: keptSampleBytes };
+}
+
 export class Completions {
   private subscriber: Promise<Redis> | null = null;
   private readonly waiters = new Map<string, Set<{ wake: (w: Wake) => void; expiry?: ReadOnceExpiry | undefined; tenant: string }>>();
@@ -197,7 +272,13 @@ export class Completions {
     const sp = msg.indexOf(' ');
     const jobId = sp === -1 ? msg : msg.slice(0, sp);
     if (sp === -1) this.wakeAll(msg);
-    else this.wakeAll(jobId, msg.slice(sp + 1));
+    else {
+      const record = msg.slice(sp + 1);
+      const channel = this.names.outcomesChannel();
+      // A sample submitted here: its record is kept for its client's fetch, unless that client's retrieve_future waits here now.
+      const tenant = expectedSamples.size > 0 ? takeExpectedSample(channel, jobId) : undefined;
+      if (this.wakeAll(jobId, record, undefined, tenant).owners === 0 && tenant !== undefined) keepSampleEnd(channel, jobId, tenant, record);
+    }
     if (!local && this.sessionWaiters.size > 0) this.wakeSession(jobId);
   }
 
@@ -247,6 +328,11 @@ export class Completions {
       w.wake({ ...(record !== undefined ? { record } : {}), expiryTaken: taken });
     }
     return { woken: set.size, owners };
+  }
+
+  /** Resolves once this process's subscription is made (it is made once, on first need). */
+  async listen(): Promise<void> {
+    await this.subscribe();
   }
 
   private subscribe(): Promise<Redis> {
