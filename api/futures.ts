@@ -1,5 +1,5 @@
 import type { Redis } from 'ioredis';
-import { Completions, expectSampleEnd, handOverExpected, takeKept, takeKeptSample, type ReadOnceExpiry, type Wake } from '../queues/runtime/completions.js';
+import { Completions, expectedSampleTenant, expectSampleEnd, forgetExpectedSample, handOverExpected, takeKept, takeKeptSample, type ReadOnceExpiry, type Wake } from '../queues/runtime/completions.js';
 import { decodeJobFailure, failure, outcomeUnknownMessage, recordedFailure, type Failure } from '../queues/contract/errors.js';
 import { decodeRequestId, encodeRequestId, type FutureRef } from '../queues/contract/futures.js';
 import type { OrderingGate } from '../queues/runtime/gate.js';
@@ -55,6 +55,13 @@ export type FutureState =
 
 /** Clients whose reconcile scan position one process keeps (FutureResolver.reconcile); the oldest is forgotten first. */
 const RECONCILE_CURSORS_MAX = 10_000;
+
+/**
+ * How long a retrieve_future of a sample submitted through this process waits for its end's signal
+ * before it reads the sample's state (api/futures.ts retrieve): a job that ends without a signal (its
+ * agent died) is answered this late at most.
+ */
+export const EXPECTED_SAMPLE_READ_MS = 2_000;
 
 /** How long a read-once expiry given without a read of Redis waits for others to go with it (FutureResolver.expireLater). */
 export const EXPIRY_BATCH_MS = 20;
@@ -148,15 +155,27 @@ export class FutureResolver {
   }
 
   /**
-   * A sample submitted through this process for `tenant`, whose client learns of its end from the
-   * session poller (retrieve_futures) and then fetches its result: the end's record, when its
-   * signal carries it, is kept here for that fetch (queues/runtime/completions.ts expectSampleEnd),
-   * which then answers without reading Redis. The subscription that hears the signal is made now
-   * if it is not yet.
+   * A sample about to be submitted through this process for `tenant` (before its submit, so its end
+   * cannot come first). Its end's signal reaches this process (while the subscription is live:
+   * queues/runtime/completions.ts expectSampleEnd), so until then a retrieve_future of it here
+   * need not read its state first (`retrieve`); and when the client fetches its result only after
+   * its end (the session poller, retrieve_futures), the end's record, when the signal carries it,
+   * is kept here for that fetch. Either answers without reading Redis. Without a live
+   * subscription nothing is expected (it is made now for the next ones).
    */
   expectSample(ref: FutureRef, tenant: string): void {
-    expectSampleEnd(this.names.outcomesChannel(), ref.jobId, tenant);
-    this.completions.listen().catch((e) => logger.debug('completion subscription failed', { error: String(e) }));
+    if (this.completions.live) expectSampleEnd(this.names.outcomesChannel(), ref.jobId, tenant);
+    else this.completions.listen().catch((e) => logger.debug('completion subscription failed', { error: String(e) }));
+  }
+
+  /** The sample's submit did not queue a new job (a replay, a full queue, a conflict): no end of it is expected here. */
+  unexpectSample(ref: FutureRef): void {
+    forgetExpectedSample(this.names.outcomesChannel(), ref.jobId);
+  }
+
+  /** A sample submitted here by `tenant` whose end has not been signalled here yet. */
+  private expectingSample(ref: FutureRef, tenant: string): boolean {
+    return ref.queue.startsWith('sample-') && expectedSampleTenant(this.names.outcomesChannel(), ref.jobId) === tenant;
   }
 
   /** A training op's future: its owner, its outcome, else what keeps it pending or failed, read in one round trip. */
@@ -327,20 +346,31 @@ export class FutureResolver {
     // future's signal comes on one subscription, made once per process.
     const { woken, owns, cancel } = await this.completions.watch(ref, tenant);
     let timer: NodeJS.Timeout | undefined;
+    const aborted = new Promise<undefined>((resolve) => signal?.addEventListener('abort', () => resolve(undefined), { once: true }));
+    let waited = 0;
     try {
+      // A sample this tenant submitted here that has not ended (its end is signalled here): its
+      // signal answers, with no read first. A job that ends with no signal (its agent died) is read
+      // after EXPECTED_SAMPLE_READ_MS.
+      if (this.expectingSample(ref, tenant)) {
+        waited = Math.min(timeoutMs, EXPECTED_SAMPLE_READ_MS);
+        const first = await Promise.race([woken, new Promise<undefined>((resolve) => (timer = setTimeout(() => resolve(undefined), waited))), aborted]);
+        clearTimeout(timer);
+        if (first) return this.signalled(ref, first) ?? (await this.state(ref, tenant));
+        if (waited >= timeoutMs || signal?.aborted) return await this.state(ref, tenant);
+      }
       const second = await this.state(ref, tenant);
       if (second.kind !== 'pending') return second;
       // Pending for this tenant: its future. A hand-over from now on applies the read-once expiry
       // with the record (one woken before this answers from the signal and applies it itself).
       owns(this.onceRead(ref));
       // An op held behind a gap wakes at the gap's deadline, when it may have failed.
-      let wait = timeoutMs;
+      let wait = timeoutMs - waited;
       if (second.heldModel) {
         const deadline = await this.gate.gapDeadline(second.heldModel);
         if (deadline !== null) wait = Math.max(10, Math.min(timeoutMs, deadline - Date.now() + 50));
       }
       const timeout = new Promise<undefined>((resolve) => (timer = setTimeout(() => resolve(undefined), wait)));
-      const aborted = new Promise<undefined>((resolve) => signal?.addEventListener('abort', () => resolve(undefined), { once: true }));
       const wake = await Promise.race([woken, timeout, aborted]);
       return this.signalled(ref, wake) ?? (await this.state(ref, tenant));
     } finally {

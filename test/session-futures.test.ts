@@ -1,7 +1,7 @@
 import { rmSync } from 'node:fs';
 import { Queue, Worker, type Job } from 'bullmq';
 import { expect } from 'chai';
-import { Completions, EXPECTED_SAMPLES_MAX, expectSampleEnd, KEPT_RECORD_MS, KEPT_SAMPLE_BYTES_MAX, keepSampleEnd, keptSampleStats, sampleEndSignal, signalLocally, takeKeptSample } from '../queues/runtime/completions.js';
+import { Completions, EXPECTED_SAMPLES_MAX, expectedSampleTenant, expectSampleEnd, KEPT_RECORD_MS, KEPT_SAMPLE_BYTES_MAX, keepSampleEnd, keptSampleStats, sampleEndSignal, signalLocally, takeKeptSample } from '../queues/runtime/completions.js';
 import { decodeRequestId } from '../queues/contract/futures.js';
 import { Names, jobIds } from '../queues/contract/names.js';
 import type { AgentRecord, ServedModel } from '../queues/registry/agents.js';
@@ -23,7 +23,8 @@ import {
   type SessionEnd,
 } from '../queues/runtime/session-futures.js';
 import { TINY_MODEL_ALIAS } from '../scripts/stack.js';
-import { API_KEY_B, awaitFuture, call, deletePrefix, REDIS_URL, startStack, type HttpReply, type TestStack } from './helpers/stack.js';
+import { API_KEY, API_KEY_B, awaitFuture, call, deletePrefix, REDIS_URL, startStack, type HttpReply, type TestStack } from './helpers/stack.js';
+import { tenantId } from '../api/auth.js';
 import { Redis } from 'ioredis';
 
 /**
@@ -371,6 +372,18 @@ describe('retrieve_futures (the session poller)', function () {
     });
   });
 
+  it('answers a waiting retrieve_future of a sample submitted here that ended with no signal (its agent died) once it reads the state, well within its window', async () => {
+    const session = await newSamplingSession();
+    await withGhostSampler(s, await tinyModel(), async (ghost) => {
+      const id = await sample(session, 0);
+      const job = await ghost.take();
+      // A window longer than this test may run: the answer must come from the bounded read, not the window's end.
+      const waiting = s.built.ctx.futures.retrieve(id, tenantId(API_KEY), 3_600_000);
+      await job.moveToCompleted(RESULT, ghost.token, false);
+      expect(await waiting).to.deep.include({ kind: 'done', result: RESULT });
+    });
+  });
+
   it('reports a sample whose job was removed as the unknown future retrieve_future answers', async () => {
     const session = await newSamplingSession();
     await withGhostSampler(s, await tinyModel(), async (ghost) => {
@@ -459,6 +472,42 @@ describe('retrieve_futures (the session poller)', function () {
     const quiet = ok(await poll(session, page.cursor)).json;
     expect(quiet).to.deep.equal({ completions: [], cursor: page.cursor });
     expect(await redis.scard(keys.pending)).to.equal(before - SESSION_RECONCILE_BATCH);
+  });
+});
+
+describe('expected sample ends and the subscription (real Redis)', function () {
+  this.timeout(60_000);
+  it('forgets every expectation when the subscription breaks, and expects again once subscribed again', async () => {
+    const names = new Names(`test-live-${Date.now()}`);
+    const channel = names.outcomesChannel();
+    let conn: Redis | undefined;
+    const publisher = new Redis(REDIS_URL);
+    const c = new Completions(() => (conn = new Redis(REDIS_URL)), names);
+    const until = async (what: () => boolean) => {
+      for (let i = 0; i < 500 && !what(); i++) await new Promise((r) => setTimeout(r, 10));
+      expect(what()).to.equal(true);
+    };
+    try {
+      expect(c.live, 'not subscribed yet').to.equal(false);
+      await c.listen();
+      expect(c.live).to.equal(true);
+      expectSampleEnd(channel, 's-live-1', 'k1');
+      expect(expectedSampleTenant(channel, 's-live-1')).to.equal('k1');
+      // The network drops the subscriber's connection: signals sent until it is back are lost.
+      conn!.stream.destroy();
+      await until(() => !c.live);
+      expect(expectedSampleTenant(channel, 's-live-1'), 'its end may never be heard').to.equal(undefined);
+      // ioredis reconnects; the subscription is made again, and a signal reaches a waiter.
+      await until(() => c.live);
+      const w = await c.watch({ queue: 'sample-x', jobId: 's-live-2' }, 'k1');
+      await publisher.publish(channel, sampleEndSignal(names, 's-live-2', 'agent-x', { state: 'done', result: { sequences: [] } })[1]);
+      expect((await w.woken).record).to.be.a('string');
+      w.cancel();
+    } finally {
+      await c.close();
+      conn?.disconnect();
+      publisher.disconnect();
+    }
   });
 });
 

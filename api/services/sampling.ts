@@ -187,10 +187,10 @@ export async function sample(ctx: ApiContext, req: Request, body: Body): Promise
   // every sample with retrieve_future, and nothing would read the record.
   const ref = { id: jobId, queue, sampling_session_id: sessionId, seq_id: seqId ?? -1 };
   const tracked = ctx.config.sampleRetrieveFutures ? trackPendingSample(ctx.redis, ctx.names, ref, ctx.config.retentionS) : Promise.resolve();
-  // Its end, signalled to this process, is kept for the client's fetch of the result after the
-  // poller reports it (api/futures.ts expectSample). Before the submit, so an end that comes
-  // first is not missed; a request refused below leaves an expectation no end will meet (it ages out).
-  if (ctx.config.sampleRetrieveFutures) ctx.futures.expectSample({ queue, jobId }, tenantOf(req));
+  // Its end is signalled to this process: its retrieve_future here waits for that without reading
+  // its state first, and a fetch after the end answers from the record kept (api/futures.ts
+  // expectSample). Before the submit, so an end that comes first is not missed.
+  ctx.futures.expectSample({ queue, jobId }, tenantOf(req));
   // One round trip: the job queued (unless the queue is full), its owner recorded, the session's
   // lifetime restarted (a sampling client in use does not expire: a teacher's may sample for days).
   // A (sampling session, seq_id) names one request: a replay with another payload would silently
@@ -204,7 +204,12 @@ export async function sample(ctx: ApiContext, req: Request, body: Body): Promise
     session: body.sampling_session_id ? { key: ctx.names.samplingSession(sessionId), ttlS: ctx.config.retentionS } : null,
   });
   // Either failing fails the request: the client's retry is a replay, tracked again.
-  const [admitted] = await Promise.all([submitted, tracked]);
+  const [admitted] = await Promise.all([submitted, tracked]).catch((e: unknown) => {
+    ctx.futures.unexpectSample({ queue, jobId });
+    throw e;
+  });
+  // No new job (a replay's may have ended already, and no end comes for a refused one).
+  if (admitted !== 'queued') ctx.futures.unexpectSample({ queue, jobId });
   if (admitted === 'full') {
     if (ctx.config.sampleRetrieveFutures) await untrackPendingSample(ctx.redis, ctx.names, ref);
     throw new BrokerError('OVERLOADED', `sampling queue of ${session.base_model} is full; retry shortly`);

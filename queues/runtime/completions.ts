@@ -210,6 +210,22 @@ function takeExpectedSample(channel: string, jobId: string): string | undefined 
   return tenant;
 }
 
+/** The tenant of a sample submitted here whose end has not been signalled here yet (expectSampleEnd), if it is one. */
+export function expectedSampleTenant(channel: string, jobId: string): string | undefined {
+  return expectedSamples.get(`${channel} ${jobId}`);
+}
+
+/** A sample submitted here will not end as expected (refused, or its end may come while no signal can): forgotten. */
+export function forgetExpectedSample(channel: string, jobId: string): void {
+  expectedSamples.delete(`${channel} ${jobId}`);
+}
+
+/** Every expectation on `channel` is forgotten: its subscription broke, so their ends' signals may be lost. */
+function forgetExpectedSamples(channel: string): void {
+  const prefix = `${channel} `;
+  for (const k of expectedSamples.keys()) if (k.startsWith(prefix)) expectedSamples.delete(k);
+}
+
 /** Keeps a signalled sample end's record (JSON) for the first read of its future here by `tenant`. */
 export function keepSampleEnd(channel: string, jobId: string, tenant: string, record: string, now = Date.now()): void {
   const key = `${channel} ${jobId}`;
@@ -271,8 +287,11 @@ export class Completions {
   deliver(msg: string, local = false): void {
     const sp = msg.indexOf(' ');
     const jobId = sp === -1 ? msg : msg.slice(0, sp);
-    if (sp === -1) this.wakeAll(msg);
-    else {
+    if (sp === -1) {
+      // An end too large to travel: nothing kept, the future is read from Redis.
+      if (expectedSamples.size > 0) forgetExpectedSample(this.names.outcomesChannel(), msg);
+      this.wakeAll(msg);
+    } else {
       const record = msg.slice(sp + 1);
       const channel = this.names.outcomesChannel();
       // A sample submitted here: its record is kept for its client's fetch, unless that client's retrieve_future waits here now.
@@ -335,13 +354,33 @@ export class Completions {
     await this.subscribe();
   }
 
+  /**
+   * Whether the subscription is made and has not broken since: every signal sent from now on
+   * reaches this process (the condition for expecting a sample's end, expectSampleEnd). When its
+   * connection closes, the signals sent until it is subscribed again are lost: the expectations on
+   * its channel are forgotten, and none is made until the subscription is made again.
+   */
+  get live(): boolean {
+    return this.subscribed;
+  }
+  private subscribed = false;
+
   private subscribe(): Promise<Redis> {
     if (!this.subscriber) {
       const p = (async () => {
         const c = this.blockingConnection();
         c.on('message', (_channel: string, msg: string) => this.deliver(msg));
         const channel = this.names.outcomesChannel();
+        c.on('close', () => {
+          this.subscribed = false;
+          forgetExpectedSamples(channel);
+        });
+        // ioredis subscribes again after a reconnect; the answer to a subscribe of our own says when that is done.
+        c.on('ready', () => {
+          if (!this.subscribed && this.subscriber === p) c.subscribe(channel).then(() => (this.subscribed = this.subscriber === p), () => undefined);
+        });
         await c.subscribe(channel);
+        this.subscribed = true;
         const mine = local.get(channel) ?? new Set();
         mine.add(this);
         local.set(channel, mine);
@@ -384,6 +423,7 @@ export class Completions {
   async close(): Promise<void> {
     const sub = this.subscriber;
     this.subscriber = null;
+    this.subscribed = false;
     const channel = this.names.outcomesChannel();
     local.get(channel)?.delete(this);
     if (local.get(channel)?.size === 0) local.delete(channel);
