@@ -177,15 +177,16 @@ export function takeKept(channel: string, jobId: string, tenant: string, now = D
 }
 
 /**
- * Samples submitted through this process while their clients poll retrieve_futures (the SDK's
- * session poller reports a sample's end, then the client fetches its result with retrieve_future).
- * By `<channel> <job id>`, the tenant its future was issued to; the newest EXPECTED_SAMPLES_MAX
- * (an older one forgotten is read from Redis, as without this). When one's end comes with its
- * record (`Completions.deliver`: the agent sends it once BullMQ has recorded the end, so Redis
- * holds the same) and no retrieve_future of its tenant waits here for it, the record is kept for
- * the first read of its future here (`takeKeptSample`), for at most KEPT_RECORD_MS, within
- * KEPT_SAMPLE_BYTES_MAX of records in all (the oldest go first): that read answers without the
- * state script's round trip.
+ * Samples submitted through this process whose ends have not been signalled here yet (api/futures.ts
+ * expectSample: a retrieve_future of one, here, for its tenant, waits for the signal without reading
+ * its state first). By `<channel> <job id>`, the tenant its future was issued to; the newest
+ * EXPECTED_SAMPLES_MAX (an older one forgotten is read from Redis, as without this). When one's end
+ * comes with its record (`Completions.deliver`: the agent sends it once BullMQ has recorded the end,
+ * so Redis holds the same) and no retrieve_future of its tenant waits here for it (the SDK's session
+ * poller reports the end first, then the client fetches the result; or the client is late), the
+ * record is kept for the first read of its future here (`takeKeptSample`), for at most
+ * KEPT_RECORD_MS, within KEPT_SAMPLE_BYTES_MAX of records in all (the oldest go first): that read
+ * answers without the state script's round trip.
  */
 const expectedSamples = new Map<string, string>();
 const keptSamples = new Map<string, { tenant: string; record: string; until: number }>();
@@ -193,7 +194,7 @@ let keptSampleBytes = 0;
 export const EXPECTED_SAMPLES_MAX = 16_384;
 export const KEPT_SAMPLE_BYTES_MAX = 32 * 1024 * 1024;
 
-/** A sample submitted here by `tenant`, whose result its client will fetch after the session poller reports its end. */
+/** A sample about to be submitted here by `tenant`: its end is expected here (call it only while a subscription on `channel` is live). */
 export function expectSampleEnd(channel: string, jobId: string, tenant: string, now = Date.now()): void {
   const key = `${channel} ${jobId}`;
   expectedSamples.delete(key);
